@@ -1,0 +1,11 @@
+"""minddp: a readable DistributedDataParallel, built from scratch.
+
+The path of a gradient: ``minddp/ddp.py`` (hooks, forward, no_sync) ->
+``minddp/buckets.py`` (flat buckets and their life cycle) ->
+``minddp/comm_hooks.py`` (what a bucket's communication is).
+"""
+
+from minddp.launch import distributed, init_distributed, spawn
+
+__all__ = ["distributed", "init_distributed", "spawn"]
+__version__ = "0.1.0"

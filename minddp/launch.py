@@ -1,0 +1,255 @@
+"""Start a process group from whatever launched this process.
+
+Every launcher tells a process three things: who am I (global rank), how many
+of us are there (world size), and where do we meet (master address and port).
+They just spell it differently:
+
+============  ======================  ===================  ====================
+launcher      rank                    world size           local rank
+============  ======================  ===================  ====================
+torchrun      ``RANK``                ``WORLD_SIZE``       ``LOCAL_RANK``
+SLURM srun    ``SLURM_PROCID``        ``SLURM_NTASKS``     ``SLURM_LOCALID``
+OpenMPI       ``OMPI_COMM_WORLD_RANK``  ``..._SIZE``       ``..._LOCAL_RANK``
+mp.spawn      the function argument   you pass it          = rank (one machine)
+============  ======================  ===================  ====================
+
+torchrun also sets ``MASTER_ADDR``/``MASTER_PORT``. Under SLURM the master is
+the first host of ``SLURM_NODELIST`` (a compressed list such as
+``gpu[01-03,07]``); under OpenMPI it must be exported by the user
+(``mpirun -x MASTER_ADDR -x MASTER_PORT``) because OpenMPI has no such notion.
+
+:func:`detect_launch` only reads an environment mapping, so it is tested
+without any process group. :func:`distributed` is the context manager a
+training script wraps itself in; it always destroys the group, also when the
+body raises, so a crashed rank does not leave sockets and threads behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "LaunchInfo",
+    "detect_launch",
+    "parse_slurm_nodelist",
+    "init_distributed",
+    "distributed",
+    "find_free_port",
+    "spawn",
+]
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm", "openmpi" or "explicit"
+
+
+def parse_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed host list: ``"gpu[01-03,07],cpu1"`` ->
+    ``["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]``.
+
+    Zero padding is kept (``[08-10]`` -> ``08, 09, 10``). Only one bracket
+    group per host name is supported, which is what SLURM prints.
+    """
+    hosts: list[str] = []
+    # Split on commas that are not inside brackets.
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        item = item.strip()
+        if not item:
+            continue
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if match is None:
+            hosts.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                width = len(lo)
+                for n in range(int(lo), int(hi) + 1):
+                    hosts.append(f"{prefix}{n:0{width}d}{suffix}")
+            else:
+                hosts.append(f"{prefix}{part}{suffix}")
+    if not hosts:
+        raise ValueError(f"SLURM node list {nodelist!r} names no host")
+    return hosts
+
+
+def _require(env: Mapping[str, str], launcher: str, names: list[str]) -> dict[str, str]:
+    missing = [n for n in names if n not in env]
+    if missing:
+        raise RuntimeError(
+            f"this looks like a {launcher} launch, but the environment lacks "
+            f"{', '.join(missing)}; set {'them' if len(missing) > 1 else 'it'} "
+            "or start the processes through minddp.launch.spawn"
+        )
+    return {n: env[n] for n in names}
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Read rank, world size, local rank and master from the environment.
+
+    Checked in order: torchrun (``RANK`` or ``TORCHELASTIC_RUN_ID``), SLURM
+    (``SLURM_PROCID``), OpenMPI (``OMPI_COMM_WORLD_RANK``). Raises
+    ``RuntimeError`` naming the missing variables when a launcher is
+    recognised but incomplete, and when none is recognised at all.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env or "TORCHELASTIC_RUN_ID" in env:
+        v = _require(env, "torchrun", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])
+        return LaunchInfo(
+            rank=int(v["RANK"]),
+            world_size=int(v["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", v["RANK"])),
+            master_addr=v["MASTER_ADDR"],
+            master_port=int(v["MASTER_PORT"]),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env:
+        v = _require(env, "SLURM", ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"])
+        if "MASTER_ADDR" in env:
+            master = env["MASTER_ADDR"]
+        else:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            if nodelist is None:
+                raise RuntimeError(
+                    "this looks like a SLURM launch, but neither MASTER_ADDR nor "
+                    "SLURM_NODELIST/SLURM_JOB_NODELIST is set, so the master is unknown"
+                )
+            master = parse_slurm_nodelist(nodelist)[0]
+        return LaunchInfo(
+            rank=int(v["SLURM_PROCID"]),
+            world_size=int(v["SLURM_NTASKS"]),
+            local_rank=int(v["SLURM_LOCALID"]),
+            master_addr=master,
+            master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            launcher="slurm",
+        )
+    if "OMPI_COMM_WORLD_RANK" in env:
+        v = _require(
+            env,
+            "OpenMPI",
+            ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_ADDR"],
+        )
+        return LaunchInfo(
+            rank=int(v["OMPI_COMM_WORLD_RANK"]),
+            world_size=int(v["OMPI_COMM_WORLD_SIZE"]),
+            local_rank=int(v["OMPI_COMM_WORLD_LOCAL_RANK"]),
+            master_addr=v["MASTER_ADDR"],
+            master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            launcher="openmpi",
+        )
+    raise RuntimeError(
+        "no launcher found: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+        "(torchrun does), run under srun or mpirun, or pass rank and world_size "
+        "explicitly (minddp.launch.spawn does)"
+    )
+
+
+def default_backend() -> str:
+    """NCCL where CUDA is available (the fast path for GPUs), else Gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout_s: float = 600.0,
+    env: Mapping[str, str] | None = None,
+) -> LaunchInfo:
+    """Initialise the default process group and return where we are in it.
+
+    With ``rank`` and ``world_size`` given (``mp.spawn``), the master is
+    ``MASTER_ADDR``/``MASTER_PORT`` from the environment or
+    ``localhost:29500``. Otherwise the launcher is read by
+    :func:`detect_launch`. On CUDA the current device is set to the local
+    rank *before* the group starts, so NCCL binds each rank to its own GPU.
+    """
+    env = os.environ if env is None else env
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"pass rank and world_size together, got rank={rank}, world_size={world_size}")
+    if rank is not None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        info = LaunchInfo(
+            rank=rank,
+            world_size=world_size,
+            local_rank=int(env.get("LOCAL_RANK", rank)),
+            master_addr=env.get("MASTER_ADDR", "localhost"),
+            master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            launcher="explicit",
+        )
+    else:
+        info = detect_launch(env)
+    backend = backend or default_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return info
+
+
+@contextlib.contextmanager
+def distributed(backend: str | None = None, **kwargs) -> Iterator[LaunchInfo]:
+    """``with distributed() as info:`` -- a process group that is always destroyed."""
+    info = init_distributed(backend, **kwargs)
+    try:
+        yield info
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def find_free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(local_rank: int, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    with distributed(backend, rank=local_rank, world_size=world_size):
+        fn(local_rank, world_size, *args)
+
+
+def spawn(fn: Callable, world_size: int, *args, backend: str | None = None) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes,
+    each inside an initialised process group on a free port.
+
+    Built on ``torch.multiprocessing.spawn``: if one rank raises, the others
+    are terminated and the first traceback is raised here. ``fn`` must be
+    importable by name (defined at module level), as for any spawn.
+    """
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    port = find_free_port()
+    mp.spawn(_spawn_entry, args=(fn, world_size, port, backend, args), nprocs=world_size, join=True)
