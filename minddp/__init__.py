@@ -5,7 +5,9 @@ The path of a gradient: ``minddp/ddp.py`` (hooks, forward, no_sync) ->
 ``minddp/comm_hooks.py`` (what a bucket's communication is).
 """
 
+from minddp.ddp import MiniDDP
 from minddp.launch import distributed, init_distributed, spawn
+from minddp.sampler import DistributedSampler
 
-__all__ = ["distributed", "init_distributed", "spawn"]
+__all__ = ["MiniDDP", "distributed", "init_distributed", "spawn"]
 __version__ = "0.1.0"

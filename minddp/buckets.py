@@ -1,0 +1,187 @@
+"""Gradient buckets: which parameters travel together, and one bucket's life cycle.
+
+Why buckets at all? One all-reduce per parameter pays the collective's fixed
+latency hundreds of times per step; one all-reduce of every gradient at the
+end cannot start before backward is over, so nothing overlaps. A bucket is
+the middle ground: a flat buffer holding the gradients of a few parameters,
+all-reduced as soon as its last gradient is in, while autograd goes on
+computing the gradients of earlier layers.
+
+Two pieces live here:
+
+* :func:`assign_buckets`, a pure function from parameter sizes to groups of
+  indices. Every rank calls it on the same model and gets the same answer,
+  which is what keeps collectives matched across ranks.
+* :class:`Bucket`, the flat buffer plus its life cycle::
+
+      reset() ─> mark_ready(p) ... mark_ready(p) ─> launch(comm) ─> wait() ─> reset()
+                 (one per parameter; the last one       (async)      (result in
+                  makes the bucket ready)                             buffer)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["TensorSpec", "assign_buckets", "Bucket", "MiB"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What bucketing needs to know about a parameter: size and where it lives."""
+
+    numel: int
+    element_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        return cls(t.numel(), t.element_size(), t.dtype, t.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+
+def assign_buckets(
+    specs: Sequence[TensorSpec], cap_bytes: int, first_cap_bytes: int | None = None
+) -> list[list[int]]:
+    """Group tensor indices into buckets of at most ``cap_bytes`` each.
+
+    ``specs`` come in the order gradients are expected to arrive (MiniDDP
+    passes the parameters in *reverse* registration order: the last layer's
+    gradient is computed first). Rules:
+
+    * a bucket holds one dtype on one device (it is a single flat tensor), so
+      each (dtype, device) pair fills its own open bucket;
+    * a tensor joins the open bucket unless that would pass the cap; a tensor
+      larger than the cap gets a bucket of its own;
+    * the first bucket of each (dtype, device) may have a smaller cap
+      (``first_cap_bytes``; torch's DDP uses 1 MiB) so that the first
+      all-reduce starts early in backward;
+    * buckets are ordered by the position of their first tensor, which is
+      the order they become ready in, and the order they are launched in.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    open_buckets: dict[tuple, list[int]] = {}
+    open_bytes: dict[tuple, int] = {}
+    closed_per_key: dict[tuple, int] = {}
+    closed: list[list[int]] = []
+
+    for index, spec in enumerate(specs):
+        key = (spec.dtype, spec.device)
+        cap = cap_bytes
+        if first_cap_bytes is not None and closed_per_key.get(key, 0) == 0:
+            cap = min(cap_bytes, first_cap_bytes)
+        bucket = open_buckets.setdefault(key, [])
+        if bucket and open_bytes[key] + spec.nbytes > cap:
+            closed.append(bucket)
+            closed_per_key[key] = closed_per_key.get(key, 0) + 1
+            bucket = open_buckets[key] = []
+            open_bytes[key] = 0
+        bucket.append(index)
+        open_bytes[key] = open_bytes.get(key, 0) + spec.nbytes
+    closed.extend(b for b in open_buckets.values() if b)
+    return sorted(closed, key=lambda b: b[0])
+
+
+class Bucket:
+    """A flat gradient buffer for a few parameters, and its life cycle.
+
+    The bucket owns ``buffer``, one contiguous tensor; each parameter's
+    gradient has a fixed slot in it (:meth:`view`). States:
+
+    * *filling*: :meth:`mark_ready` counts parameters whose gradient has been
+      copied into their slot; it returns True for the last one;
+    * *launched*: :meth:`launch` started the asynchronous communication;
+    * *done*: :meth:`wait` blocked until it finished and left the reduced
+      values in ``buffer``.
+
+    :meth:`reset` returns it to *filling* for the next step. Misuse (a
+    parameter marked twice, a launch before all are ready, a wait without a
+    launch) raises ``RuntimeError``: it would mean gradients were summed
+    twice, or sent before they existed.
+    """
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], names: list[str]):
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        self.index = index
+        self.params = params
+        self.names = names
+        total = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self._views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self._views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self._position = {id(p): i for i, p in enumerate(params)}
+        self._ready = [False] * len(params)
+        self._pending = len(params)
+        self._future: torch.futures.Future | None = None
+        self.is_last = False  # set by the owner: the last bucket of a step
+
+    def view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This parameter's slot in the buffer, shaped like the parameter."""
+        return self._views[self._position[id(param)]]
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        return self._views
+
+    @property
+    def ready(self) -> bool:
+        return self._pending == 0
+
+    @property
+    def launched(self) -> bool:
+        return self._future is not None
+
+    def unready_params(self) -> list[torch.nn.Parameter]:
+        return [p for p, r in zip(self.params, self._ready) if not r]
+
+    def unready_names(self) -> list[str]:
+        return [n for n, r in zip(self.names, self._ready) if not r]
+
+    def mark_ready(self, param: torch.nn.Parameter) -> bool:
+        """Record that ``param``'s gradient is in its slot; True if it was the last."""
+        i = self._position[id(param)]
+        if self._ready[i]:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} produced a gradient twice in one backward "
+                "(a second backward through the same graph, or a reentrant checkpoint?); "
+                "its bucket was already marked ready"
+            )
+        self._ready[i] = True
+        self._pending -= 1
+        return self._pending == 0
+
+    def launch(self, communicate: Callable[["Bucket"], torch.futures.Future]) -> None:
+        """Start communication; ``communicate`` returns a future of the reduced buffer."""
+        if not self.ready:
+            raise RuntimeError(f"bucket {self.index} launched with unready parameters {self.unready_names()}")
+        self._future = communicate(self)
+
+    def wait(self) -> None:
+        """Block until the communication finished; the result is in ``buffer``."""
+        if self._future is None:
+            raise RuntimeError(f"bucket {self.index} waited on before it was launched")
+        result = self._future.wait()
+        if isinstance(result, list):  # a Work's future yields the list of its tensors
+            result = result[0]
+        if result is not self.buffer and result.data_ptr() != self.buffer.data_ptr():
+            self.buffer.copy_(result)  # a comm hook may return a new tensor
+        self._future = None
+
+    def reset(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._pending = len(self.params)
+        self._future = None

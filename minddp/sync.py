@@ -1,0 +1,138 @@
+"""Helpers that keep replicas identical: checking, broadcasting, and finding used parameters.
+
+None of these run per gradient; they run once at construction (the check and
+the first broadcast), once per forward (buffers), or once per forward with
+``find_unused_parameters`` (the graph walk).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["check_same_parameters", "broadcast_coalesced", "params_reached_from", "global_rank_of_group_rank0"]
+
+# torch's DDP broadcasts in chunks of 250 MiB: few collectives, bounded extra memory.
+BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+
+
+def global_rank_of_group_rank0(group: dist.ProcessGroup) -> int:
+    """``dist.broadcast`` takes a *global* rank as source, even inside a subgroup."""
+    return dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+
+
+def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
+
+
+def check_same_parameters(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Raise on *every* rank if the ranks' parameters differ in count, name, shape, dtype or requires_grad.
+
+    Different models would build different buckets and issue mismatched
+    collectives: a hang, or silently mixed gradients. Every rank gathers every
+    other rank's description, so all reach the same verdict and raise the same
+    error together instead of some of them waiting forever.
+    """
+    mine = _describe(module)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for i in range(max(len(reference), len(theirs))):
+            ours = reference[i] if i < len(reference) else None
+            other = theirs[i] if i < len(theirs) else None
+            if ours != other:
+                raise RuntimeError(
+                    "MiniDDP expects the same model on every rank, but parameter "
+                    f"#{i} differs between rank 0 and rank {rank}: rank 0 has {_fmt(ours)}, "
+                    f"rank {rank} has {_fmt(other)} (rank 0 has {len(reference)} parameters, "
+                    f"rank {rank} has {len(theirs)})"
+                )
+
+
+def _fmt(entry) -> str:
+    if entry is None:
+        return "nothing"
+    name, shape, dtype, requires_grad = entry
+    frozen = "" if requires_grad else ", requires_grad=False"
+    return f"{name!r} of shape {list(shape)} and {dtype}{frozen}"
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensors`` on every rank with group rank 0's values, in few collectives.
+
+    Tensors are packed into flat chunks (one dtype and device each, at most
+    250 MiB), so a model with hundreds of small tensors costs a handful of
+    broadcasts instead of hundreds. Values are written through ``.data``: a
+    buffer overwritten between two forwards must not bump its autograd version
+    counter, or the first forward's backward would fail (pytorch issue 22095).
+    """
+    src = global_rank_of_group_rank0(group)
+    receiving = dist.get_rank(group) != 0
+    for chunk in _chunks(tensors):
+        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+        dist.broadcast(flat, src=src, group=group)
+        if receiving:
+            offset = 0
+            for t in chunk:
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _chunks(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    by_kind: dict[tuple, list[list[torch.Tensor]]] = {}
+    sizes: dict[tuple, int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        chunks = by_kind.setdefault(key, [[]])
+        nbytes = t.numel() * t.element_size()
+        if chunks[-1] and sizes[key] + nbytes > BROADCAST_CHUNK_BYTES:
+            chunks.append([])
+            sizes[key] = 0
+        chunks[-1].append(t)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    return [c for chunks in by_kind.values() for c in chunks if c]
+
+
+def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
+
+
+def params_reached_from(outputs: Any) -> set[int]:
+    """``id`` of every leaf tensor that the autograd graph of ``outputs`` reaches.
+
+    Walks ``grad_fn.next_functions`` from each output tensor; a leaf shows up
+    as an ``AccumulateGrad`` node whose ``variable`` is the parameter. A
+    parameter not reached will get no gradient in this backward, so MiniDDP
+    counts it as zero instead of waiting for it forever.
+    """
+    reached: set[int] = set()
+    seen: set = set()
+    stack = []
+    for t in _tensors_in(outputs):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            reached.add(id(t))  # a parameter returned as is
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return reached
