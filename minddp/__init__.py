@@ -9,5 +9,5 @@ from minddp.ddp import MiniDDP
 from minddp.launch import distributed, init_distributed, spawn
 from minddp.sampler import DistributedSampler
 
-__all__ = ["MiniDDP", "distributed", "init_distributed", "spawn"]
+__all__ = ["DistributedSampler", "MiniDDP", "distributed", "init_distributed", "spawn"]
 __version__ = "0.1.0"
