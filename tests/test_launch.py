@@ -1,0 +1,103 @@
+"""Environment detection (no process group needed) and real launches."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from minddp.launch import detect_launch, find_free_port, parse_slurm_nodelist
+
+
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+        ("node7", ["node7"]),
+        ("a[8-10],b1", ["a8", "a9", "a10", "b1"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("x[1,3],y[2-3]", ["x1", "x3", "y2", "y3"]),
+        ("rack1-n[1-2]", ["rack1-n1", "rack1-n2"]),
+    ],
+)
+def test_slurm_nodelist_expansion(nodelist, hosts):
+    assert parse_slurm_nodelist(nodelist) == hosts
+
+
+def test_torchrun_environment():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
+    info = detect_launch(env)
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port, info.launcher) == (
+        3, 8, 1, "h0", 1234, "torchrun")
+
+
+def test_slurm_environment_takes_the_first_host_as_master():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODELIST": "gpu[07-08,11]"}
+    info = detect_launch(env)
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port) == (5, 8, 1, "gpu07", 29500)
+    assert detect_launch({**env, "MASTER_ADDR": "login", "MASTER_PORT": "4000"}).master_addr == "login"
+
+
+def test_openmpi_environment():
+    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "MASTER_ADDR": "m", "MASTER_PORT": "7000"}
+    info = detect_launch(env)
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.launcher) == (2, 4, 0, "m", "openmpi")
+
+
+@pytest.mark.parametrize(
+    "env,missing",
+    [
+        ({"RANK": "0", "MASTER_ADDR": "h"}, "WORLD_SIZE, MASTER_PORT"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "SLURM_LOCALID"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, "MASTER_ADDR"),
+    ],
+)
+def test_incomplete_environment_names_the_missing_variables(env, missing):
+    with pytest.raises(RuntimeError, match=f"lacks {missing}"):
+        detect_launch(env)
+
+
+def test_no_launcher_at_all():
+    with pytest.raises(RuntimeError, match="no launcher found"):
+        detect_launch({})
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from minddp import distributed
+    with distributed("gloo") as info:
+        t = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(t)
+        print(f"rank={info.rank} world={info.world_size} launcher={info.launcher} sum={t.item():g}")
+    assert not dist.is_initialized()
+    """
+)
+
+
+def test_launch_helper_under_torchrun_with_two_processes(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(find_free_port()), str(script)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        assert f"rank={rank} world=2 launcher=torchrun sum=3" in out.stdout
+
+
+def _collect(rank, world_size, path):
+    import torch.distributed as dist
+
+    with open(f"{path}/{rank}", "w") as f:
+        f.write(f"{dist.get_rank()}/{dist.get_world_size()}")
+
+
+def test_spawn_runs_every_rank_in_a_group(tmp_path):
+    from minddp import spawn
+
+    spawn(_collect, 2, str(tmp_path), backend="gloo")
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0/2", "1/2"]
