@@ -8,6 +8,7 @@ The path of a gradient: ``minddp/ddp.py`` (hooks, forward, no_sync) ->
 from minddp.ddp import MiniDDP
 from minddp.launch import distributed, init_distributed, spawn
 from minddp.sampler import DistributedSampler
+from minddp.sync_batchnorm import SyncBatchNorm
 
-__all__ = ["DistributedSampler", "MiniDDP", "distributed", "init_distributed", "spawn"]
+__all__ = ["DistributedSampler", "MiniDDP", "SyncBatchNorm", "distributed", "init_distributed", "spawn"]
 __version__ = "0.1.0"
