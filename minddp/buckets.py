@@ -168,7 +168,15 @@ class Bucket:
         """Start communication; ``communicate`` returns a future of the reduced buffer."""
         if not self.ready:
             raise RuntimeError(f"bucket {self.index} launched with unready parameters {self.unready_names()}")
+        self.launch_unconditionally(communicate)
+
+    def launch_unconditionally(self, communicate: Callable[["Bucket"], torch.futures.Future]) -> None:
+        """Launch whatever the buffer holds (a joined rank's zeros, see minddp.join)."""
         self._future = communicate(self)
+
+    @property
+    def future(self) -> torch.futures.Future | None:
+        return self._future
 
     def wait(self) -> None:
         """Block until the communication finished; the result is in ``buffer``."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,35 +36,22 @@ from torch import nn
 
 from minddp.buckets import MiB, Bucket, TensorSpec, assign_buckets
 from minddp.comm_hooks import GradBucket
+from minddp.debug import check_replicas_in_sync
+from minddp.join import Join
 from minddp.sync import (
+    BUFFER_POLICIES,
     broadcast_coalesced,
     check_same_parameters,
-    global_rank_of_group_rank0,
+    global_rank,
     params_reached_from,
+    sync_buffers,
 )
+from minddp.trace import StepTimeline, Tracer
 
-__all__ = ["MiniDDP", "StepTimeline"]
+__all__ = ["MiniDDP"]
 
 # torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
 FIRST_BUCKET_CAP_MB = 1.0
-
-
-@dataclass
-class StepTimeline:
-    """When things happened in the last synchronized backward (``time.perf_counter`` seconds).
-
-    Kept for every step because it costs one clock read per hook; it is how
-    the tests prove that communication overlaps backward.
-    """
-
-    first_hook: float | None = None
-    last_hook: float | None = None
-    launches: list[float] = field(default_factory=list)  # one per bucket, in launch order
-    finished: float | None = None
-
-    def clear(self) -> None:
-        self.first_hook = self.last_hook = self.finished = None
-        self.launches = []
 
 
 class MiniDDP(nn.Module):
@@ -86,6 +72,17 @@ class MiniDDP(nn.Module):
     * ``device_ids``/``output_device``: accepted for drop-in compatibility;
       MiniDDP runs on the device the module is on (place it there first).
 
+    Beyond torch's arguments:
+
+    * ``buffer_sync``: ``"broadcast"`` (rank 0's buffers, torch's way),
+      ``"average"`` (average floating-point buffers over ranks) or ``"off"``;
+      defaults to ``"broadcast"`` or ``"off"`` following ``broadcast_buffers``.
+    * ``check_sync_every``: every N synchronized forwards, verify that all
+      replicas hold identical parameters and buffers (one small collective;
+      see :mod:`minddp.debug`).
+    * ``trace``: record every hook and bucket for a Chrome trace
+      (``model.tracer.export_chrome_trace(path)``, see :mod:`minddp.trace`).
+
     Collectives are issued in the same order on every rank, by construction:
     all ranks build the same buckets and launch them strictly in bucket order.
     """
@@ -101,6 +98,9 @@ class MiniDDP(nn.Module):
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        buffer_sync: str | None = None,
+        check_sync_every: int = 0,
+        trace: bool = False,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -112,6 +112,12 @@ class MiniDDP(nn.Module):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
+        self.buffer_sync = buffer_sync or ("broadcast" if broadcast_buffers else "off")
+        if self.buffer_sync not in BUFFER_POLICIES:
+            raise ValueError(f"buffer_sync must be one of {BUFFER_POLICIES}, got {buffer_sync!r}")
+        if check_sync_every < 0:
+            raise ValueError(f"check_sync_every must be >= 0 (0 = never), got {check_sync_every}")
+        self.check_sync_every = check_sync_every
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
@@ -125,6 +131,7 @@ class MiniDDP(nn.Module):
         self._check_devices(device_ids, [p for _, p in named])
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
+        self.device = self._params[0].device
         self._index = {p: i for i, p in enumerate(self._params)}
         self._buffers_to_sync = [b for b in module.buffers()]
 
@@ -147,7 +154,11 @@ class MiniDDP(nn.Module):
         self._locally_used: list[bool] = [True] * len(self._params)
         self._comm_hook: tuple[Any, Callable] | None = None
         self._backwards_done = 0
+        self._synchronized_forwards = 0
+        self._divisor = self.world_size  # what each gradient is divided by before the sum
+        self._join: Join | None = None  # set while inside ``with model.join():``
         self.timeline = StepTimeline()
+        self.tracer = Tracer(dist.get_rank(self.process_group)) if trace else None
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -197,13 +208,45 @@ class MiniDDP(nn.Module):
         # The sync decision is taken here, at forward, as in torch's DDP: a
         # forward inside no_sync() makes its backward skip communication.
         self._sync_this_backward = torch.is_grad_enabled() and self._require_sync
-        if self._sync_this_backward and self.broadcast_buffers and self._buffers_to_sync and self.world_size > 1:
-            broadcast_coalesced(self._buffers_to_sync, self.process_group)
+        if self._sync_this_backward:
+            self._before_synchronized_forward()
         output = self.module(*args, **kwargs)
         if self._sync_this_backward and self.find_unused_parameters:
             reached = params_reached_from(output)
             self._unused = [p for p in self._params if id(p) not in reached]
         return output
+
+    def _before_synchronized_forward(self) -> None:
+        """The collectives that open a synchronized step, identical on every rank."""
+        buffer_source, everyone_active = 0, True
+        if self._join is not None:  # who is still training? (joined ranks answer "not me")
+            active = self._join.exchange(active=True)
+            buffer_source, everyone_active = self._join.last_active, all(active)
+        if self.check_sync_every and everyone_active and self._synchronized_forwards % self.check_sync_every == 0:
+            check_replicas_in_sync(self.module, self.process_group)
+        self._synchronized_forwards += 1
+        if self.world_size > 1:
+            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+
+    def _shadow_synchronized_step(self, buffer_source: int) -> None:
+        """What a joined rank does for each step the others still take: the
+        same collectives, with nothing to contribute (see :mod:`minddp.join`)."""
+        if self.world_size > 1:
+            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            bucket.launch_unconditionally(self._communicate)
+            bucket.wait()
+            bucket.reset()
+        if self.find_unused_parameters:
+            self._locally_used = [False] * len(self._params)
+            self._globally_used()
+        if self._rebuild_after_first_step:
+            self._rebuild_in_arrival_order()
+
+    def join(self, divide_by_initial_world_size: bool = True) -> Join:
+        """``with model.join():`` lets ranks with fewer batches finish early (see :mod:`minddp.join`)."""
+        return Join(self, divide_by_initial_world_size)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -230,6 +273,8 @@ class MiniDDP(nn.Module):
         if not self._backward_started:
             self._begin_backward(now)
         self.timeline.last_hook = now
+        if self.tracer is not None:
+            self.tracer.gradient_ready(self._names[self._index[param]], now)
         if self._rebuild_after_first_step:
             self._arrival.append(self._index[param])
         self._mark_ready(param)
@@ -256,7 +301,7 @@ class MiniDDP(nn.Module):
             self._locally_used[self._index[param]] = False
             slot.zero_()
             return
-        divisor = 1 if self._comm_hook is not None else self.world_size  # a hook averages itself
+        divisor = 1 if self._comm_hook is not None else self._divisor  # a hook averages itself
         if self.gradient_as_bucket_view:
             if grad.data_ptr() != slot.data_ptr():  # e.g. after zero_grad(set_to_none=True)
                 slot.copy_(grad)
@@ -270,8 +315,13 @@ class MiniDDP(nn.Module):
         # Strict bucket order: a ready bucket waits for the ones before it, so
         # every rank issues the same all-reduces in the same order.
         while self._next_to_launch < len(self._buckets) and self._buckets[self._next_to_launch].ready:
-            self._buckets[self._next_to_launch].launch(self._communicate)
-            self.timeline.launches.append(time.perf_counter())
+            bucket = self._buckets[self._next_to_launch]
+            with torch.profiler.record_function(f"minddp.launch_bucket_{bucket.index}"):
+                bucket.launch(self._communicate)
+            now = time.perf_counter()
+            self.timeline.launches.append(now)
+            if self.tracer is not None:
+                self.tracer.bucket_launched(bucket.index, bucket.buffer.nbytes, now, bucket.future)
             self._next_to_launch += 1
 
     def _communicate(self, bucket: Bucket) -> torch.futures.Future:
@@ -299,8 +349,9 @@ class MiniDDP(nn.Module):
                 "leave some parameters unused (or some outputs out of the loss), construct "
                 "MiniDDP(..., find_unused_parameters=True)."
             )
-        for bucket in self._buckets:
-            bucket.wait()
+        with torch.profiler.record_function("minddp.wait_buckets"):
+            for bucket in self._buckets:
+                bucket.wait()
         globally_used = self._globally_used()
         for bucket in self._buckets:
             for p, slot in zip(bucket.params, bucket.views):
@@ -313,6 +364,8 @@ class MiniDDP(nn.Module):
                 else:
                     p.grad.copy_(slot)
         self.timeline.finished = time.perf_counter()
+        if self.tracer is not None:
+            self.tracer.backward_done(self.timeline)
         self._backwards_done += 1
         self._reset_buckets()
         if self._rebuild_after_first_step:
@@ -321,8 +374,7 @@ class MiniDDP(nn.Module):
     def _globally_used(self) -> list[bool] | None:
         if not self.find_unused_parameters:
             return None  # every parameter produced a gradient, or we raised above
-        device = self._params[0].device
-        used = torch.tensor(self._locally_used, dtype=torch.int32, device=device)
+        used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.device)
         dist.all_reduce(used, group=self.process_group)
         return [bool(u) for u in used.tolist()]
 
@@ -341,8 +393,8 @@ class MiniDDP(nn.Module):
         self._rebuild_after_first_step = False
         seen = set(self._arrival)
         order = self._arrival + [i for i in reversed(range(len(self._params))) if i not in seen]
-        order_t = torch.tensor(order, dtype=torch.int64, device=self._params[0].device)
-        dist.broadcast(order_t, src=global_rank_of_group_rank0(self.process_group), group=self.process_group)
+        order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
+        dist.broadcast(order_t, src=global_rank(self.process_group, 0), group=self.process_group)
         order = order_t.tolist()
         self._arrival = []
         current = [self._index[p] for b in self._buckets for p in b.params]

@@ -13,15 +13,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_same_parameters", "broadcast_coalesced", "params_reached_from", "global_rank_of_group_rank0"]
+__all__ = ["check_same_parameters", "broadcast_coalesced", "sync_buffers", "params_reached_from", "global_rank"]
+
+BUFFER_POLICIES = ("broadcast", "average", "off")
 
 # torch's DDP broadcasts in chunks of 250 MiB: few collectives, bounded extra memory.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
 
-def global_rank_of_group_rank0(group: dist.ProcessGroup) -> int:
+def global_rank(group: dist.ProcessGroup, group_rank: int = 0) -> int:
     """``dist.broadcast`` takes a *global* rank as source, even inside a subgroup."""
-    return dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    return group_rank if group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
 
 
 def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
@@ -63,8 +65,8 @@ def _fmt(entry) -> str:
     return f"{name!r} of shape {list(shape)} and {dtype}{frozen}"
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensors`` on every rank with group rank 0's values, in few collectives.
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, in few collectives.
 
     Tensors are packed into flat chunks (one dtype and device each, at most
     250 MiB), so a model with hundreds of small tensors costs a handful of
@@ -72,16 +74,48 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
     buffer overwritten between two forwards must not bump its autograd version
     counter, or the first forward's backward would fail (pytorch issue 22095).
     """
-    src = global_rank_of_group_rank0(group)
-    receiving = dist.get_rank(group) != 0
+    receiving = dist.get_rank(group) != src
     for chunk in _chunks(tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-        dist.broadcast(flat, src=src, group=group)
+        flat = _flatten(chunk)
+        dist.broadcast(flat, src=global_rank(group, src), group=group)
         if receiving:
-            offset = 0
-            for t in chunk:
-                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            _unflatten_into(flat, chunk)
+
+
+def sync_buffers(buffers: Sequence[torch.Tensor], group: dist.ProcessGroup, policy: str, src: int = 0) -> None:
+    """Make buffers agree before a forward, by ``policy``:
+
+    * ``"broadcast"`` (torch's DDP): everyone takes rank ``src``'s buffers.
+      Cheap, but BatchNorm's running statistics then only ever reflect the
+      data rank 0 saw.
+    * ``"average"``: floating-point buffers are averaged over ranks (every
+      rank's data counts); integer buffers such as ``num_batches_tracked``,
+      equal everywhere anyway, are broadcast.
+    * ``"off"``: nothing.
+    """
+    if policy == "off" or not buffers:
+        return
+    if policy == "broadcast":
+        broadcast_coalesced(buffers, group, src)
+        return
+    floating = [b for b in buffers if b.is_floating_point()]
+    broadcast_coalesced([b for b in buffers if not b.is_floating_point()], group, src)
+    world = dist.get_world_size(group)
+    for chunk in _chunks(floating):
+        flat = _flatten(chunk)
+        dist.all_reduce(flat, group=group)
+        _unflatten_into(flat.div_(world), chunk)
+
+
+def _flatten(chunk: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in chunk])
+
+
+def _unflatten_into(flat: torch.Tensor, chunk: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in chunk:
+        t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _chunks(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:

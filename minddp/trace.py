@@ -1,0 +1,111 @@
+"""Seeing overlap: when gradients arrived and when their buckets travelled.
+
+Two levels:
+
+* :class:`StepTimeline` is always on. It keeps four kinds of timestamps of
+  the last synchronized backward (first hook, last hook, each launch, end),
+  one clock read per hook, which is how the tests prove that communication
+  starts before backward ends.
+* :class:`Tracer` is opt-in (``MiniDDP(..., trace=True)``). It records every
+  gradient hook and every bucket's all-reduce from launch to completion, for
+  every step, and writes a Chrome trace (open it in https://ui.perfetto.dev or
+  chrome://tracing): one process per rank, one track for backward and one for
+  communication. Where the communication bars sit under the backward bars,
+  the all-reduce is hidden; where they stick out past the end of backward,
+  that time is paid on top of compute.
+
+Timestamps come from ``time.perf_counter`` (CLOCK_MONOTONIC on Linux), which
+is shared by the processes of one machine, so ranks line up on one time axis.
+Across machines they would not: compare tracks within a rank there.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StepTimeline", "Tracer"]
+
+BACKWARD_TRACK, COMM_TRACK = 0, 1
+
+
+@dataclass
+class StepTimeline:
+    """When things happened in the last synchronized backward (``perf_counter`` seconds)."""
+
+    first_hook: float | None = None
+    last_hook: float | None = None
+    launches: list[float] = field(default_factory=list)  # one per bucket, in launch order
+    finished: float | None = None
+
+    def clear(self) -> None:
+        self.first_hook = self.last_hook = self.finished = None
+        self.launches = []
+
+
+def _us(seconds: float) -> float:
+    return seconds * 1e6
+
+
+class Tracer:
+    """Records hook and bucket events of every step, exports a Chrome trace."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.step = 0
+        self.events: list[dict[str, Any]] = []
+        # Completion callbacks run on the communication thread.
+        self._lock = threading.Lock()
+
+    def _add(self, event: dict[str, Any]) -> None:
+        event.update(pid=self.rank, args={**event.get("args", {}), "step": self.step})
+        with self._lock:
+            self.events.append(event)
+
+    def gradient_ready(self, name: str, when: float) -> None:
+        self._add({"name": f"grad {name}", "ph": "i", "s": "t", "ts": _us(when), "tid": BACKWARD_TRACK})
+
+    def bucket_launched(self, index: int, nbytes: int, when: float, future: torch.futures.Future) -> None:
+        def done(_: torch.futures.Future) -> None:
+            end = time.perf_counter()
+            self._add({"name": f"all_reduce bucket {index}", "ph": "X", "ts": _us(when), "dur": _us(end - when),
+                       "tid": COMM_TRACK, "args": {"bytes": nbytes}})
+
+        future.add_done_callback(done)
+
+    def backward_done(self, timeline: StepTimeline) -> None:
+        if timeline.first_hook is not None and timeline.finished is not None:
+            self._add({"name": "backward (first hook .. grads written)", "ph": "X", "ts": _us(timeline.first_hook),
+                       "dur": _us(timeline.finished - timeline.first_hook), "tid": BACKWARD_TRACK})
+        self.step += 1
+
+    def chrome_trace(self, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
+        """Every rank's events in one trace dict on group rank 0 (None elsewhere).
+
+        A collective: every rank of the group must call it.
+        """
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        with self._lock:
+            mine = list(self.events)
+        dist.all_gather_object(everyone, mine, group=group)
+        if dist.get_rank(group) != 0:
+            return None
+        events = [e for rank_events in everyone for e in rank_events]
+        for rank in range(len(everyone)):
+            events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+            for tid, label in ((BACKWARD_TRACK, "backward"), (COMM_TRACK, "communication")):
+                events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": label}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def export_chrome_trace(self, path: str, group: dist.ProcessGroup | None = None) -> None:
+        """Write :meth:`chrome_trace` to ``path`` on rank 0 (a collective)."""
+        trace = self.chrome_trace(group)
+        if trace is not None:
+            with open(path, "w") as f:
+                json.dump(trace, f)
