@@ -5,9 +5,10 @@ The path of a gradient, all in this file::
     loss.backward()
       autograd accumulates p.grad
         └─ _on_grad_ready(p)           post-accumulate hook, one per parameter
-             copy p.grad / world_size into p's slot of its bucket
-             bucket complete? ─> _launch_ready_buckets(): async all_reduce,
-                                 strictly in bucket order
+             copy p.grad into p's slot of its bucket (nothing to copy
+             if p.grad *is* that slot: gradient_as_bucket_view)
+             bucket complete? ─> _launch_ready_buckets(): divide by world
+                                 size, async all_reduce, strictly in bucket order
       end of backward
         └─ _finish_backward()          callback queued on the autograd engine
              wait for every bucket, write the averages into p.grad
@@ -300,16 +301,10 @@ class MiniDDP(nn.Module):
         if grad is None:  # unused here (but maybe used on another rank): contributes zero
             self._locally_used[self._index[param]] = False
             slot.zero_()
-            return
-        divisor = 1 if self._comm_hook is not None else self._divisor  # a hook averages itself
-        if self.gradient_as_bucket_view:
-            if grad.data_ptr() != slot.data_ptr():  # e.g. after zero_grad(set_to_none=True)
-                slot.copy_(grad)
+        elif grad.data_ptr() != slot.data_ptr():  # already there if .grad is a bucket view
+            slot.copy_(grad)
+            if self.gradient_as_bucket_view:  # e.g. after zero_grad(set_to_none=True)
                 param.grad = slot
-            if divisor != 1:
-                slot.div_(divisor)
-        else:
-            torch.div(grad, divisor, out=slot)
 
     def _launch_ready_buckets(self) -> None:
         # Strict bucket order: a ready bucket waits for the ones before it, so
@@ -326,6 +321,10 @@ class MiniDDP(nn.Module):
 
     def _communicate(self, bucket: Bucket) -> torch.futures.Future:
         if self._comm_hook is None:
+            # Average = sum of (g / N): dividing before the sum keeps low
+            # precision from overflowing. One kernel per bucket, not per parameter.
+            if self._divisor != 1:
+                bucket.buffer.div_(self._divisor)
             work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
             return work.get_future()
         state, hook = self._comm_hook
