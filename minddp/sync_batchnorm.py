@@ -205,20 +205,13 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if update else None
         running_var = self.running_var if update else None
 
-        if not (self.training and use_batch_stats) or self._world_size() == 1:
+        world_size = self._world_size() if self.training else 1  # eval never communicates
+        if world_size == 1:
             return F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
             )
         return _SyncBatchNormFunction.apply(
-            input,
-            self.weight,
-            self.bias,
-            running_mean,
-            running_var,
-            self.eps,
-            factor,
-            self.process_group,
-            self._world_size(),
+            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, self.process_group, world_size
         )
 
     @classmethod
