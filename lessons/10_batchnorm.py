@@ -1,0 +1,91 @@
+"""Lesson 10: BatchNorm under data parallelism -- broadcast buffers against SyncBatchNorm.
+
+What you will learn
+    BatchNorm breaks the promise of lesson 04 ("p ranks on B/p samples =
+    one process on B"), because its forward uses the *batch's* mean and
+    variance. Under DDP each rank normalizes with the statistics of its own
+    slice. When slices differ (data sorted by class, one hospital per rank,
+    or just small per-rank batches), outputs and gradients are not those of
+    the full batch.
+
+    * ``broadcast_buffers=True`` (DDP's default, MiniDDP's too) only copies
+      rank 0's *running* statistics to everyone before each forward. That
+      keeps evaluation consistent across ranks, but training still uses
+      local batch statistics, and the running statistics are rank 0's alone.
+    * ``SyncBatchNorm`` all-reduces the per-channel sums and squared sums in
+      forward (and the matching terms in backward), so every rank normalizes
+      with the *global* batch's statistics: exactly the single-process result,
+      at the price of two extra small collectives per BatchNorm layer.
+      ``SyncBatchNorm.convert_sync_batchnorm(model)`` swaps every BatchNorm.
+
+What to run
+    python lessons/10_batchnorm.py [--world-size 4]
+
+What to look at
+    For plain BatchNorm and for SyncBatchNorm: how far outputs, gradients
+    and running means are from one process on the whole batch.
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minddp import MiniDDP, SyncBatchNorm
+from _common import parse_args, print0, run
+
+
+def make_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def compare(model: nn.Module, single: nn.Module, rank: int, world_size: int) -> dict:
+    """One training step on slices vs one process on the batch; the largest differences."""
+    per_rank = 16
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(per_rank * world_size, 8, generator=gen)
+    # Shards that differ, as when a dataset is sorted: rank r's slice is shifted by 2r.
+    x += 2.0 * torch.arange(world_size).repeat_interleave(per_rank)[:, None]
+    y = torch.randn(per_rank * world_size, 1, generator=gen)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    ddp = MiniDDP(model)
+    out = ddp(x[mine])
+    nn.functional.mse_loss(out, y[mine]).backward()
+    full_out = single(x)
+    nn.functional.mse_loss(full_out, y).backward()
+
+    diffs = torch.tensor([
+        (out - full_out[mine]).abs().max().item(),
+        max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), single.parameters())),
+        (model[1].running_mean - single[1].running_mean).abs().max().item(),
+    ])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)  # the worst rank
+    return dict(zip(["output", "gradient", "running mean"], diffs.tolist()))
+
+
+def main(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    plain = make_model()
+    single = copy.deepcopy(plain)
+    synced = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(plain))
+    assert isinstance(synced[1], SyncBatchNorm)
+
+    bn = compare(plain, copy.deepcopy(single), rank, world_size)
+    sync = compare(synced, copy.deepcopy(single), rank, world_size)
+
+    print0(f"{world_size} ranks, 16 samples each, rank r's samples shifted by 2r.")
+    print0("largest difference from one process on all samples, after one step:")
+    print0(f"  {'':<14} {'BatchNorm1d':>12} {'SyncBatchNorm':>14}")
+    for key in bn:
+        print0(f"  {key:<14} {bn[key]:>12.2e} {sync[key]:>14.2e}")
+    assert all(v > 1e-2 for v in bn.values()), "plain BatchNorm uses local statistics"
+    assert all(v < 1e-5 for v in sync.values()), "SyncBatchNorm uses the global batch's"
+    print0("checked: with plain BatchNorm each rank's outputs, averaged gradients and running")
+    print0("         mean all differ from the full batch's; with SyncBatchNorm they match.")
+
+
+if __name__ == "__main__":
+    args = parse_args(__doc__)
+    run(main, args.world_size)
