@@ -212,6 +212,9 @@ def train(
             model.load_state_dict(state["model"])
         except RuntimeError as exc:
             raise CheckpointError(f"{ckpt_path} does not fit this model: {str(exc).splitlines()[0]}") from None
+        missing = [k for k in ("optimizer", "step", "epoch", "batch_in_epoch", "world_size", "rng", "args") if k not in state]
+        if missing:
+            raise CheckpointError(f"{ckpt_path} lacks {', '.join(missing)}: not written by minddp-train")
         optimizer.load_state_dict(state["optimizer"])
         for group in optimizer.param_groups:  # load_state_dict brought the saved lr back; this run's --lr rules
             group["lr"] = lr
