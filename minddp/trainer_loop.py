@@ -212,7 +212,8 @@ def train(
             model.load_state_dict(state["model"])
         except RuntimeError as exc:
             raise CheckpointError(f"{ckpt_path} does not fit this model: {str(exc).splitlines()[0]}") from None
-        missing = [k for k in ("optimizer", "step", "epoch", "batch_in_epoch", "world_size", "rng", "args") if k not in state]
+        needed = ("optimizer", "step", "epoch", "batch_in_epoch", "world_size", "rng", "args")
+        missing = [k for k in needed if k not in state]
         if missing:
             raise CheckpointError(f"{ckpt_path} lacks {', '.join(missing)}: not written by minddp-train")
         optimizer.load_state_dict(state["optimizer"])
@@ -224,7 +225,7 @@ def train(
         step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         changed = [k for k in _RESUME_SENSITIVE if state["args"].get(k) != getattr(args, k)]
         if changed:
-            log.warning("warning: resuming with different %s than the checkpoint: not an exact resume", ", ".join(changed))
+            log.warning("warning: resuming with different %s than the checkpoint: not exact", ", ".join(changed))
         if state["world_size"] == world_size:
             _set_rng_state(state["rng"][rank], device)
             if loader.generator is not None and state["rng"][rank].get("loader") is not None:
