@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             # makes RSS follow live tensors (_memory.py says why).
             os.environ.update(_memory.ALLOCATOR_ENV)
             spawn(memory_main, cfg["world_size"], cfg, mem_path, backend=cfg["backend"])
-        except mp.ProcessRaisedException as e:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             print(f"error: a rank failed:\n{e}", file=sys.stderr)
             return 1
         finally:
