@@ -117,10 +117,15 @@ def gradient_error(wrapper_cls, micro_batches: int, rank: int, world_size: int) 
         (loss_fn(ddp(xb), yb) / micro_batches).backward()
 
     error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), single.parameters()))
-    # Use the same number on every rank (mistake B leaves ranks disagreeing).
-    t = torch.tensor(error)
+    # Averaged gradients are the same on every rank; check that too.
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    spread = grads.clone()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    ranks_agree = torch.equal(spread, grads)
+    # Use the same numbers on every rank (mistake B leaves ranks disagreeing).
+    t = torch.tensor([error, float(not ranks_agree)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return t[0].item(), t[1].item() == 0.0
 
 
 def main(rank: int, world_size: int) -> None:
@@ -131,7 +136,12 @@ def main(rank: int, world_size: int) -> None:
         (TensorHookDDP, "A: Tensor.register_hook"),
         (ParamAsGradDDP, "B: hook(grad) that gets the param"),
     ]:
-        rows.append((name, gradient_error(cls, 1, rank, world_size), gradient_error(cls, 2, rank, world_size)))
+        (one, agree_one), (two, agree_two) = (gradient_error(cls, k, rank, world_size) for k in (1, 2))
+        rows.append((name, one, two))
+        if cls is ParamAsGradDDP:
+            assert not agree_one and not agree_two, "mistake B leaves each rank with its own gradients"
+        if cls is HookDDP:
+            assert agree_one and agree_two
 
     print0("max |grad - full-batch grad| after one optimizer step's worth of backward:")
     print0(f"  {'variant':<36} {'1 micro-batch':>14} {'2 micro-batches':>16}")
@@ -145,7 +155,8 @@ def main(rank: int, world_size: int) -> None:
     assert b_1 > 1e-3 and b_2 > 1e-3, "mistake B never averages the gradients"
     print0(f"checked: only the post-accumulate hook is within {ok:g} in both columns;")
     print0("         mistake A is right without accumulation and wrong with it;")
-    print0("         mistake B is wrong always (it averaged the weights instead).")
+    print0("         mistake B is wrong always: each rank kept its own gradients (it averaged")
+    print0("         the weights instead).")
 
 
 if __name__ == "__main__":

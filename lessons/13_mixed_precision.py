@@ -133,13 +133,17 @@ def part3_compression(rank: int) -> None:
 
     err = rel_error(ours, exact)
     assert 0 < err < 1e-3, err
-    assert rel_error(torchs_hook_on_ours, ours) < 1e-6 and rel_error(torchs, ours) < 1e-6
+    # Same buckets, same hook arithmetic: identical. torch's DDP buckets the
+    # gradients differently, and Gloo may then add three or more fp16 values
+    # in another order, so only fp16 rounding separates it from ours.
+    assert rel_error(torchs_hook_on_ours, ours) < 1e-6
+    assert rel_error(torchs, ours) < 1e-3
     numel = sum(g.numel() for g in exact)
     print0("3. fp16 gradient compression (a comm hook):")
     print0(f"   {numel:,} gradients: {numel * 4:,} bytes per all-reduce in float32, {numel * 2:,} in float16")
     print0(f"   compressed vs exact average: {err:.1e} relative difference")
-    print0("   within 1e-6 of each other: minddp's hook on MiniDDP, torch's hook on MiniDDP,")
-    print0("   torch's hook on torch's DDP")
+    print0("   minddp's hook == torch's hook on MiniDDP (to 1e-6); torch's DDP with its hook: within")
+    print0(f"   fp16 rounding ({rel_error(torchs, ours):.0e} relative; Gloo may add in another order)")
 
 
 def main(rank: int, world_size: int) -> None:

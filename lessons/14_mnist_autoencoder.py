@@ -64,6 +64,7 @@ def train(wrapper, args, rank: int, world_size: int) -> list[float]:
 
 
 def main(rank: int, world_size: int, args) -> None:
+    args.batch_size = args.batch_size or 32 * world_size
     source = f"MNIST from {args.data_dir}" if args.data_dir else "synthetic MNIST"
     steps = args.samples // args.batch_size
     print0(f"autoencoder on {args.samples} images of {source}, {world_size} ranks,")
@@ -84,7 +85,7 @@ def options(parser) -> None:
     parser.add_argument("--data-dir", default=None, help="folder holding MNIST/raw (default: synthetic data)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=1024, help="training images used per epoch")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size, split over the ranks")
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch size, split over the ranks (default 32 per rank)")
 
 
 if __name__ == "__main__":
