@@ -83,6 +83,9 @@ class MiniDDP(nn.Module):
       see :mod:`minddp.debug`).
     * ``trace``: record every hook and bucket for a Chrome trace
       (``model.tracer.export_chrome_trace(path)``, see :mod:`minddp.trace`).
+    * ``learn_bucket_order``: after the first synchronized backward, rebuild
+      the buckets in the order gradients actually arrived (torch's DDP always
+      does); ``False`` keeps reverse registration order, for comparison.
 
     Collectives are issued in the same order on every rank, by construction:
     all ranks build the same buckets and launch them strictly in bucket order.
@@ -102,6 +105,7 @@ class MiniDDP(nn.Module):
         buffer_sync: str | None = None,
         check_sync_every: int = 0,
         trace: bool = False,
+        learn_bucket_order: bool = True,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -142,7 +146,7 @@ class MiniDDP(nn.Module):
 
         # 2. Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(self._params)))))
-        self._rebuild_after_first_step = True
+        self._rebuild_after_first_step = learn_bucket_order
         self._arrival: list[int] = []
 
         # 3. One hook per parameter; it fires after p.grad has been accumulated.

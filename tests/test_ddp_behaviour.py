@@ -319,3 +319,14 @@ def _two_forwards(rank, world_size):
 
 def test_two_forwards_before_one_backward_with_batchnorm(ranks):
     assert ranks(2).run(_two_forwards) == [True, True]
+
+
+def _kept_order(rank, world_size):
+    model = MiniDDP(OutOfOrder(), bucket_cap_mb=1e-3, learn_bucket_order=False)
+    before = model.bucket_names
+    model(torch.randn(4, 32)).sum().backward()
+    return before == model.bucket_names
+
+
+def test_learned_bucket_order_can_be_switched_off(ranks):
+    assert ranks(2).run(_kept_order) == [True, True]
