@@ -101,3 +101,21 @@ def test_spawn_runs_every_rank_in_a_group(tmp_path):
 
     spawn(_collect, 2, str(tmp_path), backend="gloo")
     assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0/2", "1/2"]
+
+
+def _rank1_fails_rank0_waits(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("the real cause, on rank 1")
+    dist.all_reduce(torch.zeros(1))  # rank 0 fails only as a consequence
+
+
+def test_spawn_reports_the_rank_that_failed_first():
+    from minddp import spawn
+    from minddp.launch import RankFailed
+
+    with pytest.raises(RankFailed, match="rank 1 failed first") as info:
+        spawn(_rank1_fails_rank0_waits, 2, backend="gloo")
+    assert "ValueError: the real cause, on rank 1" in str(info.value)
