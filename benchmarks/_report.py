@@ -17,17 +17,27 @@ PLOT_INSTALL_HINT = (
 )
 
 
+LEARNED_ORDER_FIELDS = [
+    "model", "bucket_cap_mb", "local_ms", "allreduce_ms", "learned_ms", "registration_ms", "ratio",
+    "hidden_fraction_learned", "hidden_fraction_registration", "buckets_learned", "buckets_registration",
+    "launched_before_last_hook_learned", "launched_before_last_hook_registration",
+]  # fmt: skip
+
+
+def hidden_fraction(local: float, allreduce: float, t: float) -> float:
+    """(local + allreduce - t) / allreduce in [0, 1]: 1 = all communication hidden."""
+    if allreduce <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (local + allreduce - t) / allreduce))
+
+
 def make_row(cfg: dict, timed: dict, mem: dict) -> dict:
     """One result row from the timing run's medians and the memory run's peaks."""
     med = timed["median_ms"]
     local, ar = med["local"], med["allreduce"]
-    no_overlap = local + ar
 
     def hidden(t: float) -> float:
-        """(no_overlap - t) / allreduce in [0, 1]: 1 = all communication hidden."""
-        if ar <= 0:
-            return 0.0
-        return min(1.0, max(0.0, (no_overlap - t) / ar))
+        return hidden_fraction(local, ar, t)
 
     return {
         "model": timed["model"],
@@ -90,7 +100,6 @@ def table(rows: list[dict]) -> str:
         ("peak MiB torch/minddp", None, None),
         ("max diff", "{:.1e}", "max_param_diff"),
     ]
-    lines = []
     cells_all = []
     for r in rows:
         cells = []
@@ -104,17 +113,64 @@ def table(rows: list[dict]) -> str:
             else:
                 cells.append(fmt.format(r[key]))
         cells_all.append(cells)
-    widths = [max([len(c[0])] + [len(cells[i]) for cells in cells_all]) for i, c in enumerate(cols)]
-    lines.append("| " + " | ".join(c[0].ljust(w) for c, w in zip(cols, widths)) + " |")
+    return markdown_table([c[0] for c in cols], cells_all)
+
+
+def markdown_table(titles: list[str], cells_all: list[list[str]]) -> str:
+    """A Markdown table, first column left-aligned, the others right-aligned."""
+    widths = [max([len(t)] + [len(cells[i]) for cells in cells_all]) for i, t in enumerate(titles)]
+    lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles, widths)) + " |"]
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for cells in cells_all:
         lines.append("| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |")
     return "\n".join(lines)
 
 
-def write_json(path: str, cfg: dict, rows: list[dict]) -> None:
+def make_learned_order_row(timed: dict) -> dict:
+    """One ``--learned-order`` row from the medians and bucket counts of ``_overlap.measure_learned_order``."""
+    med = timed["median_ms"]
+    local, ar = med["local"], med["allreduce"]
+    row = {"model": timed["model"], "bucket_cap_mb": timed["bucket_cap_mb"], "local_ms": local, "allreduce_ms": ar}
+    for name in ("learned", "registration"):
+        row[f"{name}_ms"] = med[name]
+        row[f"hidden_fraction_{name}"] = hidden_fraction(local, ar, med[name])
+        row[f"buckets_{name}"] = timed[f"buckets_{name}"]
+        row[f"launched_before_last_hook_{name}"] = timed[f"launched_before_last_hook_{name}"]
+    row["ratio"] = med["learned"] / med["registration"]
+    return {k: row[k] for k in LEARNED_ORDER_FIELDS}
+
+
+def learned_order_text(rows: list[dict]) -> str:
+    """The ``--learned-order`` table, with what its columns mean."""
+    lines = [
+        "MiniDDP bucket order on shuffled_mlp (layers registered in a different order than they run):",
+        "  learned       learn_bucket_order=True: buckets rebuilt after step 1 in the order gradients arrived",
+        "  registration  learn_bucket_order=False: buckets in reverse registration order (a wrong guess here)",
+        "  early         buckets launched before the last gradient hook / buckets (rank 0, last step)",
+        "  times: ms per step, median, slowest rank; hidden as in the table above",
+    ]
+    titles = ["model", "cap MB", "local", "allreduce", "learned", "registration", "learned/registration",
+              "hidden learned/registration", "early learned", "early registration"]  # fmt: skip
+    cells_all = [
+        [
+            r["model"], f"{r['bucket_cap_mb']:g}", f"{r['local_ms']:.1f}", f"{r['allreduce_ms']:.1f}",
+            f"{r['learned_ms']:.1f}", f"{r['registration_ms']:.1f}", f"{r['ratio']:.3f}",
+            f"{r['hidden_fraction_learned']:.2f} / {r['hidden_fraction_registration']:.2f}",
+            f"{r['launched_before_last_hook_learned']} / {r['buckets_learned']}",
+            f"{r['launched_before_last_hook_registration']} / {r['buckets_registration']}",
+        ]  # fmt: skip
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)
+
+
+def write_json(path: str, cfg: dict, rows: list[dict], learned_order: list[dict] | None = None) -> None:
+    """``{"config", "results"}``, plus ``"learned_order"`` when it was measured (an added key only)."""
+    data = {"config": cfg, "results": [{k: r[k] for k in FIELDS} for r in rows]}
+    if learned_order:
+        data["learned_order"] = learned_order
     with open(path, "w") as f:
-        json.dump({"config": cfg, "results": [{k: r[k] for k in FIELDS} for r in rows]}, f, indent=2)
+        json.dump(data, f, indent=2)
         f.write("\n")
 
 

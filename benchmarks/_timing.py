@@ -32,7 +32,8 @@ no momentum, so nothing hides a difference); afterwards the largest absolute
 difference between their parameters, over all ranks, is reported.
 
 Peak memory is measured in separate processes after timing (``memory_main``;
-why, in ``_memory.py``).
+why, in ``_memory.py``). The ``--learned-order`` measurement and the
+``--trace`` steps run after the table's timings, in ``_overlap.py``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import _memory
+import _overlap
 
 MiB = 1024 * 1024
 FIRST_BUCKET_MB = 1.0  # torch's DDP (and MiniDDP) cap the first bucket at 1 MiB
@@ -56,7 +58,7 @@ FIRST_BUCKET_MB = 1.0  # torch's DDP (and MiniDDP) cap the first bucket at 1 MiB
 # Per-rank batch size: the MLP is meant to be communication-bound (many
 # parameters, little compute per step), the CNN compute-heavier, the
 # autoencoder as in the seed tutorial.
-BATCH_SIZE = {"mlp": 32, "cnn": 32, "ae": 128, "resnet": 32}
+BATCH_SIZE = {"mlp": 32, "cnn": 32, "ae": 128, "resnet": 32, _overlap.SHUFFLED: 32}
 N_BATCHES = 4  # fixed random batches per rank, cycled
 LR = 0.01
 
@@ -66,7 +68,14 @@ def _minddp_api():
     from minddp import MiniDDP
     from minddp.models import build_model, model_loss
 
-    return MiniDDP, build_model, model_loss
+    # The benchmark's own model (a classifier, so cross-entropy like "mlp").
+    def build(name: str) -> torch.nn.Module:
+        return _overlap.ShuffledMLP() if name == _overlap.SHUFFLED else build_model(name)
+
+    def loss(name: str, *args) -> torch.Tensor:
+        return model_loss("mlp" if name == _overlap.SHUFFLED else name, *args)
+
+    return MiniDDP, build, loss
 
 
 def _hooks(name: str):
@@ -142,8 +151,11 @@ class Runner:
             ddp.register_comm_hook(None, self.torch_hook)
         return ddp
 
-    def wrap_minddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        ddp = self.MiniDDP(model, bucket_cap_mb=self.cap_mb, gradient_as_bucket_view=self.cfg["minddp_bucket_view"])
+    def wrap_minddp(self, model: torch.nn.Module, **extra) -> torch.nn.Module:
+        """``extra``: further MiniDDP arguments (``trace``, ``learn_bucket_order``)."""
+        ddp = self.MiniDDP(
+            model, bucket_cap_mb=self.cap_mb, gradient_as_bucket_view=self.cfg["minddp_bucket_view"], **extra
+        )
         if self.minddp_hook is not None:
             ddp.register_comm_hook(None, self.minddp_hook)
         return ddp
@@ -207,13 +219,31 @@ class Runner:
         self.sync()
         return (time.perf_counter() - t0) / k * 1000.0
 
+    def medians(self, steps: dict[str, Callable[[], None]], pair: tuple[str, str]) -> dict[str, float]:
+        """Warm every step up, then time rounds of one block each; the two of
+        ``pair`` go last, alternating which goes first. Returns, per name, the
+        median over rounds of each block's slowest-rank ms per step."""
+        cfg = self.cfg
+        for step in steps.values():
+            for _ in range(cfg["warmup"]):
+                step()
+        k = max(1, cfg["steps"] // cfg["repeats"])
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for r in range(cfg["repeats"]):
+            order = list(pair) if r % 2 == 0 else list(reversed(pair))
+            for name in [n for n in steps if n not in pair] + order:
+                times[name].append(self.time_block(steps[name], k))
+        names = list(times)
+        t = torch.tensor([times[n] for n in names], dtype=torch.float64, device=self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return {n: statistics.median(t[i].tolist()) for i, n in enumerate(names)}
+
     def measure(self, known: dict | None = None) -> dict:
         """Median ms/step of each implementation, and the two DDPs' parameter gap.
 
         ``known``: medians of ``local`` and ``naive`` already measured for this
         model at another bucket cap (they do not depend on it): not re-run.
         """
-        cfg = self.cfg
         known = known or {}
         steps = {}
         if "local" not in known:
@@ -225,20 +255,7 @@ class Runner:
             steps["naive"] = self.stepper(naive_model, self.naive_sync(naive_model))
         steps["torch_ddp"] = self.stepper(self.wrap_torch(self.fresh()))
         steps["minddp"] = self.stepper(self.wrap_minddp(self.fresh()))
-        for step in steps.values():
-            for _ in range(cfg["warmup"]):
-                step()
-        k = max(1, cfg["steps"] // cfg["repeats"])
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        for r in range(cfg["repeats"]):
-            pair = ["torch_ddp", "minddp"] if r % 2 == 0 else ["minddp", "torch_ddp"]
-            for name in [n for n in ("local", "allreduce", "naive") if n in steps] + pair:
-                times[name].append(self.time_block(steps[name], k))
-        # The slowest rank's time, per block, then the median over blocks.
-        names = list(times)
-        t = torch.tensor([times[n] for n in names], dtype=torch.float64, device=self.comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        med = {n: statistics.median(t[i].tolist()) for i, n in enumerate(names)}
+        med = self.medians(steps, ("torch_ddp", "minddp"))
         med.update({n: v for n, v in known.items() if n in ("local", "naive")})
 
         a = steps["torch_ddp"].module.module.parameters()
@@ -300,9 +317,14 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
         result = Runner(cfg, name, cap, rank, world_size, device).measure(known=cap_free.get(name))
         cap_free.setdefault(name, {n: result["median_ms"][n] for n in ("local", "naive")})
         out.append({"model": name, "bucket_cap_mb": cap, **result})
+    def make_runner(name: str, cap: float) -> Runner:
+        return Runner(cfg, name, cap, rank, world_size, device)
+
+    learned = [_overlap.learned_order_row(cfg, make_runner)] if cfg.get("learned_order_cap_mb") else []
+    _overlap.record_traces(cfg, make_runner)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(out, f)
+            json.dump({"rows": out, "learned_order": learned}, f)
 
 
 def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:

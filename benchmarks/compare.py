@@ -4,6 +4,8 @@
     python benchmarks/compare.py --quick --json r.json # the smoke test (< 1 minute on 2 cores)
     python benchmarks/compare.py --bucket-sweep 1,5,25,100 --plot compare.png
     python benchmarks/compare.py --backend nccl --device cuda --world-size 1
+    python benchmarks/compare.py --models mlp --trace overlap.json --plot compare.png
+    python benchmarks/compare.py --learned-order
 
 For every model (and bucket cap) one table row, all times in ms per step,
 medians over repeated blocks, each block's time the slowest rank's:
@@ -34,6 +36,20 @@ with ``--threads-per-rank`` intra-op threads; the rank side is
 ``_timing.py``, the table/JSON/plot ``_report.py``. Data are fixed random
 tensors of MNIST shape, seeded per rank: this measures steps, not learning.
 
+Two extras (rank side in ``_overlap.py``, reading traces in ``_overlap_plot.py``):
+
+* ``--trace PATH.json``: after the timings, a few more steps of
+  ``MiniDDP(trace=True)`` per model, written as a Chrome trace (open it in
+  https://ui.perfetto.dev); with several models the model's name goes into
+  the file name (``PATH-mlp.json``). With ``--plot``, a PNG beside each
+  trace (``PATH-mlp.png``) shows per rank the backward span and one bar per
+  bucket all-reduce, so you see which ones hid under backward;
+* ``--learned-order [CAP_MB]``: MiniDDP with ``learn_bucket_order=True``
+  against ``False`` on ``shuffled_mlp``, a model whose layers are registered
+  in a different order than they run, at bucket cap CAP_MB (default 2): a
+  separate table, and a ``learned_order`` list in the JSON (the ``results``
+  list keeps its fields).
+
 NCCL refuses two ranks on one GPU; with fewer GPUs than ``--world-size`` the
 run drops to one rank per GPU and says so.
 """
@@ -51,10 +67,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _overlap_plot  # noqa: E402
 import _report  # noqa: E402
 from minddp.models import MODEL_NAMES  # noqa: E402
 
-MODELS = ["mlp", "cnn", "ae"]  # the default; minddp.models.MODEL_NAMES lists all
+MODELS = ["mlp", "cnn", "ae"]  # the default
+ALL_MODELS = (*MODEL_NAMES, "shuffled_mlp")  # minddp.models' and the benchmark's own (_overlap.py)
+TRACE_STEPS = 3  # steps kept in each --trace file, after warm-up
+# At the default 25 MB cap shuffled_mlp's 9.6 MiB are two buckets, and their order barely matters.
+LEARNED_ORDER_CAP_MB = 2.0
 
 
 def _floats(text: str) -> list[float]:
@@ -89,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per implementation (default 30, quick 4)")
     p.add_argument("--repeats", type=int, default=None, help="timed blocks the steps are split into (default 5, quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 2)")
-    p.add_argument("--models", type=_models, default=MODELS, help="comma-separated, from " + ",".join(MODEL_NAMES))
+    p.add_argument("--models", type=_models, default=MODELS, help="comma-separated, from " + ",".join(ALL_MODELS))
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--comm-hook", choices=["none", "fp16", "bf16"], default="none",
                    help="both wrappers get the same hook (torch's own for torch's DDP, minddp.comm_hooks for MiniDDP)")  # fmt: skip
@@ -99,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="few steps: a smoke test, under a minute on 2 cores")
     p.add_argument("--json", metavar="PATH", default=None, help="write config and results as JSON")
     p.add_argument("--plot", metavar="PATH.png", default=None, help="draw the results (needs matplotlib: pip install '.[plot]')")
+    p.add_argument("--trace", metavar="PATH.json", default=None,
+                   help="after timing, write a Chrome trace of a few MiniDDP(trace=True) steps per model "
+                   "(with --plot also a PNG beside it)")  # fmt: skip
+    p.add_argument("--learned-order", type=float, nargs="?", const=LEARNED_ORDER_CAP_MB, default=None,
+                   metavar="CAP_MB", help="also time MiniDDP with learn_bucket_order True vs False on shuffled_mlp, "
+                   f"at this bucket cap (default {LEARNED_ORDER_CAP_MB:g} MB: about ten buckets of its 9.6 MiB)",
+                   )  # fmt: skip
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 4 if args.quick else 30
@@ -114,9 +142,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup < 2:
         p.error("--warmup must be at least 2: torch's DDP rebuilds its buckets after its first step")
     args.repeats = min(args.repeats, args.steps)
-    unknown = [m for m in args.models if m not in MODEL_NAMES]
+    unknown = [m for m in args.models if m not in ALL_MODELS]
     if unknown:
-        p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODEL_NAMES)}")
+        p.error(f"unknown model(s) {unknown}; choose from {', '.join(ALL_MODELS)}")
+    if args.learned_order is not None and args.learned_order <= 0:
+        p.error(f"--learned-order CAP_MB must be positive, got {args.learned_order:g}")
+    if args.trace and not args.trace.endswith(".json"):
+        p.error(f"--trace names a .json file, got {args.trace!r}")
+    if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        p.error(f"--trace {args.trace}: its folder does not exist")
     if args.backend == "nccl" and args.device != "cuda":
         p.error("NCCL only reduces CUDA tensors: use --device cuda (or --backend gloo)")
     return args
@@ -163,6 +197,9 @@ def config(args: argparse.Namespace) -> dict:
         "minddp_bucket_view": not args.no_bucket_view,
         "torch_bucket_view": args.torch_bucket_view,
         "quick": args.quick,
+        "learned_order_cap_mb": args.learned_order,  # None: not measured
+        "trace_files": trace_files(args.trace, args.models) if args.trace else {},
+        "trace_steps": TRACE_STEPS,
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"
@@ -170,6 +207,28 @@ def config(args: argparse.Namespace) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:]),
     }
+
+
+def trace_files(path: str, models: list[str]) -> dict[str, str]:
+    """model -> trace path: ``path`` itself for one model, else ``PATH-model.json``."""
+    if len(models) == 1:
+        return {models[0]: os.path.abspath(path)}
+    stem = os.path.abspath(path)[: -len(".json")]
+    return {m: f"{stem}-{m}.json" for m in models}
+
+
+def report_traces(cfg: dict, plot: bool) -> None:
+    """One line per traced model (its last step on every rank), and the PNGs with ``--plot``."""
+    for model, path in cfg["trace_files"].items():
+        with open(path) as f:
+            trace = json.load(f)
+        print(f"trace {model}: {path} (open in https://ui.perfetto.dev)")
+        for views in _overlap_plot.read_steps(trace).values():
+            print(f"  {views[-1].summary()}")
+        if plot:
+            png = path[: -len(".json")] + ".png"
+            _overlap_plot.draw_overlap(trace, png, title=f"{model}, bucket cap {cfg['bucket_caps'][0]:g} MB")
+            print(f"  wrote {png}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,10 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.clear()
             os.environ.update(saved)
         with open(timed_path) as f:
-            timed = json.load(f)
+            timed = json.load(f)  # {"rows": [...], "learned_order": [...]}
         with open(mem_path) as f:
             memory = json.load(f)
-    rows = [_report.make_row(cfg, t, m) for t, m in zip(timed, memory["memory"])]
+    rows = [_report.make_row(cfg, t, m) for t, m in zip(timed["rows"], memory["memory"])]
+    learned = [_report.make_learned_order_row(r) for r in timed["learned_order"]]
     cfg["memory_method"] = memory["method"]
     cfg["wall_s"] = round(time.perf_counter() - started, 1)
     cfg["notes"] = notes
@@ -213,9 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     print(_report.header(cfg))
     print()
     print(_report.table(rows))
+    if learned:
+        print()
+        print(_report.learned_order_text(learned))
+    if cfg["trace_files"]:
+        print()
+        report_traces(cfg, plot=bool(args.plot))
     print(f"\n{cfg['date']}, {cfg['machine']}, torch {cfg['torch_version']}, {cfg['wall_s']} s in all")
     if args.json:
-        _report.write_json(args.json, cfg, rows)
+        _report.write_json(args.json, cfg, rows, learned)
         print(f"wrote {args.json}")
     if args.plot:
         _report.plot(args.plot, cfg, rows)

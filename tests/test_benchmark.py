@@ -2,7 +2,8 @@
 
 A smoke test: it checks that every field is there and that MiniDDP and
 torch's DDP end the run with the same parameters. It asserts nothing about
-timings (those depend on the machine and its load).
+timings (those depend on the machine and its load). The same run exercises
+``--trace`` and ``--learned-order`` (one run keeps the suite fast).
 """
 
 import json
@@ -15,6 +16,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from _overlap_plot import read_steps  # noqa: E402
 
 RESULT_FIELDS = {
     "model", "backend", "device", "world_size", "bucket_cap_mb",
@@ -22,13 +26,20 @@ RESULT_FIELDS = {
     "ratio", "hidden_fraction_torch", "hidden_fraction_minddp",
     "peak_mem_torch_mb", "peak_mem_minddp_mb", "max_param_diff",
 }  # fmt: skip
+LEARNED_ORDER_FIELDS = {
+    "model", "bucket_cap_mb", "local_ms", "allreduce_ms", "learned_ms", "registration_ms", "ratio",
+    "hidden_fraction_learned", "hidden_fraction_registration", "buckets_learned", "buckets_registration",
+    "launched_before_last_hook_learned", "launched_before_last_hook_registration",
+}  # fmt: skip
+TRACE_STEPS = 3  # compare.TRACE_STEPS
 
 
 @pytest.mark.timeout(330)
 def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     out = tmp_path / "quick.json"
     proc = subprocess.run(
-        [sys.executable, COMPARE, "--quick", "--json", str(out)],
+        [sys.executable, COMPARE, "--quick", "--json", str(out),
+         "--trace", str(tmp_path / "trace.json"), "--learned-order"],  # fmt: skip
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -38,7 +49,7 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     assert "| model" in proc.stdout  # the table was printed
 
     data = json.loads(out.read_text())
-    assert set(data) == {"config", "results"}
+    assert set(data) == {"config", "results", "learned_order"}  # the last only with --learned-order
     assert data["config"]["quick"] is True
     results = data["results"]
     assert {r["model"] for r in results} == {"mlp", "cnn", "ae"}
@@ -51,6 +62,8 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
         assert 0.0 <= r["hidden_fraction_torch"] <= 1.0
         assert 0.0 <= r["hidden_fraction_minddp"] <= 1.0
         assert r["max_param_diff"] <= 1e-5, f"{r['model']}: MiniDDP and torch's DDP diverged by {r['max_param_diff']}"
+    check_learned_order(data["learned_order"])
+    check_traces(tmp_path, proc.stdout)
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path):
@@ -69,3 +82,65 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path):
     )
     assert proc.returncode != 0
     assert "pip install" in proc.stderr and "plot" in proc.stderr
+
+
+def check_learned_order(rows: list[dict]) -> None:
+    assert len(rows) == 1 and set(rows[0]) == LEARNED_ORDER_FIELDS, rows
+    r = rows[0]
+    assert (r["model"], r["bucket_cap_mb"]) == ("shuffled_mlp", 2.0)
+    for key in LEARNED_ORDER_FIELDS - {"model"}:
+        assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (key, r[key])
+    assert r["buckets_learned"] > 2 and r["buckets_registration"] > 2, "2 MB buckets split the 9.6 MiB model"
+    # Not a timing: which buckets can leave before backward's last gradient
+    # follows from the hook order. shuffled_mlp registers its input layer last,
+    # so in reverse registration order its gradient (the last to come) is in
+    # bucket 0, and strict bucket order holds every other bucket behind it.
+    assert r["launched_before_last_hook_registration"] <= 1, r
+    assert r["launched_before_last_hook_learned"] >= r["buckets_learned"] - 2, r
+
+
+def check_traces(tmp_path, stdout: str) -> None:
+    for model in ("mlp", "cnn", "ae"):
+        path = tmp_path / f"trace-{model}.json"  # several models: the name goes into the file name
+        assert f"trace {model}: {path}" in stdout
+        trace = json.loads(path.read_text())
+        comm = [e for e in trace["traceEvents"] if e.get("tid") == 1 and e["ph"] == "X"]
+        assert {e["pid"] for e in comm} == {0, 1}, f"{model}: communication events of both ranks"
+        assert all(e["name"].startswith("all_reduce bucket ") and e["dur"] >= 0 for e in comm)
+        steps = read_steps(trace)
+        assert sorted(steps) == [0, 1]
+        for rank, views in steps.items():
+            assert len(views) == TRACE_STEPS, (model, rank, [v.step for v in views])
+            for v in views:
+                indices = [b.index for b in v.buckets]  # in launch order
+                assert v.hooks and indices and indices == list(range(len(indices))), (model, v)
+
+
+def test_read_steps_gives_each_bar_to_the_backward_it_was_launched_in():
+    """A bar's ``step`` is stamped at completion, possibly after the step moved on:
+    the reader goes by launch time, and drops bars of steps not in the trace."""
+
+    def span(step, ts, dur):
+        return {"name": "backward", "ph": "X", "pid": 0, "tid": 0, "ts": ts, "dur": dur, "args": {"step": step}}
+
+    def hook(step, ts, name):
+        return {"name": f"grad {name}", "ph": "i", "s": "t", "pid": 0, "tid": 0, "ts": ts, "args": {"step": step}}
+
+    def bar(step, index, ts, dur):
+        return {"name": f"all_reduce bucket {index}", "ph": "X", "pid": 0, "tid": 1, "ts": ts, "dur": dur,
+                "args": {"step": step, "bytes": 4096}}  # fmt: skip
+
+    events = [
+        bar(1, 1, 50.0, 40.0),  # the step before the trace starts: dropped
+        span(2, 100.0, 900.0), hook(2, 100.0, "b"), hook(2, 400.0, "w"),
+        bar(2, 0, 150.0, 100.0), bar(3, 1, 450.0, 550.0),  # stamped 3, launched in step 2
+        span(3, 2000.0, 500.0), hook(3, 2000.0, "b"), hook(3, 2300.0, "w"),
+        bar(3, 0, 2050.0, 100.0), bar(3, 1, 2350.0, 100.0),
+    ]  # fmt: skip
+    (views,) = read_steps({"traceEvents": events}).values()
+    assert [(v.step, [b.index for b in v.buckets]) for v in views] == [(2, [0, 1]), (3, [0, 1])]
+    first = views[0]
+    assert first.hooks == [("b", 0.1), ("w", 0.4)] and first.last_hook_ms == 0.4
+    assert (first.launched_before_last_hook(), first.finished_before_last_hook()) == (1, 1)
+    assert "2 buckets, 1 launched and 1 finished before the last gradient hook" in first.summary()
+    assert "then 0.6 ms waiting" in first.summary()

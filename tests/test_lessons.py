@@ -38,8 +38,8 @@ def check(result: subprocess.CompletedProcess, what: str) -> None:
     assert "checked:" in result.stdout, f"{what} printed no 'checked:' line:\n{result.stdout[-2000:]}"
 
 
-def test_there_are_fifteen_lessons():
-    assert [p.name[:2] for p in LESSONS] == [f"{i:02d}" for i in range(1, 16)]
+def test_there_are_sixteen_lessons():
+    assert [p.name[:2] for p in LESSONS] == [f"{i:02d}" for i in range(1, 17)]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
