@@ -73,7 +73,8 @@ def draw(view: StepView, width: int = 60) -> None:
         for c in range(col(bar.launched_ms), col(bar.finished_ms) + 1):
             row[c] = "="
         row[col(bar.launched_ms)] = "^"
-        row[last] = "|" if row[last] == " " else row[last]
+        if row[last] != "^":  # left of it the bar ran under backward, right of it after
+            row[last] = "|"
         print0(f"  bucket {bar.index:<2} {''.join(row)}")
     print0("  g gradient hook   # computing gradients   . waiting for the all-reduces")
     print0("  ^ bucket launched   = until its all-reduce completed   | the last gradient hook")
