@@ -18,7 +18,7 @@ Learned bucket order
 Trace
     :func:`record_trace` runs a few extra steps of ``MiniDDP(trace=True)``
     after warm-up and writes the Chrome trace (``minddp/trace.py``); the
-    parent process reads it back with ``_overlap_plot.py``.
+    parent process reads it back with ``minddp/trace_view.py``.
 """
 
 from __future__ import annotations
@@ -101,17 +101,11 @@ def record_trace(runner, path: str, n_steps: int) -> None:
     step = runner.stepper(runner.wrap_minddp(runner.fresh(), trace=True))
     for _ in range(runner.cfg["warmup"]):  # first steps: allocation, bucket rebuild; not shown
         step()
-    # A bucket's completion event is added by a callback on Gloo's thread,
-    # which can run just after backward's wait() returned: each barrier gives
-    # those callbacks time to land (before the events are dropped, and before
-    # they are gathered). The barriers also start the shown steps together.
-    tracer = step.module.tracer
-    dist.barrier()
-    tracer.events.clear()
+    step.module.tracer.clear()
+    dist.barrier()  # start the shown steps together on every rank
     for _ in range(n_steps):
         step()
-    dist.barrier()
-    tracer.export_chrome_trace(path)
+    step.module.tracer.export_chrome_trace(path)
 
 
 def learned_order_row(cfg: dict, make_runner: Callable) -> dict:

@@ -36,7 +36,7 @@ with ``--threads-per-rank`` intra-op threads; the rank side is
 ``_timing.py``, the table/JSON/plot ``_report.py``. Data are fixed random
 tensors of MNIST shape, seeded per rank: this measures steps, not learning.
 
-Two extras (rank side in ``_overlap.py``, reading traces in ``_overlap_plot.py``):
+Two extras (rank side in ``_overlap.py``, reading traces in ``minddp/trace_view.py``):
 
 * ``--trace PATH.json``: after the timings, a few more steps of
   ``MiniDDP(trace=True)`` per model, written as a Chrome trace (open it in
@@ -67,7 +67,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _overlap_plot  # noqa: E402
+from minddp import trace_view  # noqa: E402
 import _report  # noqa: E402
 from minddp.models import MODEL_NAMES  # noqa: E402
 
@@ -223,11 +223,11 @@ def report_traces(cfg: dict, plot: bool) -> None:
         with open(path) as f:
             trace = json.load(f)
         print(f"trace {model}: {path} (open in https://ui.perfetto.dev)")
-        for views in _overlap_plot.read_steps(trace).values():
+        for views in trace_view.read_steps(trace).values():
             print(f"  {views[-1].summary()}")
         if plot:
             png = path[: -len(".json")] + ".png"
-            _overlap_plot.draw_overlap(trace, png, title=f"{model}, bucket cap {cfg['bucket_caps'][0]:g} MB")
+            trace_view.draw_overlap(trace, png, title=f"{model}, bucket cap {cfg['bucket_caps'][0]:g} MB")
             print(f"  wrote {png}")
 
 

@@ -26,13 +26,12 @@ What to look at
     The text timeline of rank 0's last step, and where the first bucket
     left compared with the last gradient hook. With matplotlib installed
     (``pip install '.[plot]'``) the same step for every rank as a PNG
-    beside the JSON, drawn by ``benchmarks/_overlap_plot.py``, the code
+    beside the JSON, drawn by ``minddp/trace_view.py``, the code
     behind ``benchmarks/compare.py --trace``.
 """
 
 import json
 import os
-import sys
 import tempfile
 
 import torch
@@ -40,11 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minddp import MiniDDP
+from minddp.trace_view import StepView, draw_overlap, read_steps  # shared with the benchmark
 from _common import parse_args, print0, run
-
-# The trace reader and the picture are shared with the benchmark.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from _overlap_plot import StepView, draw_overlap, read_steps  # noqa: E402
 
 STEPS = 4
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "minddp_lesson16_trace.json")
@@ -114,9 +110,6 @@ def main(rank: int, world_size: int, out: str) -> None:
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
-    # A bar's end is recorded by a callback on Gloo's thread, which may run a
-    # moment after backward stopped waiting: the barrier lets it land.
-    dist.barrier()
     ddp.tracer.export_chrome_trace(out)  # every rank calls it; rank 0 writes
     print0(f"wrote {out}: {STEPS} steps x {world_size} ranks; open it in https://ui.perfetto.dev")
     if rank != 0:

@@ -60,23 +60,44 @@ class Tracer:
         self.rank = rank
         self.step = 0
         self.events: list[dict[str, Any]] = []
-        # Completion callbacks run on the communication thread.
-        self._lock = threading.Lock()
+        # Completion callbacks run on the communication thread, possibly a
+        # moment after backward's wait returned: count them, so an export can
+        # wait until the last one has written its event.
+        self._changed = threading.Condition()
+        self._pending = 0
 
-    def _add(self, event: dict[str, Any]) -> None:
-        event.update(pid=self.rank, args={**event.get("args", {}), "step": self.step})
-        with self._lock:
+    def _add(self, event: dict[str, Any], step: int | None = None) -> None:
+        step = self.step if step is None else step
+        event.update(pid=self.rank, args={**event.get("args", {}), "step": step})
+        with self._changed:
             self.events.append(event)
+
+    def _wait_for_pending(self) -> None:
+        if not self._changed.wait_for(lambda: self._pending == 0, timeout=30.0):
+            raise RuntimeError(f"{self._pending} all-reduce(s) never completed; was the last backward finished?")
+
+    def clear(self) -> None:
+        """Forget the events so far (e.g. warm-up steps), once their callbacks have landed."""
+        with self._changed:
+            self._wait_for_pending()
+            self.events.clear()
 
     def gradient_ready(self, name: str, when: float) -> None:
         self._add({"name": f"grad {name}", "ph": "i", "s": "t", "ts": _us(when), "tid": BACKWARD_TRACK})
 
     def bucket_launched(self, index: int, nbytes: int, when: float, future: torch.futures.Future) -> None:
+        step = self.step  # the step it was launched in, not the one running when it ends
+
         def done(_: torch.futures.Future) -> None:
             end = time.perf_counter()
             self._add({"name": f"all_reduce bucket {index}", "ph": "X", "ts": _us(when), "dur": _us(end - when),
-                       "tid": COMM_TRACK, "args": {"bytes": nbytes}})
+                       "tid": COMM_TRACK, "args": {"bytes": nbytes}}, step)
+            with self._changed:
+                self._pending -= 1
+                self._changed.notify_all()
 
+        with self._changed:
+            self._pending += 1
         future.add_done_callback(done)
 
     def backward_done(self, timeline: StepTimeline) -> None:
@@ -91,7 +112,8 @@ class Tracer:
         A collective: every rank of the group must call it.
         """
         everyone: list[Any] = [None] * dist.get_world_size(group)
-        with self._lock:
+        with self._changed:
+            self._wait_for_pending()
             mine = list(self.events)
         dist.all_gather_object(everyone, mine, group=group)
         if dist.get_rank(group) != 0:

@@ -16,9 +16,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _overlap_plot import read_steps  # noqa: E402
+from minddp.trace_view import read_steps
 
 RESULT_FIELDS = {
     "model", "backend", "device", "world_size", "bucket_cap_mb",
@@ -116,9 +115,9 @@ def check_traces(tmp_path, stdout: str) -> None:
                 assert v.hooks and indices and indices == list(range(len(indices))), (model, v)
 
 
-def test_read_steps_gives_each_bar_to_the_backward_it_was_launched_in():
-    """A bar's ``step`` is stamped at completion, possibly after the step moved on:
-    the reader goes by launch time, and drops bars of steps not in the trace."""
+def test_read_steps_groups_bars_by_the_step_they_were_launched_in():
+    """A bar belongs to the step it was launched in, even when it ends after
+    that step's backward; bars of steps not in the trace are dropped."""
 
     def span(step, ts, dur):
         return {"name": "backward", "ph": "X", "pid": 0, "tid": 0, "ts": ts, "dur": dur, "args": {"step": step}}
@@ -133,7 +132,7 @@ def test_read_steps_gives_each_bar_to_the_backward_it_was_launched_in():
     events = [
         bar(1, 1, 50.0, 40.0),  # the step before the trace starts: dropped
         span(2, 100.0, 900.0), hook(2, 100.0, "b"), hook(2, 400.0, "w"),
-        bar(2, 0, 150.0, 100.0), bar(3, 1, 450.0, 550.0),  # stamped 3, launched in step 2
+        bar(2, 0, 150.0, 100.0), bar(2, 1, 450.0, 550.0),  # launched in step 2, ends after its backward
         span(3, 2000.0, 500.0), hook(3, 2000.0, "b"), hook(3, 2300.0, "w"),
         bar(3, 0, 2050.0, 100.0), bar(3, 1, 2350.0, 100.0),
     ]  # fmt: skip

@@ -11,9 +11,8 @@ Chrome trace events. Per rank (``pid``) there are two tracks (``tid``):
   bucket, from its launch until its all-reduce completed.
 
 :func:`read_steps` groups them into one :class:`StepView` per rank and step.
-A bucket's bar is given to the step whose backward span contains its launch
-(rather than trusting its ``step`` field: that is stamped when the bar
-*ends*, by a callback that may run a moment after backward moved on).
+Every event carries the ``step`` it belongs to (a bucket's bar: the step it
+was launched in).
 
 Used by ``benchmarks/compare.py --trace`` and by lesson 16. matplotlib is
 imported only inside :func:`draw_overlap` (it is the optional ``plot`` extra).
@@ -24,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-BACKWARD_TRACK, COMM_TRACK = 0, 1  # the tids of minddp/trace.py
+from minddp.trace import BACKWARD_TRACK, COMM_TRACK
 
 
 @dataclass
@@ -78,11 +77,11 @@ def read_steps(trace: dict) -> dict[int, list[StepView]]:
         if e.get("tid") == BACKWARD_TRACK and e["ph"] == "i" and (e["pid"], e["args"]["step"]) in views:
             views[(e["pid"], e["args"]["step"])].hooks.append((e["name"].removeprefix("grad "), e["ts"] / 1e3))
         elif e.get("tid") == COMM_TRACK and e["ph"] == "X":
-            launched = e["ts"] / 1e3
-            owner = [v for (rank, _), v in views.items() if rank == e["pid"] and v.start_ms <= launched <= v.end_ms]
-            if owner:  # a late bar of a step that is not in the trace is dropped
+            owner = views.get((e["pid"], e["args"]["step"]))
+            if owner is not None:  # a bar of a step whose backward is not in the trace is dropped
+                launched = e["ts"] / 1e3
                 index = int(re.search(r"(\d+)$", e["name"]).group(1))
-                owner[0].buckets.append(BucketBar(index, launched, launched + e["dur"] / 1e3, e["args"]["bytes"]))
+                owner.buckets.append(BucketBar(index, launched, launched + e["dur"] / 1e3, e["args"]["bytes"]))
     by_rank: dict[int, list[StepView]] = {}
     for (rank, step) in sorted(views):
         by_rank.setdefault(rank, []).append(views[(rank, step)])
