@@ -107,8 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--bucket-sweep", type=_floats, default=None, metavar="1,5,25,100",
                    help="measure every one of these bucket caps (MB) instead of --bucket-cap-mb alone")  # fmt: skip
-    p.add_argument("--steps", type=int, default=None, help="timed steps per implementation (default 30, quick 4)")
-    p.add_argument("--repeats", type=int, default=None, help="timed blocks the steps are split into (default 5, quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per implementation (default 60, quick 4)")
+    p.add_argument("--repeats", type=int, default=None, help="timed blocks the steps are split into (default 10, quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 2)")
     p.add_argument("--models", type=_models, default=MODELS, help="comma-separated, from " + ",".join(ALL_MODELS))
     p.add_argument("--threads-per-rank", type=int, default=1)
@@ -129,9 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    )  # fmt: skip
     args = p.parse_args(argv)
     if args.steps is None:
-        args.steps = 4 if args.quick else 30
+        args.steps = 4 if args.quick else 60  # 30 in 5 blocks proved too noisy on 2 shared cores
     if args.repeats is None:
-        args.repeats = 2 if args.quick else 5
+        args.repeats = 2 if args.quick else 10
     if args.warmup is None:
         args.warmup = 2 if args.quick else 3
     if args.device is None:

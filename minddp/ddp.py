@@ -315,9 +315,9 @@ class MiniDDP(nn.Module):
         # every rank issues the same all-reduces in the same order.
         while self._next_to_launch < len(self._buckets) and self._buckets[self._next_to_launch].ready:
             bucket = self._buckets[self._next_to_launch]
+            now = time.perf_counter()
             with torch.profiler.record_function(f"minddp.launch_bucket_{bucket.index}"):
                 bucket.launch(self._communicate)
-            now = time.perf_counter()
             self.timeline.launches.append(now)
             if self.tracer is not None:
                 self.tracer.bucket_launched(bucket.index, bucket.buffer.nbytes, now, bucket.future)
