@@ -5,10 +5,10 @@ The path of a gradient, all in this file::
     loss.backward()
       autograd accumulates p.grad
         └─ _on_grad_ready(p)           post-accumulate hook, one per parameter
-             copy p.grad into p's slot of its bucket (nothing to copy
-             if p.grad *is* that slot: gradient_as_bucket_view)
-             bucket complete? ─> _launch_ready_buckets(): divide by world
-                                 size, async all_reduce, strictly in bucket order
+             copy p.grad / world_size into p's slot of its bucket
+             (divide in place if p.grad *is* that slot: gradient_as_bucket_view)
+             bucket complete? ─> _launch_ready_buckets(): async all_reduce,
+                                 strictly in bucket order
       end of backward
         └─ _finish_backward()          callback queued on the autograd engine
              wait for every bucket, write the averages into p.grad
@@ -301,12 +301,19 @@ class MiniDDP(nn.Module):
             self._launch_ready_buckets()
 
     def _copy_into_bucket(self, param: nn.Parameter, slot: torch.Tensor) -> None:
+        # Average = sum of (g / N): dividing before the sum keeps low precision
+        # from overflowing. Fused with the copy, it costs one pass over the
+        # gradient; a comm hook does its own averaging (divisor 1).
+        divisor = 1 if self._comm_hook is not None else self._divisor
         grad = param.grad
         if grad is None:  # unused here (but maybe used on another rank): contributes zero
             self._locally_used[self._index[param]] = False
             slot.zero_()
-        elif grad.data_ptr() != slot.data_ptr():  # already there if .grad is a bucket view
-            slot.copy_(grad)
+        elif grad.data_ptr() == slot.data_ptr():  # .grad is already this slot (bucket view)
+            if divisor != 1:
+                slot.div_(divisor)
+        else:
+            torch.div(grad, divisor, out=slot) if divisor != 1 else slot.copy_(grad)
             if self.gradient_as_bucket_view:  # e.g. after zero_grad(set_to_none=True)
                 param.grad = slot
 
@@ -325,10 +332,6 @@ class MiniDDP(nn.Module):
 
     def _communicate(self, bucket: Bucket) -> torch.futures.Future:
         if self._comm_hook is None:
-            # Average = sum of (g / N): dividing before the sum keeps low
-            # precision from overflowing. One kernel per bucket, not per parameter.
-            if self._divisor != 1:
-                bucket.buffer.div_(self._divisor)
             work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
             return work.get_future()
         state, hook = self._comm_hook
