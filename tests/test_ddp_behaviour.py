@@ -330,3 +330,19 @@ def _kept_order(rank, world_size):
 
 def test_learned_bucket_order_can_be_switched_off(ranks):
     assert ranks(2).run(_kept_order) == [True, True]
+
+
+# --------------------------------------------------------------- profiler
+def _profiled(rank, world_size):
+    model = MiniDDP(build("mlp", seed=0), bucket_cap_mb=1e-3)
+    xb, yb, _, _ = _local_batch(rank, world_size)
+    F.mse_loss(model(xb), yb).backward()  # outside the profiler: no ranges, no cost
+    with torch.profiler.profile() as prof:
+        F.mse_loss(model(xb), yb).backward()
+    names = {e.name for e in prof.events()}
+    return len(model.bucket_names), sorted(n for n in names if n.startswith("minddp."))
+
+
+def test_torch_profiler_shows_bucket_launches_and_the_wait(ranks):
+    n_buckets, names = ranks(2).run(_profiled)[0]
+    assert names == sorted([f"minddp.launch_bucket_{i}" for i in range(n_buckets)] + ["minddp.wait_buckets"])
