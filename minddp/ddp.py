@@ -311,8 +311,9 @@ class MiniDDP(nn.Module):
 
     def _copy_into_bucket(self, param: nn.Parameter, slot: torch.Tensor) -> None:
         # Average = sum of (g / N): dividing before the sum keeps low precision
-        # from overflowing. Fused with the copy, it costs one pass over the
-        # gradient; a comm hook does its own averaging (divisor 1).
+        # from overflowing. Fused with the copy it costs one pass over the
+        # gradient, and multiplying by 1/N (as torch's reducer does) is
+        # cheaper than dividing. A comm hook does its own averaging.
         divisor = 1 if self._comm_hook is not None else self._divisor
         grad = param.grad
         if grad is None:  # unused here (but maybe used on another rank): contributes zero
@@ -320,9 +321,9 @@ class MiniDDP(nn.Module):
             slot.zero_()
         elif grad.data_ptr() == slot.data_ptr():  # .grad is already this slot (bucket view)
             if divisor != 1:
-                slot.div_(divisor)
+                slot.mul_(1.0 / divisor)
         else:
-            torch.div(grad, divisor, out=slot) if divisor != 1 else slot.copy_(grad)
+            torch.mul(grad, 1.0 / divisor, out=slot) if divisor != 1 else slot.copy_(grad)
             if self.gradient_as_bucket_view:  # e.g. after zero_grad(set_to_none=True)
                 param.grad = slot
 
