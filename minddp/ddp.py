@@ -159,7 +159,8 @@ class MiniDDP(nn.Module):
         self._arrival: list[int] = []
 
         # 3. One hook per parameter; it fires after p.grad has been accumulated.
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
         self._require_sync = True  # False inside no_sync()
         self._sync_this_backward = False  # read at forward, used by the hooks
@@ -300,6 +301,7 @@ class MiniDDP(nn.Module):
         # Runs once autograd has finished the whole backward pass.
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._locally_used = [True] * len(self._params)
+        self._arrival = []  # only this backward's order counts (an earlier one may have failed)
         for p in self._unused:  # no gradient will come for these: count them now
             self._mark_ready(p)
 
@@ -416,7 +418,6 @@ class MiniDDP(nn.Module):
         order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order_t, src=global_rank(self.process_group, 0), group=self.process_group)
         order = order_t.tolist()
-        self._arrival = []
         current = [self._index[p] for b in self._buckets for p in b.params]
         if order != current:
             self._build_buckets(order)

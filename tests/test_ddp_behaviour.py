@@ -346,3 +346,28 @@ def _profiled(rank, world_size):
 def test_torch_profiler_shows_bucket_launches_and_the_wait(ranks):
     n_buckets, names = ranks(2).run(_profiled)[0]
     assert names == sorted([f"minddp.launch_bucket_{i}" for i in range(n_buckets)] + ["minddp.wait_buckets"])
+
+
+class MaybeSecondLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def _recovers(rank, world_size):
+    model = MiniDDP(MaybeSecondLayer(), bucket_cap_mb=1e-4)
+    with pytest.raises(RuntimeError, match="'b.weight'"):
+        model(torch.randn(2, 4), use_b=False).sum().backward()
+    model(torch.randn(2, 4), use_b=True).sum().backward()  # a good step after the error
+    names = [n for bucket in model.bucket_names for n in bucket]
+    return sorted(names), all(p.grad is not None for p in model.parameters())
+
+
+def test_a_failed_backward_does_not_spoil_the_next_one(ranks):
+    for names, have_grads in ranks(2).run(_recovers):
+        assert names == ["a.bias", "a.weight", "b.bias", "b.weight"]  # each once, after the rebuild
+        assert have_grads
