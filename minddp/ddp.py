@@ -380,7 +380,8 @@ class MiniDDP(nn.Module):
                 if globally_used is not None and not globally_used[self._index[p]]:
                     continue  # unused on every rank: .grad stays as it was (None stays None)
                 if self.gradient_as_bucket_view:
-                    p.grad = slot
+                    if p.grad is not slot:  # usually already set by the hook
+                        p.grad = slot
                 elif p.grad is None:
                     p.grad = slot.clone()
                 else:
