@@ -42,26 +42,18 @@ from minddp.join import Join
 from minddp.sync import (
     BUFFER_POLICIES,
     broadcast_coalesced,
+    check_device_ids,
     check_same_parameters,
     global_rank,
     params_reached_from,
     sync_buffers,
 )
-from minddp.trace import StepTimeline, Tracer
+from minddp.trace import StepTimeline, Tracer, profiler_range
 
 __all__ = ["MiniDDP"]
 
 # torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
 FIRST_BUCKET_CAP_MB = 1.0
-
-
-def _profiler_range(name: str) -> contextlib.AbstractContextManager:
-    """A ``torch.profiler`` range while a profiler runs; free otherwise.
-
-    ``record_function`` costs tens of microseconds even with no profiler
-    listening, a cost paid per bucket per step for nothing.
-    """
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class MiniDDP(nn.Module):
@@ -142,7 +134,7 @@ class MiniDDP(nn.Module):
                 "MiniDDP is not needed when a module has no parameter that requires a gradient "
                 f"({type(module).__name__} has none): there is nothing to average"
             )
-        self._check_devices(device_ids, [p for _, p in named])
+        check_device_ids(device_ids, [p for _, p in named])
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         self.device = self._params[0].device
@@ -176,17 +168,6 @@ class MiniDDP(nn.Module):
         self.tracer = Tracer(dist.get_rank(self.process_group)) if trace else None
 
     # ------------------------------------------------------------------ setup
-    @staticmethod
-    def _check_devices(device_ids, params: list[nn.Parameter]) -> None:
-        devices = {p.device for p in params}
-        if device_ids is not None:
-            wanted = {torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in device_ids}
-            if len(wanted) != 1 or wanted != devices:
-                raise ValueError(
-                    f"device_ids={device_ids} but the module's parameters are on {sorted(map(str, devices))}; "
-                    "MiniDDP supports one device per process: move the module there and pass device_ids=None"
-                )
-
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [TensorSpec.of(self._params[i]) for i in order]
@@ -335,7 +316,7 @@ class MiniDDP(nn.Module):
         while self._next_to_launch < len(self._buckets) and self._buckets[self._next_to_launch].ready:
             bucket = self._buckets[self._next_to_launch]
             now = time.perf_counter()
-            with _profiler_range(f"minddp.launch_bucket_{bucket.index}"):
+            with profiler_range(f"minddp.launch_bucket_{bucket.index}"):
                 bucket.launch(self._communicate)
             self.timeline.launches.append(now)
             if self.tracer is not None:
@@ -371,7 +352,7 @@ class MiniDDP(nn.Module):
                 "leave some parameters unused (or some outputs out of the loss), construct "
                 "MiniDDP(..., find_unused_parameters=True)."
             )
-        with _profiler_range("minddp.wait_buckets"):
+        with profiler_range("minddp.wait_buckets"):
             for bucket in self._buckets:
                 bucket.wait()
         globally_used = self._globally_used()

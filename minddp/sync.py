@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_same_parameters", "broadcast_coalesced", "sync_buffers", "params_reached_from", "global_rank"]
+__all__ = ["check_device_ids", "check_same_parameters", "broadcast_coalesced", "sync_buffers", "params_reached_from", "global_rank"]
 
 BUFFER_POLICIES = ("broadcast", "average", "off")
 
@@ -24,6 +24,20 @@ BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 def global_rank(group: dist.ProcessGroup, group_rank: int = 0) -> int:
     """``dist.broadcast`` takes a *global* rank as source, even inside a subgroup."""
     return group_rank if group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
+
+
+def check_device_ids(device_ids: list | None, params: list[torch.Tensor]) -> None:
+    """``device_ids`` is accepted for drop-in compatibility with torch's DDP; it must
+    name the one device the parameters are already on."""
+    if device_ids is None:
+        return
+    devices = {p.device for p in params}
+    wanted = {torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in device_ids}
+    if len(wanted) != 1 or wanted != devices:
+        raise ValueError(
+            f"device_ids={device_ids} but the module's parameters are on {sorted(map(str, devices))}; "
+            "MiniDDP supports one device per process: move the module there and pass device_ids=None"
+        )
 
 
 def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
