@@ -49,11 +49,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from minddp.buckets import MiB, TensorSpec, assign_buckets
+from minddp.ddp import FIRST_BUCKET_CAP_MB
+
 import _memory
 import _overlap
 
-MiB = 1024 * 1024
-FIRST_BUCKET_MB = 1.0  # torch's DDP (and MiniDDP) cap the first bucket at 1 MiB
 
 # Per-rank batch size: the MLP is meant to be communication-bound (many
 # parameters, little compute per step), the CNN compute-heavier, the
@@ -97,19 +98,10 @@ def wire_dtype(hook: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def bucket_sizes(params: list[torch.Tensor], cap_mb: float) -> list[int]:
-    """Element counts of DDP-like buckets: reverse order, 1 MiB first, then cap."""
-    sizes, current, current_bytes = [], 0, 0
-    cap = min(FIRST_BUCKET_MB, cap_mb) * MiB
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if current and current_bytes + nbytes > cap:
-            sizes.append(current)
-            current, current_bytes, cap = 0, 0, cap_mb * MiB
-        current += p.numel()
-        current_bytes += nbytes
-    if current:
-        sizes.append(current)
-    return sizes
+    """Element counts of the buckets MiniDDP would build first (reverse order, 1 MiB first, then cap)."""
+    ordered = list(reversed(params))
+    groups = assign_buckets([TensorSpec.of(p) for p in ordered], int(cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+    return [sum(ordered[i].numel() for i in group) for group in groups]
 
 
 class Runner:
