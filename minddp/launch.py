@@ -48,6 +48,7 @@ __all__ = [
     "distributed",
     "find_free_port",
     "spawn",
+    "shutdown",
     "RankFailed",
 ]
 
@@ -218,15 +219,31 @@ def init_distributed(
     return info
 
 
+def shutdown() -> None:
+    """Leave together, then destroy the default group (the normal end of a job).
+
+    The barrier matters: a rank that tears down its sockets while a peer's
+    Gloo thread is still finishing the last collective can make that peer
+    abort at exit ("terminate called without an active exception"). After a
+    failure, call ``dist.destroy_process_group()`` alone (or just exit): a
+    barrier with a dead peer would wait for the whole timeout.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def distributed(backend: str | None = None, **kwargs) -> Iterator[LaunchInfo]:
     """``with distributed() as info:`` -- a process group that is always destroyed."""
     info = init_distributed(backend, **kwargs)
     try:
         yield info
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    shutdown()
 
 
 def find_free_port() -> int:

@@ -131,7 +131,7 @@ def _run_in_this_process(args: argparse.Namespace, explicit_world: bool) -> int:
     """
     import torch.distributed as dist
 
-    from minddp.launch import detect_launch, find_free_port, init_distributed
+    from minddp.launch import detect_launch, find_free_port, init_distributed, shutdown
     from minddp.trainer_loop import train
     from minddp.trainer_procs import describe_exception, is_communication_error
 
@@ -167,8 +167,10 @@ def _run_in_this_process(args: argparse.Namespace, explicit_world: bool) -> int:
             # Skip the orderly teardown: with a dead peer it may block.
             sys.stdout.flush()
             os._exit(code)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if code == 0:
+        shutdown()  # every rank finished: leave together
+    elif dist.is_initialized():
+        dist.destroy_process_group()  # a usage error, possibly on one rank only: no barrier
     return code
 
 

@@ -82,7 +82,7 @@ def _child(rank: int, world_size: int, port: int, threads: int, args: argparse.N
     import torch.distributed as dist
 
     from minddp.checkpoint import CheckpointError
-    from minddp.launch import init_distributed
+    from minddp.launch import init_distributed, shutdown
     from minddp.train import UsageError
     from minddp.trainer_loop import train
 
@@ -105,7 +105,7 @@ def _child(rank: int, world_size: int, port: int, threads: int, args: argparse.N
     except (OSError, ValueError):
         pass
     if ok:
-        dist.destroy_process_group()
+        shutdown()
         return
     # After a failure, skip the orderly teardown: with a dead peer it may block.
     sys.stdout.flush()
