@@ -19,13 +19,15 @@ Every model takes images ``[N, 1, 28, 28]``. Classifiers return logits
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MODEL_NAMES", "build_model", "model_loss"]
+__all__ = ["MODEL_NAMES", "build_model", "model_loss", "GPT", "GPTConfig"]
 
 IMAGE_SHAPE = (1, 28, 28)
 PIXELS = 28 * 28
@@ -124,3 +126,77 @@ def model_loss(name: str, output: torch.Tensor, images: torch.Tensor, labels: to
     if name == "ae":
         return F.mse_loss(output, images)
     return F.cross_entropy(output, labels)
+
+
+# --------------------------------------------------------------- a small GPT
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-2-shaped language model, small enough for a laptop.
+
+    The defaults give 8 blocks and 100 parameter tensors (~0.9 M parameters):
+    many small tensors (LayerNorm weights, biases), which is where a
+    wrapper's per-parameter cost shows.
+    """
+
+    vocab_size: int = 512
+    block_size: int = 64
+    n_layer: int = 8
+    n_head: int = 4
+    n_embd: int = 96
+    checkpoint: str | None = None  # None, "reentrant" or "non-reentrant": recompute every block in backward
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.attn_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.mlp_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, channels = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(channels, dim=2)
+        q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_proj(attended.transpose(1, 2).reshape(batch, time, channels))
+        return x + self.mlp_proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    """Token embedding, position embedding, pre-norm blocks, final LayerNorm, and a
+    head that shares its weight with the token embedding (weight tying, as GPT-2).
+
+    ``forward(tokens[N, T])`` returns logits ``[N, T, vocab]``;
+    ``forward(tokens, targets)`` returns the mean cross-entropy instead.
+    """
+
+    def __init__(self, cfg: GPTConfig = GPTConfig()):
+        super().__init__()
+        if cfg.checkpoint not in (None, "reentrant", "non-reentrant"):
+            raise ValueError(f"checkpoint must be None, 'reentrant' or 'non-reentrant', got {cfg.checkpoint!r}")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied: one parameter, two uses, one gradient
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)
+        for block in self.blocks:
+            if self.cfg.checkpoint is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.cfg.checkpoint == "reentrant")
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
