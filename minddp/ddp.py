@@ -206,7 +206,10 @@ class MiniDDP(nn.Module):
         self._sync_this_backward = torch.is_grad_enabled() and self._require_sync
         if self._sync_this_backward:
             self._before_synchronized_forward()
+        started = time.perf_counter()
         output = self.module(*args, **kwargs)
+        if self.tracer is not None and self._sync_this_backward:
+            self.tracer.forward_done(started, time.perf_counter())
         if self._sync_this_backward and self.find_unused_parameters:
             reached = params_reached_from(output)
             self._unused = [p for p in self._params if id(p) not in reached]
@@ -270,7 +273,7 @@ class MiniDDP(nn.Module):
             self._begin_backward(now)
         self.timeline.last_hook = now
         if self.tracer is not None:
-            self.tracer.gradient_ready(self._names[self._index[param]], now)
+            self.tracer.gradient_ready(self._names[self._index[param]], now, param.grad)
         if self._rebuild_after_first_step:
             self._arrival.append(self._index[param])
         self._mark_ready(param)

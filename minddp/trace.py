@@ -92,8 +92,15 @@ class Tracer:
             self._wait_for_pending()
             self.events.clear()
 
-    def gradient_ready(self, name: str, when: float) -> None:
-        self._add({"name": f"grad {name}", "ph": "i", "s": "t", "ts": _us(when), "tid": BACKWARD_TRACK})
+    def forward_done(self, started: float, ended: float) -> None:
+        """The wrapped module's forward (of a step that will synchronize)."""
+        self._add({"name": "forward", "ph": "X", "ts": _us(started), "dur": _us(ended - started),
+                   "tid": BACKWARD_TRACK})
+
+    def gradient_ready(self, name: str, when: float, grad: torch.Tensor | None = None) -> None:
+        args = {} if grad is None else {"bytes": grad.numel() * grad.element_size(), "dtype": str(grad.dtype)}
+        self._add({"name": f"grad {name}", "ph": "i", "s": "t", "ts": _us(when), "tid": BACKWARD_TRACK,
+                   "args": args})
 
     def bucket_launched(self, index: int, nbytes: int, when: float, future: torch.futures.Future) -> None:
         step = self.step  # the step it was launched in, not the one running when it ends

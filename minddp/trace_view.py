@@ -7,6 +7,8 @@ Chrome trace events. Per rank (``pid``) there are two tracks (``tid``):
   each time a gradient hook fired, and one complete event (``"ph": "X"``,
   start ``ts`` and length ``dur``, in microseconds) per step, from the first
   hook until every ``.grad`` held the average;
+  The forward of each synchronized step is a complete event ``forward``,
+  and each hook's event carries its gradient's ``bytes`` and ``dtype``;
 * communication (tid 1): one complete event ``all_reduce bucket K`` per
   bucket, from its launch until its all-reduce completed.
 
@@ -43,6 +45,8 @@ class StepView:
     start_ms: float  # first gradient hook
     end_ms: float  # every .grad written
     hooks: list[tuple[str, float]] = field(default_factory=list)  # (parameter name, when), in firing order
+    hook_bytes: list[int] = field(default_factory=list)  # each hook's gradient size, same order as hooks
+    forward_ms: float | None = None  # the forward of this step, when the trace has it
     buckets: list[BucketBar] = field(default_factory=list)  # in launch order
 
     @property
@@ -70,12 +74,17 @@ def read_steps(trace: dict) -> dict[int, list[StepView]]:
     events = trace["traceEvents"]
     views: dict[tuple[int, int], StepView] = {}
     for e in events:
-        if e.get("tid") == BACKWARD_TRACK and e["ph"] == "X":
+        if e.get("tid") == BACKWARD_TRACK and e["ph"] == "X" and e["name"].startswith("backward"):
             key = (e["pid"], e["args"]["step"])
             views[key] = StepView(e["pid"], e["args"]["step"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3)
     for e in sorted(events, key=lambda e: e.get("ts", 0.0)):
         if e.get("tid") == BACKWARD_TRACK and e["ph"] == "i" and (e["pid"], e["args"]["step"]) in views:
-            views[(e["pid"], e["args"]["step"])].hooks.append((e["name"].removeprefix("grad "), e["ts"] / 1e3))
+            view = views[(e["pid"], e["args"]["step"])]
+            view.hooks.append((e["name"].removeprefix("grad "), e["ts"] / 1e3))
+            view.hook_bytes.append(e["args"].get("bytes", 0))
+        elif e.get("tid") == BACKWARD_TRACK and e["ph"] == "X" and e["name"] == "forward":
+            if (e["pid"], e["args"]["step"]) in views:
+                views[(e["pid"], e["args"]["step"])].forward_ms = e["dur"] / 1e3
         elif e.get("tid") == COMM_TRACK and e["ph"] == "X":
             owner = views.get((e["pid"], e["args"]["step"]))
             if owner is not None:  # a bar of a step whose backward is not in the trace is dropped
