@@ -61,15 +61,16 @@ def assign_buckets(
     * a bucket holds one dtype on one device (it is a single flat tensor), so
       each (dtype, device) pair fills its own open bucket;
     * a tensor joins the open bucket unless that would pass the cap; a tensor
-      larger than the cap gets a bucket of its own;
+      larger than the cap gets a bucket of its own (so a cap of 0 means one
+      tensor per bucket, as in torch's DDP);
     * the first bucket of each (dtype, device) may have a smaller cap
       (``first_cap_bytes``; torch's DDP uses 1 MiB) so that the first
       all-reduce starts early in backward;
     * buckets are ordered by the position of their first tensor, which is
       the order they become ready in, and the order they are launched in.
     """
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    if cap_bytes < 0:
+        raise ValueError(f"bucket cap must be >= 0 bytes (0: one tensor per bucket), got {cap_bytes}")
     open_buckets: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
     closed_per_key: dict[tuple, int] = {}
@@ -110,14 +111,17 @@ class Bucket:
     twice, or sent before they existed.
     """
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], names: list[str]):
+    def __init__(
+        self, index: int, params: list[torch.nn.Parameter], names: list[str], dtype: torch.dtype | None = None
+    ):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
         self.params = params
         self.names = names
         total = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        # ``dtype``: what the gradients are reduced in (default: the parameters').
+        self.buffer = torch.zeros(total, dtype=dtype or params[0].dtype, device=params[0].device)
         self._views: list[torch.Tensor] = []
         offset = 0
         for p in params:
@@ -127,7 +131,6 @@ class Bucket:
         self._ready = [False] * len(params)
         self._pending = len(params)
         self._future: torch.futures.Future | None = None
-        self.is_last = False  # set by the owner: the last bucket of a step
 
     def view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This parameter's slot in the buffer, shaped like the parameter."""

@@ -1,21 +1,26 @@
 """MiniDDP: data parallelism in one readable class.
 
-The path of a gradient, all in this file::
+The path of a gradient, top to bottom in this file::
 
     loss.backward()
       autograd accumulates p.grad
-        └─ _on_grad_ready(p)           post-accumulate hook, one per parameter
-             copy p.grad / world_size into p's slot of its bucket
+        └─ _on_grad_ready(p)              post-accumulate hook, one per parameter
+             _copy_into_bucket: p.grad / world_size into p's slot of its bucket
              (divide in place if p.grad *is* that slot: gradient_as_bucket_view)
              bucket complete? ─> _launch_ready_buckets(): async all_reduce,
                                  strictly in bucket order
-      end of backward
-        └─ _finish_backward()          callback queued on the autograd engine
-             wait for every bucket, write the averages into p.grad
+      end of the backward pass
+        └─ _on_backward_pass_end()        callback queued on the autograd engine
+             └─ _finish_backward()
+                  _account_for_missing_gradients   (zeros, or an error naming them)
+                  _wait_for_buckets
+                  _write_averages_into_grads
 
 So when ``loss.backward()`` returns, every ``.grad`` holds the average over
 ranks, and most of the communication happened while autograd was still
-computing earlier layers' gradients.
+computing earlier layers' gradients. The buckets themselves (a flat buffer
+and its life cycle) are in :mod:`minddp.buckets`; what "communicate" means
+(all-reduce, or a compressed one) in :mod:`minddp.comm_hooks`.
 
 Why dividing *before* summing: the sum of N half-precision gradients can
 overflow where their average would not.
@@ -37,18 +42,10 @@ from torch import nn
 
 from minddp.buckets import MiB, Bucket, TensorSpec, assign_buckets
 from minddp.comm_hooks import GradBucket
-from minddp.debug import check_replicas_in_sync
-from minddp.join import Join
-from minddp.sync import (
-    BUFFER_POLICIES,
-    broadcast_coalesced,
-    check_device_ids,
-    check_same_parameters,
-    global_rank,
-    params_reached_from,
-    sync_buffers,
-)
-from minddp.trace import StepTimeline, Tracer, profiler_range
+from minddp.join import Join, JoinHook
+from minddp.replicas import check_replicas_in_sync, check_same_parameters
+from minddp.sync import BUFFER_POLICIES, broadcast_coalesced, check_device_ids, global_rank, params_reached_from, sync_buffers
+from minddp.trace import StepObserver, StepTimeline, Tracer, profiler_range
 
 __all__ = ["MiniDDP"]
 
@@ -63,9 +60,10 @@ class MiniDDP(nn.Module):
 
     * ``process_group``: the ranks to average over (default: the whole world).
     * ``bucket_cap_mb``: gradients travel in flat buckets of at most this many
-      MiB (the first one at most 1 MiB).
+      MiB (the first one at most 1 MiB); 0 means one parameter per bucket.
     * ``broadcast_buffers``: before each forward that will synchronize, copy
-      rank 0's buffers (BatchNorm running statistics) to every rank.
+      rank 0's buffers (BatchNorm running statistics) to every rank. Kept as
+      an attribute for compatibility; ``buffer_sync`` is what MiniDDP reads.
     * ``find_unused_parameters``: allow parameters that get no gradient on
       some rank; they count as zero there. Without it such a parameter is an
       error at the end of backward, naming it.
@@ -73,20 +71,32 @@ class MiniDDP(nn.Module):
       no gradient is copied and no second copy of all gradients is kept.
     * ``device_ids``/``output_device``: accepted for drop-in compatibility;
       MiniDDP runs on the device the module is on (place it there first).
+    * ``require_backward_grad_sync`` (attribute): set it to False before a
+      forward to accumulate gradients locally (nanoGPT's idiom); ``no_sync()``
+      does just that for the duration of a ``with`` block.
 
     Beyond torch's arguments:
 
+    * ``reduce_dtype``: reduce gradients in this dtype (e.g. ``torch.float32``
+      for bf16 or fp16 parameters): buckets hold it, gradients are cast into
+      them and back. Twice the bytes of bf16 on the wire, one rounding at the
+      end instead of one per addition. (torch: ``mixed_precision.reduce_dtype``.)
     * ``buffer_sync``: ``"broadcast"`` (rank 0's buffers, torch's way),
       ``"average"`` (average floating-point buffers over ranks) or ``"off"``;
       defaults to ``"broadcast"`` or ``"off"`` following ``broadcast_buffers``.
     * ``check_sync_every``: every N synchronized forwards, verify that all
       replicas hold identical parameters and buffers (one small collective;
-      see :mod:`minddp.debug`).
+      see :mod:`minddp.replicas`).
     * ``trace``: record every hook and bucket for a Chrome trace
       (``model.tracer.export_chrome_trace(path)``, see :mod:`minddp.trace`).
     * ``learn_bucket_order``: after the first synchronized backward, rebuild
       the buckets in the order gradients actually arrived (torch's DDP always
       does); ``False`` keeps reverse registration order, for comparison.
+
+    Sparse gradients (``nn.Embedding(..., sparse=True)``) are averaged
+    densified: the whole table's rows travel, touched or not, and ``.grad``
+    comes back sparse. Cheap for small tables; for large ones the dense
+    all-reduce costs what a dense embedding would.
 
     Collectives are issued in the same order on every rank, by construction:
     all ranks build the same buckets and launch them strictly in bucket order.
@@ -103,6 +113,7 @@ class MiniDDP(nn.Module):
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        reduce_dtype: torch.dtype | None = None,
         buffer_sync: str | None = None,
         check_sync_every: int = 0,
         trace: bool = False,
@@ -123,9 +134,14 @@ class MiniDDP(nn.Module):
             raise ValueError(f"buffer_sync must be one of {BUFFER_POLICIES}, got {buffer_sync!r}")
         if check_sync_every < 0:
             raise ValueError(f"check_sync_every must be >= 0 (0 = never), got {check_sync_every}")
+        if bucket_cap_mb is not None and bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0 (0: one parameter per bucket), got {bucket_cap_mb}")
+        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+            raise ValueError(f"reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
         self.check_sync_every = check_sync_every
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.reduce_dtype = reduce_dtype
         self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -146,6 +162,7 @@ class MiniDDP(nn.Module):
         broadcast_coalesced([p for p in module.parameters()] + self._buffers_to_sync, self.process_group)
 
         # 2. Buckets, in the order gradients are expected: reverse registration.
+        self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
         self._build_buckets(list(reversed(range(len(self._params)))))
         self._rebuild_after_first_step = learn_bucket_order
         self._arrival: list[int] = []
@@ -154,36 +171,56 @@ class MiniDDP(nn.Module):
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-        self._require_sync = True  # False inside no_sync()
+        self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
         self._sync_this_backward = False  # read at forward, used by the hooks
         self._backward_started = False
+        self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
         self._unused: list[nn.Parameter] = []  # found by the graph walk at forward
         self._locally_used: list[bool] = [True] * len(self._params)
         self._comm_hook: tuple[Any, Callable] | None = None
         self._backwards_done = 0
         self._synchronized_forwards = 0
         self._divisor = self.world_size  # what each gradient is divided by before the sum
-        self._join: Join | None = None  # set while inside ``with model.join():``
-        self.timeline = StepTimeline()
-        self.tracer = Tracer(dist.get_rank(self.process_group)) if trace else None
+        self.join_context: Join | None = None  # set by Join inside ``with model.join():``
+        self._join_hook: _MiniDDPJoinHook | None = None
+        self._observer = StepObserver(dist.get_rank(self.process_group), trace)
+
+    @property
+    def timeline(self) -> StepTimeline:
+        """When things happened in the last synchronized backward (always recorded)."""
+        return self._observer.timeline
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The Chrome-trace recorder, with ``trace=True``; None otherwise."""
+        return self._observer.tracer
 
     # ------------------------------------------------------------------ setup
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
-        specs = [TensorSpec.of(self._params[i]) for i in order]
+        specs = [self._bucket_spec(self._params[i]) for i in order]
         groups = assign_buckets(specs, int(self.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
         self._buckets = [
-            Bucket(k, [self._params[order[j]] for j in group], [self._names[order[j]] for j in group])
+            Bucket(k, [self._params[order[j]] for j in group], [self._names[order[j]] for j in group],
+                   dtype=specs[group[0]].dtype)
             for k, group in enumerate(groups)
         ]
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._next_to_launch = 0
-        if self.gradient_as_bucket_view:
-            for p in self._params:
-                if p.grad is not None:
-                    view = self._bucket_of[p].view(p)
-                    view.copy_(p.grad)
-                    p.grad = view
+        for p in self._params:  # gradients kept across a rebuild move into their new slots
+            if p.grad is not None and self._grad_is_slot_view(p, self._bucket_of[p].view(p)):
+                view = self._bucket_of[p].view(p)
+                view.copy_(p.grad)
+                p.grad = view
+
+    def _bucket_spec(self, p: nn.Parameter) -> TensorSpec:
+        dtype = self.reduce_dtype or p.dtype
+        return TensorSpec(p.numel(), dtype.itemsize, dtype, p.device)
+
+    def _grad_is_slot_view(self, p: nn.Parameter, slot: torch.Tensor) -> bool:
+        """Should ``p.grad`` *be* its bucket slot? Only with bucket views, a dense
+        gradient, and a bucket in the parameter's own dtype."""
+        return self.gradient_as_bucket_view and slot.dtype == p.dtype and self._index[p] not in self._sparse_dim
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Replace the all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``.
@@ -201,51 +238,36 @@ class MiniDDP(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
+        if self._backward_started:
+            raise self._unfinished_backward_error()
         # The sync decision is taken here, at forward, as in torch's DDP: a
-        # forward inside no_sync() makes its backward skip communication.
-        self._sync_this_backward = torch.is_grad_enabled() and self._require_sync
+        # forward with require_backward_grad_sync False (inside no_sync())
+        # makes its backward skip communication.
+        self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._sync_this_backward:
             self._before_synchronized_forward()
-        started = time.perf_counter()
+        started = self._observer.forward_started()
         output = self.module(*args, **kwargs)
-        if self.tracer is not None and self._sync_this_backward:
-            self.tracer.forward_done(started, time.perf_counter())
-        if self._sync_this_backward and self.find_unused_parameters:
-            reached = params_reached_from(output)
-            self._unused = [p for p in self._params if id(p) not in reached]
+        if self._sync_this_backward:
+            self._observer.forward_done(started)
+            if self.find_unused_parameters:
+                reached = params_reached_from(output)
+                self._unused = [p for p in self._params if id(p) not in reached]
         return output
 
     def _before_synchronized_forward(self) -> None:
         """The collectives that open a synchronized step, identical on every rank."""
         buffer_source, everyone_active = 0, True
-        if self._join is not None:  # who is still training? (joined ranks answer "not me")
-            active = self._join.exchange(active=True)
-            buffer_source, everyone_active = self._join.last_active, all(active)
+        self._divisor = self.world_size
+        active = Join.notify_join_context(self)  # inside join(): who is still training?
+        if active is not None:
+            self._divisor = self._join_hook.divisor(active)
+            buffer_source, everyone_active = self.join_context.last_active, all(active)
         if self.check_sync_every and everyone_active and self._synchronized_forwards % self.check_sync_every == 0:
             check_replicas_in_sync(self.module, self.process_group)
         self._synchronized_forwards += 1
         if self.world_size > 1:
             sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
-
-    def _shadow_synchronized_step(self, buffer_source: int) -> None:
-        """What a joined rank does for each step the others still take: the
-        same collectives, with nothing to contribute (see :mod:`minddp.join`)."""
-        if self.world_size > 1:
-            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
-        for bucket in self._buckets:
-            bucket.buffer.zero_()
-            bucket.launch_unconditionally(self._communicate)
-            bucket.wait()
-            bucket.reset()
-        if self.find_unused_parameters:
-            self._locally_used = [False] * len(self._params)
-            self._globally_used()
-        if self._rebuild_after_first_step:
-            self._rebuild_in_arrival_order()
-
-    def join(self, divide_by_initial_world_size: bool = True) -> Join:
-        """``with model.join():`` lets ranks with fewer batches finish early (see :mod:`minddp.join`)."""
-        return Join(self, divide_by_initial_world_size)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -254,40 +276,48 @@ class MiniDDP(nn.Module):
         The flag is read at *forward*: run the forward (and its backward)
         inside the context. The first synchronized backward after it averages
         everything accumulated so far, so k-1 steps inside ``no_sync`` plus one
-        outside equal one step on a k-times larger batch.
+        outside equal one step on a k-times larger batch. Same as setting
+        ``require_backward_grad_sync = False`` before those forwards.
         """
-        previous = self._require_sync
-        self._require_sync = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._require_sync = previous
+            self.require_backward_grad_sync = previous
 
     # -------------------------------------------------- the path of a gradient
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         """Post-accumulate hook: ``param.grad`` is final for this backward."""
         if not self._sync_this_backward:
             return
-        now = time.perf_counter()
         if not self._backward_started:
-            self._begin_backward(now)
-        self.timeline.last_hook = now
-        if self.tracer is not None:
-            self.tracer.gradient_ready(self._names[self._index[param]], now, param.grad)
+            self._begin_backward()
+        self._call_at_end_of_this_pass()
+        index = self._index[param]
+        self._observer.gradient_ready(self._names[index], param.grad)
         if self._rebuild_after_first_step:
-            self._arrival.append(self._index[param])
+            self._arrival.append(index)
         self._mark_ready(param)
 
-    def _begin_backward(self, now: float) -> None:
+    def _begin_backward(self) -> None:
         self._backward_started = True
-        self.timeline.clear()
-        self.timeline.first_hook = now
-        # Runs once autograd has finished the whole backward pass.
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._observer.backward_started()
+        self._watched_passes = set()
         self._locally_used = [True] * len(self._params)
         self._arrival = []  # only this backward's order counts (an earlier one may have failed)
         for p in self._unused:  # no gradient will come for these: count them now
             self._mark_ready(p)
+
+    def _call_at_end_of_this_pass(self) -> None:
+        # An activation checkpoint with use_reentrant=True runs a second,
+        # nested backward pass inside the first, and its hooks fire in there.
+        # So we ask to be called at the end of *every* pass a gradient came
+        # from (not only the first one's), and decide then (see below).
+        current = torch._C._current_graph_task_id()
+        if current not in self._watched_passes:
+            self._watched_passes.add(current)
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_pass_end)
 
     def _mark_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[param]
@@ -300,17 +330,22 @@ class MiniDDP(nn.Module):
         # from overflowing. Fused with the copy it costs one pass over the
         # gradient, and multiplying by 1/N (as torch's reducer does) is
         # cheaper than dividing. A comm hook does its own averaging.
-        divisor = 1 if self._comm_hook is not None else self._divisor
+        scale = 1.0 if self._comm_hook is not None else 1.0 / self._divisor
         grad = param.grad
         if grad is None:  # unused here (but maybe used on another rank): contributes zero
             self._locally_used[self._index[param]] = False
             slot.zero_()
-        elif grad.data_ptr() == slot.data_ptr():  # .grad is already this slot (bucket view)
-            if divisor != 1:
-                slot.mul_(1.0 / divisor)
+        elif grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
+            if scale != 1.0:
+                slot.mul_(scale)
+        elif grad.is_sparse:  # densified: every row travels, touched or not
+            self._sparse_dim[self._index[param]] = grad.sparse_dim()
+            slot.zero_().add_(grad, alpha=scale)
+        elif grad.dtype != slot.dtype:  # reduce_dtype: cast first, so the scaling rounds only once
+            slot.copy_(grad).mul_(scale)
         else:
-            torch.mul(grad, 1.0 / divisor, out=slot) if divisor != 1 else slot.copy_(grad)
-            if self.gradient_as_bucket_view:  # e.g. after zero_grad(set_to_none=True)
+            torch.mul(grad, scale, out=slot)
+            if self._grad_is_slot_view(param, slot):  # e.g. after zero_grad(set_to_none=True)
                 param.grad = slot
 
     def _launch_ready_buckets(self) -> None:
@@ -318,12 +353,10 @@ class MiniDDP(nn.Module):
         # every rank issues the same all-reduces in the same order.
         while self._next_to_launch < len(self._buckets) and self._buckets[self._next_to_launch].ready:
             bucket = self._buckets[self._next_to_launch]
-            now = time.perf_counter()
+            launched = time.perf_counter()
             with profiler_range(f"minddp.launch_bucket_{bucket.index}"):
                 bucket.launch(self._communicate)
-            self.timeline.launches.append(now)
-            if self.tracer is not None:
-                self.tracer.bucket_launched(bucket.index, bucket.buffer.nbytes, now, bucket.future)
+            self._observer.bucket_launched(bucket.index, bucket.buffer.nbytes, launched, bucket.future)
             self._next_to_launch += 1
 
     def _communicate(self, bucket: Bucket) -> torch.futures.Future:
@@ -337,9 +370,32 @@ class MiniDDP(nn.Module):
         state, hook = self._comm_hook
         return hook(state, GradBucket(bucket, len(self._buckets)))
 
+    def _on_backward_pass_end(self) -> None:
+        """Autograd finished a pass that delivered gradients: is the backward over?"""
+        if not self._backward_started:
+            return  # an earlier pass's callback already finished this backward
+        if self._next_to_launch == len(self._buckets):
+            self._finish_backward()  # every gradient is in, whichever pass this was
+        elif torch._C._current_autograd_node() is None:
+            self._finish_backward()  # the outermost pass ended: what is missing stays missing
+        # else: a nested (reentrant checkpoint) pass ended inside a node of the
+        # outer pass, which goes on and will deliver the remaining gradients.
+
     def _finish_backward(self) -> None:
-        """End of backward: every bucket launched? wait for them, write ``.grad``."""
+        """End of backward: account for missing gradients, wait for every bucket, write ``.grad``."""
         self._backward_started = False
+        self._account_for_missing_gradients()
+        with profiler_range("minddp.wait_buckets"):
+            for bucket in self._buckets:
+                bucket.wait()
+        self._write_averages_into_grads(self._globally_used())
+        self._observer.backward_done()
+        self._backwards_done += 1
+        self._reset_buckets()
+        if self._rebuild_after_first_step:
+            self._rebuild_in_arrival_order()
+
+    def _account_for_missing_gradients(self) -> None:
         if self.find_unused_parameters:
             # Reached by the graph walk but no gradient came (an output not in
             # the loss): zero as well, in bucket order like every other launch.
@@ -355,28 +411,33 @@ class MiniDDP(nn.Module):
                 "leave some parameters unused (or some outputs out of the loss), construct "
                 "MiniDDP(..., find_unused_parameters=True)."
             )
-        with profiler_range("minddp.wait_buckets"):
-            for bucket in self._buckets:
-                bucket.wait()
-        globally_used = self._globally_used()
+
+    def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
         for bucket in self._buckets:
             for p, slot in zip(bucket.params, bucket.views):
-                if globally_used is not None and not globally_used[self._index[p]]:
+                index = self._index[p]
+                if globally_used is not None and not globally_used[index]:
                     continue  # unused on every rank: .grad stays as it was (None stays None)
-                if self.gradient_as_bucket_view:
-                    if p.grad is not slot:  # usually already set by the hook
-                        p.grad = slot
+                if index in self._sparse_dim:
+                    p.grad = slot.to(p.dtype).to_sparse(self._sparse_dim[index])
+                elif p.grad is slot:
+                    continue  # gradient_as_bucket_view: the average is already in .grad
+                elif self._grad_is_slot_view(p, slot):
+                    p.grad = slot
                 elif p.grad is None:
-                    p.grad = slot.clone()
+                    p.grad = slot.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(slot)
-        self.timeline.finished = time.perf_counter()
-        if self.tracer is not None:
-            self.tracer.backward_done(self.timeline)
-        self._backwards_done += 1
+
+    def _unfinished_backward_error(self) -> RuntimeError:
+        missing = [name for b in self._buckets for name in b.unready_names()]
         self._reset_buckets()
-        if self._rebuild_after_first_step:
-            self._rebuild_in_arrival_order()
+        return RuntimeError(
+            "MiniDDP: the previous backward started averaging gradients but never finished: "
+            f"parameters {missing} received no gradient. Did that backward fail, or leave some "
+            "parameters out of the loss? For parameters a forward may not use, construct "
+            "MiniDDP(..., find_unused_parameters=True)."
+        )
 
     def _globally_used(self) -> list[bool] | None:
         if not self.find_unused_parameters:
@@ -407,8 +468,68 @@ class MiniDDP(nn.Module):
         if order != current:
             self._build_buckets(order)
 
+    # ------------------------------------------------------------ uneven inputs
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True) -> Join:
+        """``with model.join():`` lets ranks with fewer batches finish early (see :mod:`minddp.join`)."""
+        return Join([self], enable, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, divide_by_initial_world_size: bool = True) -> JoinHook:
+        """What this model does for :class:`~minddp.join.Join` once its rank has run out of data."""
+        if self.buffer_sync == "average":
+            raise ValueError(
+                "join() needs buffer_sync='broadcast' or 'off': a rank that has run out of data "
+                "would pull the averaged buffers towards its stale ones"
+            )
+        self._join_hook = _MiniDDPJoinHook(self, divide_by_initial_world_size)
+        return self._join_hook
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    def _shadow_synchronized_step(self, buffer_source: int) -> None:
+        """What a joined rank does for each step the others still take: the
+        same collectives, in the same order, with nothing to contribute."""
+        if self.world_size > 1:
+            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            bucket.launch_unconditionally(self._communicate)
+            bucket.wait()
+            bucket.reset()
+        if self.find_unused_parameters:
+            self._locally_used = [False] * len(self._params)
+            self._globally_used()
+        if self._rebuild_after_first_step:
+            self._rebuild_in_arrival_order()
+
     # ------------------------------------------------------------- inspection
     @property
     def bucket_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for tests and lessons)."""
         return [list(b.names) for b in self._buckets]
+
+
+class _MiniDDPJoinHook(JoinHook):
+    """MiniDDP's part in :class:`~minddp.join.Join`: shadow the others' steps, then agree."""
+
+    def __init__(self, ddp: MiniDDP, divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def divisor(self, active: list[bool]) -> int:
+        """Gradients are divided by the initial world size (torch's default) or by the active ranks."""
+        return len(active) if self.divide_by_initial_world_size else sum(active)
+
+    def main_hook(self, active: list[bool]) -> None:
+        self.ddp._shadow_synchronized_step(buffer_source=max(r for r, a in enumerate(active) if a))
+
+    def post_hook(self, last_active: int) -> None:
+        # Everyone is done: the last rank to train has the newest parameters.
+        ddp = self.ddp
+        broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_to_sync, ddp.process_group, last_active)
+        ddp._divisor = ddp.world_size

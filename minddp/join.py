@@ -3,82 +3,119 @@
 Every synchronized step issues the same collectives on every rank. If rank 1
 has 3 batches and rank 0 has 5, rank 0's fourth backward waits forever for a
 partner. Dropping data to make shards even throws samples away; ``join``
-keeps them:
+keeps them::
 
     with model.join():
         for batch in my_batches:          # a different count per rank
             loss_fn(model(batch)).backward()
             optimizer.step()
 
-A rank that leaves its loop *shadows* the others: for every step they still
-take, it issues the same collectives with zeros (the join check, the buffer
-broadcast, one all-reduce per bucket), so their all-reduces complete and a
-finished rank contributes nothing. Every synchronized forward starts with one
-small all-reduce, a 0/1 flag per rank, that tells everyone who is still
-active; when no one is, the loop ends and the last active rank's parameters
-are broadcast to all, so the replicas leave ``join`` identical.
+The mechanism is generic, as in torch (``torch.distributed.algorithms.join``),
+and knows nothing about DDP:
 
-Gradients are divided by the *initial* world size by default, as in torch's
-DDP: a step where one of four ranks has joined is a step on 3/4 of a batch.
-``divide_by_initial_world_size=False`` divides by the number of active ranks.
+* at the start of every step each :class:`Joinable` calls
+  :meth:`Join.notify_join_context`: one small all-reduce of a 0/1 flag per
+  rank tells everyone who is still training;
+* a rank that left its loop enters :meth:`Join.__exit__` and, for every step
+  the others still take, answers that all-reduce with "not me" and runs each
+  joinable's :meth:`JoinHook.main_hook`, which issues the same collectives
+  as a real step, with nothing to contribute;
+* when no rank is active, each :meth:`JoinHook.post_hook` runs once, told
+  which rank trained last.
+
+What a joinable does while shadowing (for MiniDDP: all-reduce zeros in bucket
+order, then make the replicas agree) lives with the joinable, behind its
+:class:`JoinHook`; see ``MiniDDP.join_hook`` in :mod:`minddp.ddp`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from minddp.sync import broadcast_coalesced
+__all__ = ["Join", "JoinHook", "Joinable"]
 
-if TYPE_CHECKING:
-    from minddp.ddp import MiniDDP
 
-__all__ = ["Join"]
+class JoinHook:
+    """What one joinable does once its rank has run out of inputs."""
+
+    def main_hook(self, active: list[bool]) -> None:
+        """Shadow one step of the ranks still training (``active[r]``: is rank ``r``?)."""
+
+    def post_hook(self, last_active: int) -> None:
+        """Once every rank has joined; ``last_active`` is the last rank that trained."""
+
+
+class Joinable(Protocol):
+    """An object that takes part in :class:`Join` (MiniDDP is one)."""
+
+    join_context: "Join | None"  # set by Join while inside its ``with`` block
+    join_process_group: dist.ProcessGroup
+    join_device: torch.device
+
+    def join_hook(self, **kwargs) -> JoinHook: ...
 
 
 class Join:
-    """The context manager returned by :meth:`MiniDDP.join`; one per ``with`` block."""
+    """``with Join([joinable, ...]):`` one block of uneven inputs; ``kwargs`` go to every ``join_hook``."""
 
-    def __init__(self, ddp: "MiniDDP", divide_by_initial_world_size: bool = True):
-        if ddp.buffer_sync == "average":
-            raise ValueError(
-                "join() needs buffer_sync='broadcast' or 'off': a rank that has run out of data "
-                "would pull the averaged buffers towards its stale ones"
-            )
-        self.ddp = ddp
-        self.divide_by_initial_world_size = divide_by_initial_world_size
-        self.last_active = 0  # group rank whose replica is authoritative
+    def __init__(self, joinables: Iterable[Joinable], enable: bool = True, **kwargs):
+        self.joinables = list(joinables)
+        if not self.joinables:
+            raise ValueError("Join needs at least one joinable")
+        self.enable = enable
+        self.hooks = [j.join_hook(**kwargs) for j in self.joinables]
+        self.group = self.joinables[0].join_process_group
+        self.device = self.joinables[0].join_device
+        self.active: list[bool] = []
 
     def __enter__(self) -> "Join":
-        self.ddp._join = self
+        if self.enable:
+            for joinable in self.joinables:
+                joinable.join_context = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if exc_type is None:
+            if self.enable and exc_type is None:
                 self._shadow_until_everyone_joined()
         finally:
-            self.ddp._join = None
-            self.ddp._divisor = self.ddp.world_size
+            for joinable in self.joinables:
+                joinable.join_context = None
 
-    def exchange(self, active: bool) -> list[bool]:
-        """The per-step collective: which ranks are still training."""
-        ddp = self.ddp
-        flags = torch.zeros(ddp.world_size, dtype=torch.int32, device=ddp.device)
-        flags[dist.get_rank(ddp.process_group)] = int(active)
-        dist.all_reduce(flags, group=ddp.process_group)
+    @property
+    def last_active(self) -> int:
+        """The highest rank still training at the last exchange (its replica is the newest)."""
+        return max((r for r, a in enumerate(self.active) if a), default=0)
+
+    @staticmethod
+    def notify_join_context(joinable: Joinable) -> list[bool] | None:
+        """Called by a joinable at the start of each step; who is still training (None outside ``join``).
+
+        Only the first joinable of a block communicates, so a step costs one
+        all-reduce however many joinables there are.
+        """
+        join = joinable.join_context
+        if join is None:
+            return None
+        if joinable is not join.joinables[0]:
+            return join.active
+        return join._exchange(active=True)
+
+    def _exchange(self, active: bool) -> list[bool]:
+        flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32, device=self.device)
+        flags[dist.get_rank(self.group)] = int(active)
+        dist.all_reduce(flags, group=self.group)
         who = [bool(f) for f in flags.tolist()]
-        if any(who):
-            self.last_active = max(r for r, a in enumerate(who) if a)
-            n = len(who) if self.divide_by_initial_world_size else sum(who)
-            ddp._divisor = n
+        if any(who):  # keep the last answer that had someone training
+            self.active = who
         return who
 
     def _shadow_until_everyone_joined(self) -> None:
-        ddp = self.ddp
-        while any(self.exchange(active=False)):
-            ddp._shadow_synchronized_step(buffer_source=self.last_active)
-        # Everyone is done: the last rank to train has the newest parameters.
-        broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_to_sync, ddp.process_group, self.last_active)
+        while any(self._exchange(active=False)):
+            for hook in self.hooks:
+                hook.main_hook(self.active)
+        for hook in self.hooks:
+            hook.post_hook(self.last_active)

@@ -1,8 +1,9 @@
-"""Helpers that keep replicas identical: checking, broadcasting, and finding used parameters.
+"""Helpers that make replicas identical: broadcasting, buffer policies, finding used parameters.
 
-None of these run per gradient; they run once at construction (the check and
-the first broadcast), once per forward (buffers), or once per forward with
-``find_unused_parameters`` (the graph walk).
+None of these run per gradient; they run once at construction (the first
+broadcast), once per forward (buffers), or once per forward with
+``find_unused_parameters`` (the graph walk). Checking that replicas *are*
+identical lives in :mod:`minddp.replicas`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_device_ids", "check_same_parameters", "broadcast_coalesced", "sync_buffers", "params_reached_from", "global_rank"]
+__all__ = ["check_device_ids", "broadcast_coalesced", "sync_buffers", "params_reached_from", "global_rank"]
 
 BUFFER_POLICIES = ("broadcast", "average", "off")
 
@@ -38,45 +39,6 @@ def check_device_ids(device_ids: list | None, params: list[torch.Tensor]) -> Non
             f"device_ids={device_ids} but the module's parameters are on {sorted(map(str, devices))}; "
             "MiniDDP supports one device per process: move the module there and pass device_ids=None"
         )
-
-
-def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
-    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
-
-
-def check_same_parameters(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Raise on *every* rank if the ranks' parameters differ in count, name, shape, dtype or requires_grad.
-
-    Different models would build different buckets and issue mismatched
-    collectives: a hang, or silently mixed gradients. Every rank gathers every
-    other rank's description, so all reach the same verdict and raise the same
-    error together instead of some of them waiting forever.
-    """
-    mine = _describe(module)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs == reference:
-            continue
-        for i in range(max(len(reference), len(theirs))):
-            ours = reference[i] if i < len(reference) else None
-            other = theirs[i] if i < len(theirs) else None
-            if ours != other:
-                raise RuntimeError(
-                    "MiniDDP expects the same model on every rank, but parameter "
-                    f"#{i} differs between rank 0 and rank {rank}: rank 0 has {_fmt(ours)}, "
-                    f"rank {rank} has {_fmt(other)} (rank 0 has {len(reference)} parameters, "
-                    f"rank {rank} has {len(theirs)})"
-                )
-
-
-def _fmt(entry) -> str:
-    if entry is None:
-        return "nothing"
-    name, shape, dtype, requires_grad = entry
-    frozen = "" if requires_grad else ", requires_grad=False"
-    return f"{name!r} of shape {list(shape)} and {dtype}{frozen}"
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src: int = 0) -> None:

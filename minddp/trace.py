@@ -1,6 +1,8 @@
 """Seeing overlap: when gradients arrived and when their buckets travelled.
 
-Two levels:
+MiniDDP's gradient path reports to one :class:`StepObserver`, a call per
+event (backward began, gradient ready, bucket launched, backward done); the
+observer keeps the records. Two levels:
 
 * :class:`StepTimeline` is always on. It keeps four kinds of timestamps of
   the last synchronized backward (first hook, last hook, each launch, end),
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepTimeline", "Tracer", "profiler_range"]
+__all__ = ["StepObserver", "StepTimeline", "Tracer", "profiler_range"]
 
 BACKWARD_TRACK, COMM_TRACK = 0, 1
 
@@ -148,3 +150,42 @@ class Tracer:
         if trace is not None:
             with open(path, "w") as f:
                 json.dump(trace, f)
+
+
+class StepObserver:
+    """Everything MiniDDP records about its steps, behind one call per event.
+
+    The gradient path stays free of instrumentation: it tells the observer
+    what happened, and the observer keeps the always-on :class:`StepTimeline`
+    (one clock read per event) and, only when tracing, the :class:`Tracer`.
+    """
+
+    def __init__(self, rank: int, trace: bool):
+        self.timeline = StepTimeline()
+        self.tracer = Tracer(rank) if trace else None
+
+    def forward_started(self) -> float | None:
+        return time.perf_counter() if self.tracer is not None else None
+
+    def forward_done(self, started: float | None) -> None:
+        if self.tracer is not None and started is not None:
+            self.tracer.forward_done(started, time.perf_counter())
+
+    def backward_started(self) -> None:
+        self.timeline.clear()
+        self.timeline.first_hook = time.perf_counter()
+
+    def gradient_ready(self, name: str, grad: torch.Tensor | None) -> None:
+        now = self.timeline.last_hook = time.perf_counter()
+        if self.tracer is not None:
+            self.tracer.gradient_ready(name, now, grad)
+
+    def bucket_launched(self, index: int, nbytes: int, launched: float, future: torch.futures.Future) -> None:
+        self.timeline.launches.append(launched)
+        if self.tracer is not None:
+            self.tracer.bucket_launched(index, nbytes, launched, future)
+
+    def backward_done(self) -> None:
+        self.timeline.finished = time.perf_counter()
+        if self.tracer is not None:
+            self.tracer.backward_done(self.timeline)

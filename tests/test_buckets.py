@@ -35,9 +35,15 @@ def test_first_bucket_has_its_own_smaller_cap():
     assert assign_buckets(specs, cap_bytes=1024, first_cap_bytes=100) == [[0], [1, 2, 3, 4, 5]]
 
 
-def test_rejects_a_non_positive_cap():
-    with pytest.raises(ValueError, match="bucket cap must be positive"):
-        assign_buckets([spec(1)], cap_bytes=0)
+def test_a_zero_cap_means_one_tensor_per_bucket_as_in_torch():
+    # torch's DDP accepts bucket_cap_mb=0 and course material uses it to mean
+    # "one all-reduce per parameter"; the first-bucket cap must not change that.
+    assert assign_buckets([spec(1)] * 3, cap_bytes=0, first_cap_bytes=1024) == [[0], [1], [2]]
+
+
+def test_rejects_a_negative_cap():
+    with pytest.raises(ValueError, match="bucket cap must be >= 0"):
+        assign_buckets([spec(1)], cap_bytes=-1)
 
 
 def test_bucket_life_cycle_and_views():

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 CORE = ["minddp", "minddp.ddp", "minddp.buckets", "minddp.comm_hooks", "minddp.sync", "minddp.join",
-        "minddp.debug", "minddp.trace", "minddp.sampler", "minddp.sync_batchnorm"]
+        "minddp.replicas", "minddp.trace", "minddp.sampler", "minddp.sync_batchnorm"]
 NOT_CORE = ["minddp.train", "minddp.data", "minddp.models", "torchvision"]
 
 

@@ -1,4 +1,10 @@
-"""Catching replicas that drifted apart.
+"""Are the replicas the same? Checked once at construction, and on demand while training.
+
+:func:`check_same_parameters` runs when MiniDDP is built: every rank must
+wrap the same model (names, shapes, dtypes, ``requires_grad``), or the ranks
+would build different buckets and issue mismatched collectives.
+
+Catching replicas that drifted apart later:
 
 Data parallelism rests on one invariant: every rank holds the same
 parameters and buffers at the start of every step. It breaks silently: an
@@ -15,11 +21,13 @@ forward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ReplicaDesyncError", "check_replicas_in_sync", "checksums"]
+__all__ = ["ReplicaDesyncError", "check_replicas_in_sync", "check_same_parameters", "checksums"]
 
 
 class ReplicaDesyncError(RuntimeError):
@@ -62,3 +70,42 @@ def check_replicas_in_sync(module: nn.Module, group: dist.ProcessGroup | None = 
                 f"(checksums {reference[i].tolist()} on rank 0, {everyone[differing[0]][i].tolist()} on "
                 f"rank {differing[0]}). Look for a step, a load or a random change that ran on some ranks only."
             )
+
+
+def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
+
+
+def check_same_parameters(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Raise on *every* rank if the ranks' parameters differ in count, name, shape, dtype or requires_grad.
+
+    Different models would build different buckets and issue mismatched
+    collectives: a hang, or silently mixed gradients. Every rank gathers every
+    other rank's description, so all reach the same verdict and raise the same
+    error together instead of some of them waiting forever.
+    """
+    mine = _describe(module)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for i in range(max(len(reference), len(theirs))):
+            ours = reference[i] if i < len(reference) else None
+            other = theirs[i] if i < len(theirs) else None
+            if ours != other:
+                raise RuntimeError(
+                    "MiniDDP expects the same model on every rank, but parameter "
+                    f"#{i} differs between rank 0 and rank {rank}: rank 0 has {_fmt(ours)}, "
+                    f"rank {rank} has {_fmt(other)} (rank 0 has {len(reference)} parameters, "
+                    f"rank {rank} has {len(theirs)})"
+                )
+
+
+def _fmt(entry) -> str:
+    if entry is None:
+        return "nothing"
+    name, shape, dtype, requires_grad = entry
+    frozen = "" if requires_grad else ", requires_grad=False"
+    return f"{name!r} of shape {list(shape)} and {dtype}{frozen}"
