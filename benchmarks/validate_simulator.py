@@ -74,7 +74,7 @@ def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
     solos = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
     buffers = [torch.zeros(n // 4) for n in FIT_SIZES]
     fit: list[list[float]] = [[] for _ in FIT_SIZES]
-    alone, ddp, measured = {}, {}, {}
+    alone, ddp, measured, alone_ms = {}, {}, {}, {}
     for model in args["models"]:
         runners = {cap: Runner(CFG, model, cap, rank, world_size, torch.device("cpu")) for cap in args["caps"]}
         first = next(iter(runners.values()))
@@ -82,6 +82,7 @@ def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
         alone[model] = first.stepper(first.wrap_minddp(first.fresh(), trace=True, process_group=solos[rank]))
         ddp[model] = {cap: (r, r.stepper(r.wrap_minddp(r.fresh()))) for cap, r in runners.items()}
         measured[model] = {cap: [] for cap in runners}
+        alone_ms[model] = []
     for step in [*alone.values(), *(s for caps in ddp.values() for _, s in caps.values())]:
         for _ in range(3):  # allocation, bucket rebuild: not timed, not traced
             step()
@@ -95,7 +96,7 @@ def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
             fit[i].append(allreduce_block(buf))
         for model in args["models"]:
             first = next(iter(ddp[model].values()))[0]
-            first.time_block(alone[model], k)
+            alone_ms[model].append(first.time_block(alone[model], k))
             for cap, (runner, step) in ddp[model].items():
                 measured[model][cap].append(runner.time_block(step, k))
     fit_seconds = [statistics.median(_slowest(t)) for t in fit]
@@ -103,7 +104,7 @@ def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
     for model in args["models"]:
         trace = alone[model].module.tracer.chrome_trace(solos[rank])
         steps = {str(cap): _slowest(ms) for cap, ms in measured[model].items()}
-        cases.append({"model": model, "trace": trace, "measured_ms": steps})
+        cases.append({"model": model, "trace": trace, "measured_ms": steps, "alone_ms": _slowest(alone_ms[model])})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"fit_seconds": fit_seconds, "cases": cases}, f)
@@ -118,7 +119,8 @@ def predict(raw: dict, world_size: int) -> dict:
             measured = statistics.median(ms)
             row = {"model": case["model"], "bucket_cap_mb": float(cap), "measured_ms": measured,
                    "measured_min_ms": min(ms), "measured_max_ms": max(ms),
-                   "compute_ms": profile.forward_ms + profile.backward_ms + profile.after_backward_ms}
+                   "compute_ms": profile.forward_ms + profile.backward_ms + profile.after_backward_ms,
+                   "alone_ms": statistics.median(case["alone_ms"])}
             for name, overlap in (("overlap", True), ("shared", False)):
                 step = simulate_step(profile, link, world_size, DDPPolicy(bucket_cap_mb=float(cap), overlap=overlap))
                 row[f"{name}_ms"] = step.step_ms
@@ -140,13 +142,14 @@ def table(result: dict, world_size: int, rounds: int) -> str:
         "  all-reduce alone, median ms: "
         + ", ".join(f"{n / 1024:.0f} KiB {t:.3f}" for n, t in zip(fit["sizes"], fit["median_ms"])),
         "",
-        "| model | cap MB | buckets | compute ms | comm ms (model) | measured ms (min-max) "
+        "| model | cap MB | buckets | compute ms (trace) | alone ms (timed) | comm ms (model) | measured ms (min-max) "
         "| predicted overlap | error | predicted shared cores | error |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['model']} | {r['bucket_cap_mb']:g} | {r['buckets']} | {r['compute_ms']:.1f} | {r['comm_ms']:.1f} "
+            f"| {r['model']} | {r['bucket_cap_mb']:g} | {r['buckets']} | {r['compute_ms']:.1f} | {r['alone_ms']:.1f} "
+            f"| {r['comm_ms']:.1f} "
             f"| {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
             f"| {r['overlap_ms']:.1f} | {r['overlap_error']:+.0%} | {r['shared_ms']:.1f} | {r['shared_error']:+.0%} |")
     return "\n".join(lines)
