@@ -193,3 +193,14 @@ def test_lesson_17_runs_and_checks_its_claims():
     out = run_python([os.path.join("lessons", "17_how_ddp_scales.py")], timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "checked" in out.stdout
+
+
+def test_pictures_are_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    from minddp.simulate.report import draw_scaling, draw_timeline, sweep
+
+    profile = profile_from_trace(synthetic_trace())
+    rows = sweep(profile, LINK, [2, 8], [1, 25])
+    draw_scaling(rows, str(tmp_path / "s.png"))
+    draw_timeline(rows[-1].step, str(tmp_path / "t.png"))
+    assert (tmp_path / "s.png").stat().st_size > 0 and (tmp_path / "t.png").stat().st_size > 0
