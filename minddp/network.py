@@ -19,6 +19,14 @@ The bandwidth term stays under ``2 n / bandwidth`` however many ranks there
 are (why the ring scales); the latency term grows with ``p``. A **tree**
 (binary reduce then broadcast, as NCCL uses for small messages at scale)
 pays ``2 log2(p)`` latencies but sends the whole message at each level.
+A **hierarchical** all-reduce (:class:`Hierarchy`) runs a ring inside each
+node on fast links and only ``1/g`` of the bytes per rank between nodes.
+
+Every preset's figures and their source are in its ``source`` field (and the
+comment above :data:`PRESETS`). What the model leaves out: congestion and
+topology of the switch fabric, NCCL's pipelining of chunks and several
+channels, protocol switches with message size, and a per-collective base
+cost; it is a first-order model, good for trends and bucket trade-offs.
 
 This one model serves two users: :mod:`minddp.simulate` replays a step at
 any world size with it, and the lessons' simulated link makes a real Gloo
@@ -30,7 +38,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Link", "PRESETS", "ring_allreduce_time", "tree_allreduce_time", "allreduce_time", "get_link"]
+__all__ = [
+    "Link", "Hierarchy", "PRESETS", "HIERARCHIES", "ring_allreduce_time", "tree_allreduce_time",
+    "hierarchical_allreduce_time", "allreduce_time", "ring_bytes_sent_per_rank", "fit_link", "get_link", "get_network",
+]
 
 
 @dataclass(frozen=True)
@@ -70,8 +81,14 @@ def tree_allreduce_time(nbytes: float, world_size: int, link: Link) -> float:
 ALGORITHMS = {"ring": ring_allreduce_time, "tree": tree_allreduce_time}
 
 
-def allreduce_time(nbytes: float, world_size: int, link: Link, algorithm: str = "ring") -> float:
-    """Seconds for one all-reduce with the named ``algorithm`` (``"ring"`` or ``"tree"``)."""
+def allreduce_time(nbytes: float, world_size: int, link: "Link | Hierarchy", algorithm: str = "ring") -> float:
+    """Seconds for one all-reduce with the named ``algorithm`` (``"ring"`` or ``"tree"``).
+
+    With a :class:`Hierarchy` the all-reduce is hierarchical and
+    ``algorithm`` is the one used between nodes.
+    """
+    if isinstance(link, Hierarchy):
+        return hierarchical_allreduce_time(nbytes, world_size, link, algorithm)
     try:
         return ALGORITHMS[algorithm](nbytes, world_size, link)
     except KeyError:
@@ -79,17 +96,38 @@ def allreduce_time(nbytes: float, world_size: int, link: Link, algorithm: str = 
 
 
 GB = 1e9
-# Bandwidths are one direction's nominal link rate; latencies are typical
-# small-message figures. Real all-reduces reach perhaps 70-90% of the rate.
+# Bandwidth: one direction's nominal rate of the link a rank sends on; a real
+# all-reduce reaches perhaps 70-90% of it (NCCL's bus bandwidth on nccl-tests).
+# Latency: the per-step cost alpha. For NVLink, PCIe and InfiniBand it is
+# NCCL's own cost-model figure for one ring step with its "Simple" protocol
+# (``hwLat`` in NCCL's src/graph/tuning.cc: 3.4 us NVLink, 5.7 us PCIe,
+# 14 us network; NCCL adds a ~8 us base per collective, left out here). For
+# kernel TCP over Ethernet (Gloo, or NCCL's socket transport) a step costs
+# a round trip through two network stacks, tens of microseconds.
 PRESETS: dict[str, Link] = {
     link.name: link
     for link in [
-        Link("pcie4", 2e-6, 32 * GB, "PCIe 4.0 x16: 16 GT/s x 16 lanes, ~32 GB/s per direction (PCI-SIG spec)"),
-        Link("nvlink4", 2e-6, 450 * GB, "H100 NVLink 4: 900 GB/s total, 450 GB/s per direction (NVIDIA H100 datasheet)"),
-        Link("eth25", 30e-6, 25e9 / 8, "25 Gb/s Ethernet (IEEE 802.3by); ~30 us TCP small-message latency"),
-        Link("eth100", 20e-6, 100e9 / 8, "100 Gb/s Ethernet (IEEE 802.3ba); ~20 us TCP small-message latency"),
-        Link("ib200", 2e-6, 200e9 / 8, "InfiniBand HDR 200 Gb/s; ~1-2 us MPI latency (NVIDIA ConnectX-6 datasheet)"),
-        Link("ib400", 2e-6, 400e9 / 8, "InfiniBand NDR 400 Gb/s; ~1-2 us MPI latency (NVIDIA ConnectX-7 datasheet)"),
+        Link("pcie4", 5.7e-6, 32 * GB,
+             "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b coding = 31.5 GB/s per direction (PCI-SIG, "
+             "PCIe Base Spec 4.0, 2017); 5.7 us per ring step (NCCL tuning.cc hwLat, PCI/Ring/Simple)"),
+        Link("nvlink3", 3.4e-6, 300 * GB,
+             "A100 NVLink 3: 600 GB/s total, 300 GB/s per direction (NVIDIA A100 datasheet, 2020); "
+             "3.4 us per ring step (NCCL tuning.cc hwLat, NVLink/Ring/Simple)"),
+        Link("nvlink4", 3.4e-6, 450 * GB,
+             "H100 NVLink 4: 900 GB/s total, 450 GB/s per direction (NVIDIA H100 datasheet, 2022); "
+             "3.4 us per ring step (NCCL tuning.cc hwLat, NVLink/Ring/Simple)"),
+        Link("eth25", 30e-6, 25e9 / 8,
+             "25 Gb/s Ethernet (IEEE 802.3by-2016) = 3.1 GB/s; ~30 us per step assumed for kernel TCP "
+             "(a socket round trip on commodity NICs is 10-50 us)"),
+        Link("eth100", 20e-6, 100e9 / 8,
+             "100 Gb/s Ethernet (IEEE 802.3ba-2010 / 802.3bj-2014) = 12.5 GB/s; ~20 us per step assumed "
+             "for kernel TCP"),
+        Link("ib200", 14e-6, 200e9 / 8,
+             "InfiniBand HDR 200 Gb/s = 25 GB/s (NVIDIA ConnectX-6 VPI datasheet); 14 us per ring step "
+             "(NCCL tuning.cc hwLat, Net/Ring/Simple; the wire's own MPI latency is ~0.6 us)"),
+        Link("ib400", 14e-6, 400e9 / 8,
+             "InfiniBand NDR 400 Gb/s = 50 GB/s (NVIDIA ConnectX-7 datasheet); 14 us per ring step "
+             "(NCCL tuning.cc hwLat, Net/Ring/Simple)"),
         # Not hardware: slow enough that its costs show against a laptop's
         # millisecond-long backward passes in the lessons.
         Link("laptop", 2e-3, 200e6, "teaching preset: 2 ms per message, 200 MB/s"),
@@ -97,9 +135,96 @@ PRESETS: dict[str, Link] = {
 }
 
 
+@dataclass(frozen=True)
+class Hierarchy:
+    """Nodes of ``ranks_per_node`` ranks: fast ``intra`` links inside a node, ``inter`` between nodes.
+
+    ``inter`` is what *one rank* gets between nodes (a DGX H100 has one
+    400 Gb/s NIC per GPU, so each GPU gets a whole ``ib400``).
+    """
+
+    name: str
+    intra: Link
+    inter: Link
+    ranks_per_node: int
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1:
+            raise ValueError(f"{self.name!r}: ranks_per_node must be >= 1, got {self.ranks_per_node}")
+
+
+def hierarchical_allreduce_time(nbytes: float, world_size: int, net: Hierarchy, algorithm: str = "ring") -> float:
+    """Seconds for a two-level all-reduce (as NCCL and Horovod's hierarchical mode do it).
+
+    1. reduce-scatter inside each node (ring over its ``g`` ranks): each rank
+       ends up owning the node's sum of ``1/g`` of the bytes;
+    2. every rank all-reduces its ``nbytes / g`` shard with the ranks holding
+       the same shard on the other nodes (``algorithm`` over the nodes), all
+       ``g`` shards at once, each on its own NIC;
+    3. all-gather inside the node.
+
+    Steps 1 and 3 together cost exactly one intra-node ring all-reduce.
+    """
+    g = min(net.ranks_per_node, world_size)
+    nodes = math.ceil(world_size / g)
+    inside = ring_allreduce_time(nbytes, g, net.intra)
+    return inside + allreduce_time(nbytes / g, nodes, net.inter, algorithm)
+
+
+# Whole machines, for hierarchical all-reduce.
+HIERARCHIES: dict[str, Hierarchy] = {
+    h.name: h
+    for h in [
+        Hierarchy("dgx-h100", PRESETS["nvlink4"], PRESETS["ib400"], 8,
+                  "NVIDIA DGX H100: 8 GPUs on NVLink 4, 8 ConnectX-7 400 Gb/s NICs (DGX H100 user guide)"),
+        Hierarchy("dgx-a100", PRESETS["nvlink3"], PRESETS["ib200"], 8,
+                  "NVIDIA DGX A100: 8 GPUs on NVLink 3, 8 ConnectX-6 200 Gb/s NICs (DGX A100 user guide)"),
+        Hierarchy("pcie-eth25", PRESETS["pcie4"], PRESETS["eth25"], 8,
+                  "8 GPUs on PCIe 4.0 per node, nodes on 25 Gb/s Ethernet (a typical cloud instance)"),
+    ]
+}
+
+
+def ring_bytes_sent_per_rank(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (p - 1) / p * nbytes`` (< 2 nbytes)."""
+    return 2 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
+
+
+def fit_link(sizes: list[float], seconds: list[float], world_size: int, name: str = "fitted") -> Link:
+    """The :class:`Link` whose ring all-reduce time best fits measured ``(sizes, seconds)``.
+
+    ``t = 2 (p-1) alpha + 2 (p-1)/p n / bandwidth`` is a straight line in
+    ``n``; fitted by least squares on *relative* error (weights ``1/t``), so
+    that a 4 KB all-reduce counts as much as a 64 MB one.
+    """
+    if world_size < 2 or len(sizes) < 2 or len(sizes) != len(seconds):
+        raise ValueError("fit_link needs >= 2 (size, seconds) pairs measured with world_size >= 2")
+    w = [1.0 / t for t in seconds]  # weights; minimise sum ((a + b n - t) / t)^2
+    sw = sum(x * x for x in w)
+    sx = sum(x * x * n for x, n in zip(w, sizes))
+    sy = sum(x * x * t for x, t in zip(w, seconds))
+    sxx = sum(x * x * n * n for x, n in zip(w, sizes))
+    sxy = sum(x * x * n * t for x, n, t in zip(w, sizes, seconds))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    intercept = (sy - slope * sx) / sw
+    steps = 2 * (world_size - 1)
+    if slope <= 0:
+        raise ValueError(f"measured times do not grow with size (slope {slope:.3g} s/B): cannot fit a bandwidth")
+    return Link(name, max(intercept, 0.0) / steps, steps / world_size / slope,
+                f"fitted to {len(sizes)} all-reduce timings at world size {world_size}")
+
+
+def get_network(name: str) -> Link | Hierarchy:
+    """A :data:`PRESETS` link or a :data:`HIERARCHIES` machine by name."""
+    if name in HIERARCHIES:
+        return HIERARCHIES[name]
+    return get_link(name)
+
+
 def get_link(name: str) -> Link:
     """A preset by name (see :data:`PRESETS`)."""
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown network {name!r}; choose one of {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown network {name!r}; choose one of {', '.join([*PRESETS, *HIERARCHIES])}") from None

@@ -1,0 +1,27 @@
+"""Simulating a DDP step at any world size, from a trace of a real one.
+
+Learn DDP on two CPU processes, then ask how the step would scale to 1,024
+GPUs: this package answers with a replay, not a cluster.
+
+* :mod:`minddp.simulate.profile`: the compute profile of one step (forward,
+  when each gradient was ready, sizes and dtypes), read from
+  ``MiniDDP(..., trace=True)``'s Chrome trace;
+* :mod:`minddp.network` (one level up): the latency-bandwidth model of
+  ring, tree and hierarchical all-reduce, with cited presets;
+* :mod:`minddp.simulate.replay`: DDP's policy (bucket caps, strict bucket
+  order, one collective on the wire, compression, ``no_sync`` accumulation)
+  replayed bucket by bucket: step time, exposed communication, hidden
+  fraction, scaling efficiency;
+* :mod:`minddp.simulate.report`: the table and the pictures;
+* ``python -m minddp.simulate``: the command (``--help``).
+
+Nothing here needs a process group: a trace file is enough.
+"""
+
+from minddp.simulate.profile import ComputeProfile, Gradient, load_profile, profile_from_trace
+from minddp.simulate.replay import DDPPolicy, SimulatedBucket, SimulatedStep, simulate_step
+
+__all__ = [
+    "ComputeProfile", "Gradient", "load_profile", "profile_from_trace",
+    "DDPPolicy", "SimulatedBucket", "SimulatedStep", "simulate_step",
+]

@@ -1,0 +1,108 @@
+"""The compute side of a step, read from a MiniDDP Chrome trace.
+
+A :class:`ComputeProfile` is what the replay needs to know about one
+training step on one rank, with the network taken out:
+
+* ``forward_ms``: the wrapped module's forward;
+* ``gradients``: for each parameter, when its gradient was ready, in ms since
+  backward began (taken as the end of forward: the loss is part of backward
+  here), with its size in bytes and its dtype, in arrival order;
+* ``after_backward_ms``: from the last gradient to the next step's forward
+  (writing the averaged gradients, the optimizer, ``zero_grad``, the next
+  batch). With a single step in the trace: last gradient to grads written.
+
+:func:`profile_from_trace` takes the median of each figure over every step
+and rank of the trace. The best trace to take it from is a world-size-1 run
+(``python -m minddp.simulate --record MODEL``): its times hold no waiting
+for a peer. A trace of a multi-rank run works too, but on a machine where
+communication shares cores with backward, its gradient times are stretched.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field, replace
+
+from minddp.trace import BACKWARD_TRACK
+
+__all__ = ["Gradient", "ComputeProfile", "profile_from_trace", "load_profile"]
+
+
+@dataclass(frozen=True)
+class Gradient:
+    name: str
+    ready_ms: float  # since backward began
+    nbytes: int
+    dtype: str = "torch.float32"  # as str(tensor.dtype) writes it
+
+
+@dataclass
+class ComputeProfile:
+    forward_ms: float
+    gradients: list[Gradient] = field(default_factory=list)
+    after_backward_ms: float = 0.0
+
+    @property
+    def backward_ms(self) -> float:
+        """Backward begins to last gradient ready."""
+        return max((g.ready_ms for g in self.gradients), default=0.0)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(g.nbytes for g in self.gradients)
+
+    def scaled(self, factor: float) -> "ComputeProfile":
+        """Every compute time divided by ``factor`` (e.g. 20 for "my GPU is 20x this CPU")."""
+        return ComputeProfile(
+            self.forward_ms / factor,
+            [replace(g, ready_ms=g.ready_ms / factor) for g in self.gradients],
+            self.after_backward_ms / factor,
+        )
+
+
+def _median(values: list[float], what: str) -> float:
+    if not values:
+        raise ValueError(f"the trace has no {what}: was it written by MiniDDP(..., trace=True)?")
+    return statistics.median(values)
+
+
+def profile_from_trace(trace: dict) -> ComputeProfile:
+    """The median step of every rank and step in ``trace`` (a dict, as ``json.load`` returns it)."""
+    steps: dict[tuple[int, int], dict] = {}  # (rank, step) -> its events
+    for e in trace["traceEvents"]:
+        if e.get("tid") != BACKWARD_TRACK or "step" not in e.get("args", {}):
+            continue
+        s = steps.setdefault((e["pid"], e["args"]["step"]), {"hooks": []})
+        if e["ph"] == "X" and e["name"] == "forward":
+            s["forward"] = (e["ts"] / 1e3, e["dur"] / 1e3)
+        elif e["ph"] == "X" and e["name"].startswith("backward"):
+            s["end"] = (e["ts"] + e["dur"]) / 1e3
+        elif e["ph"] == "i" and e["name"].startswith("grad "):
+            s["hooks"].append((e["ts"] / 1e3, e["name"].removeprefix("grad "), e["args"]))
+    forward, after, written, ready = [], [], [], {}
+    info: dict[str, tuple[int, str]] = {}
+    for (rank, step), s in sorted(steps.items()):
+        if "forward" not in s or not s["hooks"]:
+            continue  # a no_sync step, or a trace without forward events
+        start, duration = s["forward"]
+        forward.append(duration)
+        hooks = sorted(s["hooks"], key=lambda h: h[0])
+        for ts, name, args in hooks:
+            ready.setdefault(name, []).append(ts - (start + duration))
+            info[name] = (args.get("bytes", 0), args.get("dtype", "torch.float32"))
+        following = steps.get((rank, step + 1), {}).get("forward")
+        if following is not None:
+            after.append(following[0] - hooks[-1][0])
+        if "end" in s:
+            written.append(s["end"] - hooks[-1][0])
+    gradients = [Gradient(name, statistics.median(ts), *info[name]) for name, ts in ready.items()]
+    gradients.sort(key=lambda g: g.ready_ms)
+    after = after or written  # a single step: no next forward to measure to
+    return ComputeProfile(_median(forward, "forward events with gradient hooks"), gradients,
+                          statistics.median(after) if after else 0.0)
+
+
+def load_profile(path: str) -> ComputeProfile:
+    with open(path) as f:
+        return profile_from_trace(json.load(f))
