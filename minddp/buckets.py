@@ -160,7 +160,8 @@ class Bucket:
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {self.names[i]!r} produced a gradient twice in one backward "
-                "(a second backward through the same graph, or a reentrant checkpoint?); "
+                "(a second backward through the same graph, or a block run twice under a reentrant "
+                "activation checkpoint: construct MiniDDP(..., static_graph=True) for that); "
                 "its bucket was already marked ready"
             )
         self._ready[i] = True

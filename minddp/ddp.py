@@ -71,6 +71,11 @@ class MiniDDP(nn.Module):
       no gradient is copied and no second copy of all gradients is kept.
     * ``device_ids``/``output_device``: accepted for drop-in compatibility;
       MiniDDP runs on the device the module is on (place it there first).
+    * ``static_graph``: promise that every iteration uses the same parameters
+      the same number of times. The first backward counts each parameter's
+      gradient hooks and reduces everything at its end; later ones mark a
+      parameter ready at its last hook. This is what lets a block run twice
+      under a reentrant activation checkpoint (two nested passes, two hooks).
     * ``require_backward_grad_sync`` (attribute): set it to False before a
       forward to accumulate gradients locally (nanoGPT's idiom); ``no_sync()``
       does just that for the duration of a ``with`` block.
@@ -113,6 +118,7 @@ class MiniDDP(nn.Module):
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
         reduce_dtype: torch.dtype | None = None,
         buffer_sync: str | None = None,
         check_sync_every: int = 0,
@@ -141,6 +147,7 @@ class MiniDDP(nn.Module):
         self.check_sync_every = check_sync_every
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.reduce_dtype = reduce_dtype
         self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
 
@@ -177,6 +184,8 @@ class MiniDDP(nn.Module):
         self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
         self._unused: list[nn.Parameter] = []  # found by the graph walk at forward
         self._locally_used: list[bool] = [True] * len(self._params)
+        self._hooks_seen = [0] * len(self._params)  # this backward, per parameter (static_graph)
+        self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
         self._comm_hook: tuple[Any, Callable] | None = None
         self._backwards_done = 0
         self._synchronized_forwards = 0
@@ -295,6 +304,8 @@ class MiniDDP(nn.Module):
             self._begin_backward()
         self._call_at_end_of_this_pass()
         index = self._index[param]
+        if self.static_graph and not self._last_expected_hook(index):
+            return  # more of this parameter's gradient is still to come
         self._observer.gradient_ready(self._names[index], param.grad)
         if self._rebuild_after_first_step:
             self._arrival.append(index)
@@ -305,6 +316,7 @@ class MiniDDP(nn.Module):
         self._observer.backward_started()
         self._watched_passes = set()
         self._locally_used = [True] * len(self._params)
+        self._hooks_seen = [0] * len(self._params)
         self._arrival = []  # only this backward's order counts (an earlier one may have failed)
         for p in self._unused:  # no gradient will come for these: count them now
             self._mark_ready(p)
@@ -318,6 +330,12 @@ class MiniDDP(nn.Module):
         if current not in self._watched_passes:
             self._watched_passes.add(current)
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_pass_end)
+
+    def _last_expected_hook(self, index: int) -> bool:
+        self._hooks_seen[index] += 1
+        if self._hooks_expected is None:
+            return False  # first backward: count only, reduce everything at its end
+        return self._hooks_seen[index] == self._hooks_expected[index]
 
     def _mark_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[param]
@@ -396,6 +414,14 @@ class MiniDDP(nn.Module):
             self._rebuild_in_arrival_order()
 
     def _account_for_missing_gradients(self) -> None:
+        if self.static_graph and self._hooks_expected is None:
+            # static_graph's first backward: now we know how many hooks each
+            # parameter gets; parameters that got none count as zero, always.
+            self._hooks_expected = list(self._hooks_seen)
+            self._unused = [p for p, n in zip(self._params, self._hooks_expected) if n == 0]
+            for bucket in self._buckets:
+                for p in bucket.unready_params():
+                    self._mark_ready(p)
         if self.find_unused_parameters:
             # Reached by the graph walk but no gradient came (an output not in
             # the loss): zero as well, in bucket order like every other launch.

@@ -120,6 +120,15 @@ def test_a_checkpointed_block_used_twice_without_reentrancy(ranks):
     assert ranks(2).run(_train_three_ways, build, _mse_step, {"bucket_cap_mb": 1e-4}) == [True, True]
 
 
+def test_a_reentrant_block_used_twice_with_static_graph_matches_torch_ddp(ranks):
+    # Two nested passes each deliver b's gradient; with static_graph=True
+    # (torch's DDP needs it too) the first step counts the hooks and later
+    # steps reduce b's gradient at its second hook, when it is complete.
+    build = functools.partial(Chain, ("b",), reentrant=True, reuse_middle=True)
+    kwargs = {"bucket_cap_mb": 1e-4, "static_graph": True}
+    assert ranks(2).run(_train_three_ways, build, _mse_step, kwargs) == [True, True]
+
+
 def _reentrant_reuse(rank, world_size):
     torch.manual_seed(0)
     mini = MiniDDP(Chain(("b",), reentrant=True, reuse_middle=True))
@@ -132,9 +141,9 @@ def _reentrant_reuse(rank, world_size):
 
 
 def test_a_reentrant_block_used_twice_is_refused_clearly(ranks):
-    # Two nested passes each deliver b's gradient: summing both into the
-    # bucket would need the static-graph machinery; torch's DDP refuses it
-    # too (without static_graph). The error must name the parameter.
+    # Two nested passes each deliver b's gradient: without static_graph there
+    # is no telling which hook is the last; torch's DDP refuses it too. The
+    # error must name the parameter.
     for message in ranks(2).run(_reentrant_reuse):
         assert "'b.0.weight' produced a gradient twice" in message or "'b.0.bias' produced a gradient twice" in message
 
