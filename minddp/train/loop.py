@@ -28,9 +28,9 @@ from minddp.data import SyntheticMNIST, make_dataset, make_loader
 from minddp.ddp import MiniDDP
 from minddp.models import build_model, model_loss
 from minddp.sync_batchnorm import SyncBatchNorm
-from minddp.train import resume
 from minddp.train.checkpoint import LAST
 from minddp.train.errors import UsageError
+from minddp.train.resume import Parts, Position, epoch_batches, restore_from, save_for_resume
 
 __all__ = ["train"]
 
@@ -143,9 +143,9 @@ def train(
     torch.manual_seed(args.seed + 7919 * (rank + 1))
     random.seed(args.seed + 7919 * (rank + 1))
 
-    parts = resume.Parts(model, optimizer, scaler, loader, device)
+    parts = Parts(model, optimizer, scaler, loader, device)
     ckpt_path = os.path.join(args.checkpoint_dir, LAST) if args.checkpoint_dir else None
-    pos = resume.restore(ckpt_path, args, parts, lr, rank, world_size) if args.resume else resume.Position()
+    pos = restore_from(ckpt_path, args, parts, lr, rank, world_size) if args.resume else Position()
 
     ddp_model = _wrap(model, args, device)
     total_steps = args.epochs * steps_per_epoch
@@ -167,7 +167,7 @@ def train(
     )
 
     def save() -> None:
-        resume.save(args, parts, pos, steps_per_epoch, world_size, epoch_start_generator)
+        save_for_resume(args, parts, pos, steps_per_epoch, world_size, epoch_start_generator)
         if on_saved is not None:
             on_saved(pos.step)
 
@@ -178,7 +178,7 @@ def train(
     while pos.step < total_steps and pos.epoch < args.epochs:
         generator = loader.generator
         epoch_start_generator = generator.get_state() if generator is not None else None
-        for images, labels in resume.epoch_batches(loader, pos.epoch, pos.batch_in_epoch):
+        for images, labels in epoch_batches(loader, pos.epoch, pos.batch_in_epoch):
             if pos.step >= total_steps:
                 break
             fail_hook(pos.step + 1)

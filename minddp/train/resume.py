@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from minddp.train.checkpoint import CheckpointError, load_checkpoint, move_optimizer_state, save_checkpoint
 
-__all__ = ["Parts", "Position", "restore", "save", "epoch_batches"]
+__all__ = ["Parts", "Position", "restore_from", "save_for_resume", "epoch_batches"]
 
 log = logging.getLogger("minddp.train")
 
@@ -75,7 +75,7 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def restore(path: str, args: argparse.Namespace, parts: Parts, lr: float, rank: int, world_size: int) -> Position:
+def restore_from(path: str, args: argparse.Namespace, parts: Parts, lr: float, rank: int, world_size: int) -> Position:
     """Load ``path`` into ``parts`` (this run's ``lr`` wins); return where the saved run stood."""
     state = load_checkpoint(path, parts.device, expect={"model_name": args.model})
     try:
@@ -114,7 +114,7 @@ def restore(path: str, args: argparse.Namespace, parts: Parts, lr: float, rank: 
     return position
 
 
-def save(
+def save_for_resume(
     args: argparse.Namespace,
     parts: Parts,
     position: Position,
