@@ -23,7 +23,7 @@ What you will learn
        ranks racing to create the same folder otherwise crash at random.
 
     On this CPU-only run every device is ``cpu``; on GPUs, use
-    ``map_location=f"cuda:{local_rank}"``. ``minddp.checkpoint`` packages the
+    ``map_location=f"cuda:{local_rank}"``. ``minddp.train.checkpoint`` packages the
     same recipe for the training script.
 
 What to run

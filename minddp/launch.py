@@ -31,14 +31,15 @@ import datetime
 import os
 import re
 import socket
-import tempfile
-import time
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+
+from minddp.processes import GRACE_S, LocalRanks, report
 
 __all__ = [
     "LaunchInfo",
@@ -257,51 +258,42 @@ class RankFailed(RuntimeError):
     """A rank of :func:`spawn` raised; the message holds the first failure's traceback."""
 
 
-def _spawn_entry(local_rank: int, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple,
-                 error_dir: str):
+def _spawn_rank(rank: int, conn, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    with distributed(backend, rank=local_rank, world_size=world_size):
+    with distributed(backend, rank=rank, world_size=world_size):
         try:
-            fn(local_rank, world_size, *args)
+            fn(rank, world_size, *args)
         except BaseException:
-            # Stamp the failure *before* the process group is torn down: the
+            # Report the failure *before* the process group is torn down: the
             # other ranks fail because of it a moment later ("Connection reset
             # by peer"), and the parent wants to show the cause, not the echo.
-            with open(os.path.join(error_dir, f"rank{local_rank}"), "w") as f:
-                f.write(f"{time.monotonic()}\n{traceback.format_exc()}")
-            raise
+            report(conn, "error", traceback.format_exc().rstrip())
+            sys.stdout.flush()
+            os._exit(1)
+    report(conn, "ok")
 
 
 def spawn(fn: Callable, world_size: int, *args, backend: str | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes,
     each inside an initialised process group on a free port.
 
-    Built on ``torch.multiprocessing.spawn``. If ranks raise, the others are
-    terminated and :class:`RankFailed` shows the traceback of the rank that
-    failed *first* (usually the cause; the rest are consequences, named in one
-    line). ``fn`` must be importable by name (defined at module level), as for
-    any spawn.
+    Built on :class:`minddp.processes.LocalRanks`. If ranks fail, the others
+    get a few seconds, then are killed, and :class:`RankFailed` shows the
+    traceback of the rank that failed *first* (usually the cause; the rest
+    are consequences, named in one line). ``fn`` must be importable by name
+    (defined at module level), as for any spawn.
     """
-    import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException
-
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    port = find_free_port()
-    with tempfile.TemporaryDirectory(prefix="minddp-spawn-") as error_dir:
-        try:
-            mp.spawn(_spawn_entry, args=(fn, world_size, port, backend, args, error_dir), nprocs=world_size, join=True)
-        except ProcessException:
-            failures = []
-            for name in os.listdir(error_dir):
-                with open(os.path.join(error_dir, name)) as f:
-                    stamp, _, trace = f.read().partition("\n")
-                failures.append((float(stamp), int(name.removeprefix("rank")), trace))
-            if not failures:
-                raise  # a rank died without a Python exception (killed, segfault): torch's message says which
-            failures.sort()
-            _, rank, trace = failures[0]
-            others = ", ".join(f"rank {r}" for _, r, _ in failures[1:])
-            then = f"\n(then {others} failed too, most likely as a consequence)" if others else ""
-            raise RankFailed(f"rank {rank} failed first:\n{trace}{then}") from None
+    ranks = LocalRanks(world_size, _spawn_rank, (fn, world_size, find_free_port(), backend, args))
+    try:
+        reports, stuck = ranks.collect()
+    finally:
+        ranks.close()
+    failures = [r for r in reports if r.failed]
+    if failures:
+        first = failures[0]
+        cause = f" it {first.value}" if first.kind == "died" else f"\n{first.value}"
+        others = ", ".join(f"rank {r.rank}" for r in failures[1:])
+        then = f"\n(then {others} failed too, most likely as a consequence)" if others else ""
+        then += f"\n(rank(s) {', '.join(map(str, stuck))} had not stopped {GRACE_S:.0f} s later; killed)" if stuck else ""
+        raise RankFailed(f"rank {first.rank} failed first:{cause}{then}")

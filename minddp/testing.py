@@ -22,22 +22,16 @@ takes ``(rank, world_size, *args)``. Results travel back pickled.
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing as mp
+import datetime
 import os
-import pickle
-import signal
-import time
 import traceback
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-__all__ = ["RankError", "RankPool", "run_ranks"]
+from minddp.launch import find_free_port
+from minddp.processes import LocalRanks, report
 
-# After the first rank fails, how long the others get to report before they
-# are killed. Long enough for them to raise their own (usually matching)
-# error, short enough that a rank stuck in a collective does not stall CI.
-GRACE_S = 3.0
+__all__ = ["RankError", "RankPool"]
 
 
 class RankError(RuntimeError):
@@ -48,57 +42,37 @@ class RankError(RuntimeError):
         self.rank = rank
 
 
-def _die_with_parent() -> None:
-    # Linux only: ask the kernel to SIGKILL us when the parent dies, so an
-    # interrupted pytest (even with SIGKILL) leaves no rank behind.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _worker(rank: int, world_size: int, port: int, init_group: bool, threads: int, conn: Connection) -> None:
-    _die_with_parent()
+def _serve(rank: int, conn: Connection, world_size: int, port: int, init_group: bool, threads: int) -> None:
+    """One rank of the pool: join the group, then run what the parent sends until told to stop."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    try:
-        if init_group:
-            import datetime
-
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=60),
-            )
-        conn.send_bytes(pickle.dumps(("ready", None)))
-    except BaseException:
-        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-        return
+    if init_group:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+    report(conn, "ok")  # ready
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            message = conn.recv()
         except EOFError:
             return
         if message is None:
             break
         fn, args, kwargs = message
         try:
-            reply = ("ok", fn(rank, world_size, *args, **kwargs))
-        except BaseException:
-            reply = ("error", traceback.format_exc())
-        try:
-            payload = pickle.dumps(reply)
-        except Exception:
-            payload = pickle.dumps(("error", "result could not be pickled:\n" + traceback.format_exc()))
-        conn.send_bytes(payload)
+            result = fn(rank, world_size, *args, **kwargs)
+        except BaseException:  # noqa: BLE001 -- sent to the parent; the rank serves on
+            report(conn, "error", traceback.format_exc())
+        else:
+            report(conn, "ok", result)
     if init_group and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -109,7 +83,9 @@ class RankPool:
     Life cycle: started lazily by the first :meth:`run`; after any failure
     every rank is killed and the next :meth:`run` starts fresh ones;
     :meth:`close` ends them. ``init_group=False`` gives ranks without a
-    process group, for tests of code that creates its own.
+    process group, for tests of code that creates its own. The processes are
+    a :class:`minddp.processes.LocalRanks` (spawned: never fork a process
+    that may hold threads).
     """
 
     def __init__(self, world_size: int, *, init_group: bool = True, threads_per_rank: int = 1):
@@ -118,46 +94,30 @@ class RankPool:
         self.world_size = world_size
         self.init_group = init_group
         self.threads_per_rank = threads_per_rank
-        self._procs: list[mp.Process] = []
-        self._conns: list[Connection] = []
+        self._ranks: LocalRanks | None = None
+
+    @property
+    def _procs(self) -> list:
+        """The live rank processes (empty when none runs)."""
+        return self._ranks.procs if self._ranks is not None else []
 
     # -- life cycle -------------------------------------------------------
     def _start(self, timeout_s: float) -> None:
-        from minddp.launch import find_free_port
-
-        ctx = mp.get_context("spawn")  # never fork a process that may hold threads
-        port = find_free_port()
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker,
-                args=(rank, self.world_size, port, self.init_group, self.threads_per_rank, child),
-                daemon=True,
-                name=f"minddp-rank{rank}",
-            )
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
+        args = (self.world_size, find_free_port(), self.init_group, self.threads_per_rank)
+        # Daemons: a pool left open ends with the interpreter instead of keeping it waiting.
+        self._ranks = LocalRanks(self.world_size, _serve, args, daemon=True)
         self._collect(timeout_s, what="start")
 
     def close(self) -> None:
-        """Kill every rank and reap it; safe to call twice."""
-        for conn in self._conns:
-            try:
-                conn.send_bytes(pickle.dumps(None))
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + 2.0
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self._conns:
-            conn.close()
-        self._procs, self._conns = [], []
+        """Ask every rank to stop, kill those that do not within 2 s, reap them; safe to call twice."""
+        if self._ranks is None:
+            return
+        try:
+            self._ranks.send_all(None)
+        except (OSError, ValueError):
+            pass  # a rank already gone
+        self._ranks.close(wait_s=2.0)
+        self._ranks = None
 
     def __enter__(self) -> "RankPool":
         return self
@@ -173,54 +133,25 @@ class RankPool:
         for the first rank that raised (with its traceback), died, or had not
         answered after ``timeout_s``; the pool is then restarted on next use.
         """
-        if not self._procs:
+        if self._ranks is None:
             self._start(timeout_s)
-        message = pickle.dumps((fn, args, kwargs))
-        for conn in self._conns:
-            conn.send_bytes(message)
+        self._ranks.send_all((fn, args, kwargs))
         return self._collect(timeout_s, what=getattr(fn, "__name__", repr(fn)))
 
     def _collect(self, timeout_s: float, what: str) -> list[Any]:
-        results: dict[int, Any] = {}
-        failure: RankError | None = None
-        deadline = time.monotonic() + timeout_s
-        waiting = set(range(self.world_size))
-        while waiting:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            # A dead process closes its end of the pipe, so the pipe alone
-            # tells "answered" and "died" apart.
-            watch = {self._conns[r]: r for r in waiting}
-            for ready in wait(list(watch), timeout=remaining):
-                rank = watch[ready]
-                if rank not in waiting:
-                    continue
-                try:
-                    status, value = pickle.loads(self._conns[rank].recv_bytes())
-                except (EOFError, OSError):  # the pipe closed: the process is gone
-                    self._procs[rank].join(1.0)
-                    status, value = "died", f"exit code {self._procs[rank].exitcode}"
-                waiting.discard(rank)
-                if status == "ok" or status == "ready":
-                    results[rank] = value
-                elif failure is None:
-                    kind = "raised" if status == "error" else "died"
-                    failure = RankError(rank, f"rank {rank} {kind} in {what}:\n{value}")
-                    deadline = min(deadline, time.monotonic() + GRACE_S)
-        if failure is None and waiting:
+        reports, waiting = self._ranks.collect(timeout_s)
+        failures = [r for r in reports if r.failed]
+        if failures:
+            first = failures[0]
+            kind = "died" if first.kind == "died" else "raised"
+            failure = RankError(first.rank, f"rank {first.rank} {kind} in {what}:\n{first.value}")
+        elif waiting:
             failure = RankError(
-                min(waiting),
-                f"{what}: rank(s) {sorted(waiting)} did not finish within {timeout_s:.0f} s "
+                waiting[0],
+                f"{what}: rank(s) {waiting} did not finish within {timeout_s:.0f} s "
                 "(a hang: mismatched collectives, or a rank waiting for one that failed)",
             )
-        if failure is not None:
-            self.close()
-            raise failure
-        return [results[r] for r in range(self.world_size)]
-
-
-def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 60.0, **kwargs) -> list[Any]:
-    """One-off :class:`RankPool` run: start ranks, run ``fn``, stop them."""
-    with RankPool(world_size) as pool:
-        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+        else:
+            return [r.value for r in sorted(reports, key=lambda r: r.rank)]
+        self.close()
+        raise failure

@@ -271,13 +271,18 @@ def test_buckets_are_rebuilt_in_the_order_gradients_arrived(ranks):
 
 
 # ------------------------------------------------------------- state dict
-def _state_dict(rank, world_size):
-    return sorted(MiniDDP(build("mlp", seed=0)).state_dict())
+def _state_dict_keys(rank, world_size):
+    return {
+        "module": list(build("mlp", seed=0).state_dict()),
+        "minddp": list(MiniDDP(build("mlp", seed=0)).state_dict()),
+        "torch": list(TorchDDP(build("mlp", seed=0)).state_dict()),
+    }
 
 
 def test_state_dict_keys_are_prefixed_like_torch(ranks):
-    keys = ranks(1).run(_state_dict)[0]
-    assert keys[0].startswith("module.net.0.")
+    for rank, keys in enumerate(ranks(2).run(_state_dict_keys)):
+        assert keys["minddp"] == [f"module.{k}" for k in keys["module"]], f"rank {rank}"
+        assert keys["minddp"] == keys["torch"], f"rank {rank}"
 
 
 # ------------------------------------------------------------ AMP, clipping

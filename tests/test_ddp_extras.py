@@ -39,9 +39,10 @@ def test_join_lets_uneven_ranks_finish_like_torch_ddp(ranks, divide_by_initial):
         for a, b in zip(res["MiniDDP"], res["DistributedDataParallel"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # ...and every replica leaves join() identical to the last rank that trained.
-    for res in results[:2]:
-        for a, b in zip(res["MiniDDP"], results[1]["MiniDDP"]):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    last = BATCHES_PER_RANK.index(max(BATCHES_PER_RANK))
+    for rank, res in enumerate(results):
+        for a, b in zip(res["MiniDDP"], results[last]["MiniDDP"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"rank {rank} vs rank {last}: {m}")
 
 
 # --------------------------------------------------------- desync detector

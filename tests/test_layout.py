@@ -1,17 +1,111 @@
-"""The package's shape: the core stands alone."""
+"""The package's shape: the core stands alone, and no module imports itself through others.
 
+The import graph is read from the source with :mod:`ast` (every ``import``,
+at module level or inside a function), so a cycle is found even where a
+function-local import hides it from Python at import time.
+"""
+
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
-CORE = ["minddp", "minddp.ddp", "minddp.buckets", "minddp.comm_hooks", "minddp.sync", "minddp.join",
-        "minddp.replicas", "minddp.trace", "minddp.sampler", "minddp.sync_batchnorm"]
-NOT_CORE = ["minddp.train", "minddp.data", "minddp.models", "torchvision"]
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "minddp"
+# Above the core: the training program, what the examples train on, and the
+# simulator's command-line helper that runs an example model to trace it.
+UPPER_FLOOR = ("minddp.train", "minddp.data", "minddp.models", "minddp.simulate.record")
+
+
+def _module_name(path: Path, package_dir: Path) -> str:
+    parts = path.relative_to(package_dir.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x, from ..a import b
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            # "from a import b" runs a (even when b is a submodule: a module that
+            # does so from its own package imports its parent), and a.b if it is a module.
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # "import minddp.train.cli.x" -> the module part
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph(package_dir: Path = PACKAGE_DIR) -> dict[str, set[str]]:
+    paths = {_module_name(p, package_dir): p for p in sorted(package_dir.rglob("*.py"))}
+    return {name: _imports(path, name, set(paths)) for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None (depth-first search)."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" after
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
+    assert find_cycle(import_graph(pkg)) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def _core(graph: dict[str, set[str]]) -> list[str]:
+    # A ``__main__`` module is a program (``python -m ...``): nothing imports
+    # it, so it may use the examples' models like any script.
+    return sorted(m for m in graph if not m.startswith(UPPER_FLOOR) and not m.endswith(".__main__"))
+
+
+def test_the_core_never_imports_the_training_program_data_or_models():
+    graph = import_graph()
+    core = _core(graph)
+    wrong = sorted((m, d) for m in core for d in graph[m] if d.startswith(UPPER_FLOOR))
+    assert not wrong, f"core modules import the floor above them: {wrong}"
 
 
 def test_core_imports_without_the_trainer_data_or_models():
+    not_core = [*UPPER_FLOOR, "torchvision"]
     code = (
-        f"import importlib, sys\nfor m in {CORE!r}: importlib.import_module(m)\n"
-        f"print([m for m in {NOT_CORE!r} if m in sys.modules])"
+        f"import importlib, sys\nfor m in {_core(import_graph())!r}: importlib.import_module(m)\n"
+        f"print([m for m in {not_core!r} if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from minddp.checkpoint import load_checkpoint, save_checkpoint
+from minddp.train.checkpoint import load_checkpoint, save_checkpoint
 from minddp.launch import find_free_port
 
 TRAIN = [sys.executable, "-m", "minddp.train"]

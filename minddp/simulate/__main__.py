@@ -17,10 +17,11 @@ import argparse
 import os
 import sys
 
-from minddp.network import HIERARCHIES, PRESETS, get_network
-from minddp.simulate.profile import load_profile
 from dataclasses import replace
 
+from minddp.network import HIERARCHIES, PRESETS, get_network
+from minddp.simulate.profile import load_profile
+from minddp.simulate.record import record_trace
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.simulate.report import draw_scaling, draw_timeline, format_table, have_matplotlib, sweep
 
@@ -67,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = args.trace
     if args.record:
-        from minddp.simulate.record import record_trace
-
         path = os.path.abspath(args.out)
         print(f"recording {args.record} on {args.record_world} rank(s) -> {path}", flush=True)
         record_trace(args.record, path, world_size=args.record_world)

@@ -12,11 +12,20 @@ export; rank 0 writes)::
 
 World size 1 (the default) gives the cleanest compute profile: no rank
 waits for a peer, and no all-reduce competes with backward for the cores.
+
+This is the command line's helper, the one part of the simulator that runs
+an example model; the replay never imports it (``tests/test_layout.py``
+counts it with the floor above the core). Its functions live here, not in
+``__main__``, because spawned ranks cannot import a ``__main__`` module.
 """
 
 from __future__ import annotations
 
 import torch
+
+from minddp import MiniDDP
+from minddp.launch import spawn
+from minddp.models import build_model, model_loss
 
 __all__ = ["record_trace"]
 
@@ -25,11 +34,6 @@ WARMUP_STEPS = 3
 
 
 def _rank(rank: int, world_size: int, model_name: str, path: str, steps: int) -> None:
-    # The command-line edge of the simulator is the one place it needs the
-    # example models; the replay itself never imports them.
-    from minddp import MiniDDP
-    from minddp.models import build_model, model_loss
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     ddp = MiniDDP(build_model(model_name), trace=True)
@@ -47,6 +51,4 @@ def _rank(rank: int, world_size: int, model_name: str, path: str, steps: int) ->
 
 def record_trace(model_name: str, path: str, world_size: int = 1, steps: int = 5) -> None:
     """Run ``steps`` traced steps of ``minddp.models.build_model(model_name)`` on Gloo, write ``path``."""
-    from minddp.launch import spawn
-
     spawn(_rank, world_size, model_name, path, steps, backend="gloo")

@@ -1,4 +1,4 @@
-"""``minddp-train``: train one of the seeds' models with MiniDDP (or torch's DDP), on one machine or many.
+"""``minddp-train``: train an MNIST model with MiniDDP (or torch's DDP), on one machine or many.
 
 How it starts, in order of precedence:
 
@@ -10,8 +10,8 @@ How it starts, in order of precedence:
 * Neither: spawn 2 local processes.
 
 The files behind it: this one parses and checks the command line and reports
-failures; :mod:`minddp.trainer_loop` is one rank's training;
-:mod:`minddp.trainer_procs` starts local ranks and tells which one failed first.
+failures; :mod:`minddp.train.loop` is one rank's training;
+:mod:`minddp.train.local` starts local ranks and tells which one failed first.
 
 Exit codes: 0 done, 1 a rank failed, 2 bad input (one line on stderr, no traceback).
 """
@@ -23,17 +23,20 @@ import os
 import sys
 import traceback
 
-from minddp.checkpoint import LAST, CheckpointError
+import torch
+import torch.distributed as dist
+
+from minddp.launch import detect_launch, find_free_port, init_distributed, shutdown
+from minddp.train.checkpoint import LAST, CheckpointError
+from minddp.train.errors import UsageError, describe_exception, is_communication_error
+from minddp.train.local import run_local
+from minddp.train.loop import train
 
 __all__ = ["main", "build_parser", "UsageError", "check_args"]
 
 PROG = "minddp-train"
 # Environment variables that mean "a launcher started this process".
 _LAUNCHER_VARS = ("RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     a = p.add_argument
-    a("--model", choices=["ae", "cnn", "resnet", "mlp"], default="ae", help="which of the seeds' models")
+    a("--model", choices=["ae", "cnn", "resnet", "mlp"], default="ae", help="ae: autoencoder; cnn, resnet: small classifiers; mlp: a wide MLP (see minddp.models)")
     a("--data", choices=["synthetic", "mnist"], default="synthetic", help="synthetic runs offline")
     a("--data-dir", default=None, help="folder that holds (or will hold, with --download) MNIST")
     a("--download", action="store_true", help="download MNIST into --data-dir first (rank 0 only)")
@@ -107,8 +110,6 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.resume and not os.path.exists(os.path.join(args.checkpoint_dir, LAST)):
         raise UsageError(f"--resume: no checkpoint to resume from at {os.path.join(args.checkpoint_dir, LAST)}")
     if args.backend == "nccl":
-        import torch
-
         if not torch.cuda.is_available():
             raise UsageError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo on CPU")
         if args.nproc is not None and args.nproc > torch.cuda.device_count():
@@ -129,12 +130,6 @@ def _run_in_this_process(args: argparse.Namespace, explicit_world: bool) -> int:
     that raises prints its own traceback once; a rank whose collective failed
     because a peer died prints one line, since the peer's error is the news.
     """
-    import torch.distributed as dist
-
-    from minddp.launch import detect_launch, find_free_port, init_distributed, shutdown
-    from minddp.trainer_loop import train
-    from minddp.trainer_procs import describe_exception, is_communication_error
-
     if explicit_world:
         rank, world_size, local_rank = 0, 1, 0
         init = {"rank": 0, "world_size": 1, "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}}
@@ -186,10 +181,4 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if nproc == 1:  # no child process: simplest to debug (pdb, profilers)
         return _run_in_this_process(args, explicit_world=True)
-    from minddp.trainer_procs import run_local
-
     return run_local(args, nproc)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

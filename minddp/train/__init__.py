@@ -1,0 +1,14 @@
+"""The ``minddp-train`` program: MNIST models trained data-parallel with MiniDDP (or torch's DDP).
+
+Built on the core of the package, never the other way round:
+
+* :mod:`~minddp.train.cli`: the command line, its checks, and how the run starts;
+* :mod:`~minddp.train.local`: ``--nproc N`` local ranks, and which one failed first;
+* :mod:`~minddp.train.loop`: one rank's training (data, model, steps, exact resume);
+* :mod:`~minddp.train.checkpoint`: crash-safe save and device-correct load;
+* :mod:`~minddp.train.errors`: bad input versus a failed rank.
+"""
+
+from minddp.train.cli import UsageError, build_parser, check_args, main
+
+__all__ = ["main", "build_parser", "UsageError", "check_args"]
