@@ -1,8 +1,9 @@
 """minddp: a readable DistributedDataParallel, built from scratch.
 
-The path of a gradient: ``minddp/ddp.py`` (hooks, forward, no_sync) ->
-``minddp/buckets.py`` (flat buckets and their life cycle) ->
-``minddp/comm_hooks.py`` (what a bucket's communication is).
+Read in this order: ``minddp/ddp.py`` (the wrapper: construction, forward,
+no_sync) -> ``minddp/reducer.py`` (the path of a gradient: hook, bucket,
+all-reduce, wait, .grad) -> ``minddp/buckets.py`` (flat buckets and their
+life cycle) -> ``minddp/comm_hooks.py`` (what a bucket's communication is).
 """
 
 from minddp.ddp import MiniDDP

@@ -190,7 +190,7 @@ def _views(rank, world_size):
         xb, yb, _, _ = _local_batch(rank, world_size, step)
         F.mse_loss(model(xb), yb).backward()
         opt.step()
-    buffers = [b.buffer for b in model._buckets]
+    buffers = [b.buffer for b in model.reducer.buckets]
     def inside(t):
         return any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel() * b.element_size() for b in buffers)
     return all(inside(p.grad) for p in model.parameters())

@@ -61,7 +61,7 @@ def _train(rank, world_size):
         # AdamW and clipping hide a wrong gradient scale; the norm before clipping does not
         torch.testing.assert_close(norms["minddp"], norms["torch"], rtol=1e-5, atol=0)
         # one synchronized backward (one round of all-reduces) per optimizer step
-        assert models["minddp"]._backwards_done == step + 1
+        assert models["minddp"].reducer.backwards_done == step + 1
         theirs = dict(models["torch"].module.named_parameters())
         for pname, p in models["minddp"].module.named_parameters():
             # Same local gradients, same division before the sum, same order:

@@ -48,7 +48,7 @@ def _reduced(rank, world_size):
         results[name] = {
             "mean_error": errors.mean().item(),
             "within_one_rounding": bool((errors <= scale * ONE_ROUNDING + 1e-30).all()),
-            "bucket_dtypes": sorted({str(b.buffer.dtype) for b in mini._buckets}),
+            "bucket_dtypes": sorted({str(b.buffer.dtype) for b in mini.reducer.buckets}),
         }
     return results
 

@@ -1,0 +1,327 @@
+"""The path of a gradient, from autograd's hook to the averaged ``.grad``.
+
+``MiniDDP`` (:mod:`minddp.ddp`) wraps the module; this :class:`Reducer` does
+the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
+``Reducer`` (C++). Top to bottom in this file::
+
+    loss.backward()
+      autograd accumulates p.grad
+        └─ on_grad_ready(p)               post-accumulate hook, one per parameter
+             _copy_into_bucket: p.grad / world_size into p's slot of its bucket
+             (scale in place if p.grad *is* that slot: gradient_as_bucket_view)
+             bucket complete? ─> _launch_ready_buckets(): async all_reduce,
+                                 strictly in bucket order
+      end of the backward pass
+        └─ _on_backward_pass_end()        callback queued on the autograd engine
+             └─ _finish_backward()
+                  _account_for_missing_gradients   (zeros, or an error naming them)
+                  wait for every bucket
+                  _write_averages_into_grads
+
+The buckets themselves (a flat buffer and its life cycle) are in
+:mod:`minddp.buckets`; what "communicate" means (all-reduce, or a compressed
+one) in :mod:`minddp.comm_hooks`.
+
+Why dividing *before* summing: the sum of N half-precision gradients can
+overflow where their average would not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minddp.buckets import MiB, Bucket, TensorSpec, assign_buckets
+from minddp.comm_hooks import GradBucket
+from minddp.sync import global_rank
+from minddp.trace import StepObserver, profiler_range
+
+__all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
+
+# torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
+FIRST_BUCKET_CAP_MB = 1.0
+
+
+@dataclass(frozen=True)
+class ReducerOptions:
+    """How gradients are bucketed and reduced (MiniDDP's arguments of the same names)."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    reduce_dtype: torch.dtype | None = None
+    learn_bucket_order: bool = True
+
+
+class Reducer:
+    """Averages the gradients of ``params`` over ``process_group`` during backward."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], process_group: dist.ProcessGroup,
+                 options: ReducerOptions, observer: StepObserver):
+        self.params, self.names, self.options = params, names, options
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.device = params[0].device
+        self.observer = observer
+        self._index = {p: i for i, p in enumerate(params)}
+        self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
+        # Buckets, in the order gradients are expected: reverse registration.
+        self._build_buckets(list(reversed(range(len(params)))))
+        self._rebuild_after_first_step = options.learn_bucket_order
+        self._arrival: list[int] = []
+        for p in params:  # fires after p.grad has been accumulated
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+
+        self.sync_this_backward = False  # set at each forward
+        self.unused: list[nn.Parameter] = []  # no gradient will come for these (graph walk, static graph)
+        self.divisor = self.world_size  # what each gradient is divided by before the sum (join changes it)
+        self.backward_started = False
+        self.backwards_done = 0
+        self.comm_hook: tuple[Any, Callable] | None = None
+        self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
+        self._locally_used = [True] * len(params)
+        self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
+        self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
+
+    # ------------------------------------------------------------------ buckets
+    def _build_buckets(self, order: list[int]) -> None:
+        """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
+        specs = [self._bucket_spec(self.params[i]) for i in order]
+        groups = assign_buckets(specs, int(self.options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        self.buckets = [
+            Bucket(k, [self.params[order[j]] for j in group], [self.names[order[j]] for j in group],
+                   dtype=specs[group[0]].dtype)
+            for k, group in enumerate(groups)
+        ]
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._next_to_launch = 0
+        for p in self.params:  # gradients kept across a rebuild move into their new slots
+            slot = self._bucket_of[p].view(p)
+            if p.grad is not None and self._grad_is_slot_view(p, slot):
+                p.grad = slot.copy_(p.grad)
+
+    def _bucket_spec(self, p: nn.Parameter) -> TensorSpec:
+        dtype = self.options.reduce_dtype or p.dtype
+        return TensorSpec(p.numel(), dtype.itemsize, dtype, p.device)
+
+    def _grad_is_slot_view(self, p: nn.Parameter, slot: torch.Tensor) -> bool:
+        """Should ``p.grad`` *be* its bucket slot? Only with bucket views, a dense
+        gradient, and a bucket in the parameter's own dtype."""
+        return self.options.gradient_as_bucket_view and slot.dtype == p.dtype and self._index[p] not in self._sparse_dim
+
+    # -------------------------------------------------- the path of a gradient
+    def on_grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate hook: ``param.grad`` is final for this backward."""
+        if not self.sync_this_backward:
+            return
+        if not self.backward_started:
+            self._begin_backward()
+        self._call_at_end_of_this_pass()
+        index = self._index[param]
+        if self.options.static_graph and not self._last_expected_hook(index):
+            return  # more of this parameter's gradient is still to come
+        self.observer.gradient_ready(self.names[index], param.grad)
+        if self._rebuild_after_first_step:
+            self._arrival.append(index)
+        self._mark_ready(param)
+
+    def _begin_backward(self) -> None:
+        self.backward_started = True
+        self.observer.backward_started()
+        self._watched_passes = set()
+        self._locally_used = [True] * len(self.params)
+        self._hooks_seen = [0] * len(self.params)
+        self._arrival = []  # only this backward's order counts (an earlier one may have failed)
+        for p in self.unused:  # no gradient will come for these: count them now
+            self._mark_ready(p)
+
+    def _call_at_end_of_this_pass(self) -> None:
+        # An activation checkpoint with use_reentrant=True runs a second,
+        # nested backward pass inside the first, and its hooks fire in there.
+        # So we ask to be called at the end of *every* pass a gradient came
+        # from (not only the first one's), and decide then.
+        current = torch._C._current_graph_task_id()
+        if current not in self._watched_passes:
+            self._watched_passes.add(current)
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_pass_end)
+
+    def _last_expected_hook(self, index: int) -> bool:
+        self._hooks_seen[index] += 1
+        if self._hooks_expected is None:
+            return False  # static_graph's first backward: count only, reduce everything at its end
+        return self._hooks_seen[index] == self._hooks_expected[index]
+
+    def _mark_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[param]
+        self._copy_into_bucket(param, bucket.view(param))
+        if bucket.mark_ready(param):
+            self._launch_ready_buckets()
+
+    def _copy_into_bucket(self, param: nn.Parameter, slot: torch.Tensor) -> None:
+        # Average = sum of (g / N): dividing before the sum keeps low precision
+        # from overflowing. Fused with the copy it costs one pass over the
+        # gradient, and multiplying by 1/N (as torch's reducer does) is
+        # cheaper than dividing. A comm hook does its own averaging.
+        scale = 1.0 if self.comm_hook is not None else 1.0 / self.divisor
+        grad = param.grad
+        if grad is None:  # unused here (but maybe used on another rank): contributes zero
+            self._locally_used[self._index[param]] = False
+            slot.zero_()
+        elif grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
+            if scale != 1.0:
+                slot.mul_(scale)
+        elif grad.is_sparse:  # densified: every row travels, touched or not
+            self._sparse_dim[self._index[param]] = grad.sparse_dim()
+            slot.zero_().add_(grad, alpha=scale)
+        elif grad.dtype != slot.dtype:  # reduce_dtype: cast first, so the scaling rounds only once
+            slot.copy_(grad).mul_(scale)
+        else:
+            torch.mul(grad, scale, out=slot)
+            if self._grad_is_slot_view(param, slot):  # e.g. after zero_grad(set_to_none=True)
+                param.grad = slot
+
+    def _launch_ready_buckets(self) -> None:
+        # Strict bucket order: a ready bucket waits for the ones before it, so
+        # every rank issues the same all-reduces in the same order.
+        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].ready:
+            bucket = self.buckets[self._next_to_launch]
+            launched = time.perf_counter()
+            with profiler_range(f"minddp.launch_bucket_{bucket.index}"):
+                bucket.launch(self._communicate)
+            self.observer.bucket_launched(bucket.index, bucket.buffer.nbytes, launched, bucket.future)
+            self._next_to_launch += 1
+
+    def _communicate(self, bucket: Bucket) -> torch.futures.Future:
+        if self.comm_hook is None:
+            if self.world_size == 1:  # nothing to add up: the buffer is the average already
+                done = torch.futures.Future()
+                done.set_result(bucket.buffer)
+                return done
+            return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
+        state, hook = self.comm_hook
+        return hook(state, GradBucket(bucket, len(self.buckets)))
+
+    def _on_backward_pass_end(self) -> None:
+        """Autograd finished a pass that delivered gradients: is the backward over?"""
+        if not self.backward_started:
+            return  # an earlier pass's callback already finished this backward
+        if self._next_to_launch == len(self.buckets):
+            self._finish_backward()  # every gradient is in, whichever pass this was
+        elif torch._C._current_autograd_node() is None:
+            self._finish_backward()  # the outermost pass ended: what is missing stays missing
+        # else: a nested (reentrant checkpoint) pass ended inside a node of the
+        # outer pass, which goes on and will deliver the remaining gradients.
+
+    def _finish_backward(self) -> None:
+        """End of backward: account for missing gradients, wait for every bucket, write ``.grad``."""
+        self.backward_started = False
+        self._account_for_missing_gradients()
+        with profiler_range("minddp.wait_buckets"):
+            for bucket in self.buckets:
+                bucket.wait()
+        self._write_averages_into_grads(self._globally_used())
+        self.observer.backward_done()
+        self.backwards_done += 1
+        self._reset_buckets()
+        if self._rebuild_after_first_step:
+            self._rebuild_in_arrival_order()
+
+    def _account_for_missing_gradients(self) -> None:
+        if self.options.static_graph and self._hooks_expected is None:
+            # static_graph's first backward: now we know how many hooks each
+            # parameter gets; parameters that got none count as zero, always.
+            self._hooks_expected = list(self._hooks_seen)
+            self.unused = [p for p, n in zip(self.params, self._hooks_expected) if n == 0]
+            self._mark_all_unready()
+        if self.options.find_unused_parameters:
+            # Reached by the graph walk but no gradient came (an output not in
+            # the loss): zero as well, in bucket order like every other launch.
+            self._mark_all_unready()
+        missing = self.unready_names()
+        if missing:
+            self._reset_buckets()
+            raise RuntimeError(
+                f"MiniDDP: parameters {missing} received no gradient in this backward, so their "
+                "buckets could not be all-reduced and no .grad was averaged. If a forward may "
+                "leave some parameters unused (or some outputs out of the loss), construct "
+                "MiniDDP(..., find_unused_parameters=True)."
+            )
+
+    def _mark_all_unready(self) -> None:
+        for bucket in self.buckets:
+            for p in bucket.unready_params():
+                self._mark_ready(p)
+
+    def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
+        for bucket in self.buckets:
+            for p, slot in zip(bucket.params, bucket.views):
+                index = self._index[p]
+                if globally_used is not None and not globally_used[index]:
+                    continue  # unused on every rank: .grad stays as it was (None stays None)
+                if index in self._sparse_dim:
+                    p.grad = slot.to(p.dtype).to_sparse(self._sparse_dim[index])
+                elif p.grad is slot:
+                    continue  # gradient_as_bucket_view: the average is already in .grad
+                elif self._grad_is_slot_view(p, slot):
+                    p.grad = slot
+                elif p.grad is None:
+                    p.grad = slot.to(p.dtype, copy=True)
+                else:
+                    p.grad.copy_(slot)
+
+    def _globally_used(self) -> list[bool] | None:
+        if not self.options.find_unused_parameters:
+            return None  # every parameter produced a gradient, or we raised above
+        used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.device)
+        dist.all_reduce(used, group=self.process_group)
+        return [bool(u) for u in used.tolist()]
+
+    def unready_names(self) -> list[str]:
+        return [name for b in self.buckets for name in b.unready_names()]
+
+    def _reset_buckets(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_to_launch = 0
+        self.backward_started = False
+
+    def abandon_unfinished_backward(self) -> list[str]:
+        """Forget a backward that began and never ended; the names that got no gradient."""
+        missing = self.unready_names()
+        self._reset_buckets()
+        return missing
+
+    def _rebuild_in_arrival_order(self) -> None:
+        """After the first backward, bucket parameters in the order their gradients came.
+
+        Registration order is only a guess at execution order. Rank 0's
+        observed order is broadcast, so all ranks build identical buckets.
+        """
+        self._rebuild_after_first_step = False
+        seen = set(self._arrival)
+        order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
+        order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
+        dist.broadcast(order_t, src=global_rank(self.process_group, 0), group=self.process_group)
+        order = order_t.tolist()
+        if order != [self._index[p] for b in self.buckets for p in b.params]:
+            self._build_buckets(order)
+
+    # ---------------------------------------------------------- uneven inputs
+    def shadow_backward(self) -> None:
+        """A joined rank's stand-in for a backward: the same collectives, contributing zeros."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            bucket.launch_unconditionally(self._communicate)
+            bucket.wait()
+            bucket.reset()
+        if self.options.find_unused_parameters:
+            self._locally_used = [False] * len(self.params)
+            self._globally_used()
+        if self._rebuild_after_first_step:
+            self._rebuild_in_arrival_order()
