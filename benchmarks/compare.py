@@ -69,10 +69,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from minddp import trace_view  # noqa: E402
 import _report  # noqa: E402
-from minddp.models import MODEL_NAMES  # noqa: E402
+import _spread  # noqa: E402
+from _models import ALL_MODELS, DEFAULT_MODELS  # noqa: E402
 
-MODELS = ["mlp", "cnn", "ae"]  # the default
-ALL_MODELS = (*MODEL_NAMES, "shuffled_mlp")  # minddp.models' and the benchmark's own (_overlap.py)
+# The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
+# run's ratio moved by +-10% between runs on the shared 2-core machine; five
+# give a median and a min-max that a sixth run falls inside 2 times in 3.
+RUNS, STEPS, REPEATS, WARMUP = 5, 40, 8, 3
 TRACE_STEPS = 3  # steps kept in each --trace file, after warm-up
 # At the default 25 MB cap shuffled_mlp's 9.6 MiB are two buckets, and their order barely matters.
 LEARNED_ORDER_CAP_MB = 2.0
@@ -107,16 +110,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--bucket-sweep", type=_floats, default=None, metavar="1,5,25,100",
                    help="measure every one of these bucket caps (MB) instead of --bucket-cap-mb alone")  # fmt: skip
-    p.add_argument("--steps", type=int, default=None, help="timed steps per implementation (default 60, quick 4)")
-    p.add_argument("--repeats", type=int, default=None, help="timed blocks the steps are split into (default 10, quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 2)")
-    p.add_argument("--models", type=_models, default=MODELS, help="comma-separated, from " + ",".join(ALL_MODELS))
+    p.add_argument("--runs", type=int, default=None,
+                   help=f"repeat the whole timing in fresh processes; report medians and min-max over runs "
+                   f"(default {RUNS}, quick 1)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"timed steps per implementation and run (default {STEPS}, quick 4)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"rounds the steps are split into (default {REPEATS}, quick 2)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps first (default {WARMUP}, quick 2)")
+    p.add_argument("--models", type=_models, default=DEFAULT_MODELS, help="comma-separated, from " + ",".join(ALL_MODELS))
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--comm-hook", choices=["none", "fp16", "bf16"], default="none",
                    help="both wrappers get the same hook (torch's own for torch's DDP, minddp.comm_hooks for MiniDDP)")  # fmt: skip
-    p.add_argument("--no-bucket-view", action="store_true",
-                   help="MiniDDP with gradient_as_bucket_view=False (copy gradients into buckets, like torch's default)")  # fmt: skip
-    p.add_argument("--torch-bucket-view", action="store_true", help="torch's DDP with gradient_as_bucket_view=True")
+    p.add_argument("--bucket-view", choices=["both", "copy", "view"], default="both",
+                   help="gradient_as_bucket_view settings to time, each on both wrappers: copy = False "
+                   "(both wrappers' default), view = True")  # fmt: skip
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the wrapper-overhead measurement (each wrapper with a comm hook that communicates nothing)")  # fmt: skip
+    p.add_argument("--show", metavar="PATH.json", default=None,
+                   help="measure nothing: print the tables of a JSON file this script wrote")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="few steps: a smoke test, under a minute on 2 cores")
     p.add_argument("--json", metavar="PATH", default=None, help="write config and results as JSON")
     p.add_argument("--plot", metavar="PATH.png", default=None, help="draw the results (needs matplotlib: pip install '.[plot]')")
@@ -128,15 +140,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"at this bucket cap (default {LEARNED_ORDER_CAP_MB:g} MB: about ten buckets of its 9.6 MiB)",
                    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.runs is None:
+        args.runs = 1 if args.quick else RUNS
     if args.steps is None:
-        args.steps = 4 if args.quick else 60  # 30 in 5 blocks proved too noisy on 2 shared cores
+        args.steps = 4 if args.quick else STEPS
     if args.repeats is None:
-        args.repeats = 2 if args.quick else 10
+        args.repeats = 2 if args.quick else REPEATS
     if args.warmup is None:
-        args.warmup = 2 if args.quick else 3
+        args.warmup = 2 if args.quick else WARMUP
     if args.device is None:
         args.device = "cuda" if args.backend == "nccl" else "cpu"
-    for name in ("steps", "repeats", "world_size", "threads_per_rank"):
+    for name in ("runs", "steps", "repeats", "world_size", "threads_per_rank"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 2:
@@ -188,14 +202,15 @@ def config(args: argparse.Namespace) -> dict:
         "bucket_cap_mb": args.bucket_cap_mb,
         "bucket_caps": args.bucket_sweep or [args.bucket_cap_mb],
         "models": args.models,
+        "runs": args.runs,
         "steps": args.steps,
         "repeats": args.repeats,
         "warmup": args.warmup,
         "memory_steps": 1 if args.quick else 2,
         "threads_per_rank": args.threads_per_rank,
         "comm_hook": args.comm_hook,
-        "minddp_bucket_view": not args.no_bucket_view,
-        "torch_bucket_view": args.torch_bucket_view,
+        "bucket_views": ["copy", "view"] if args.bucket_view == "both" else [args.bucket_view],
+        "overhead": not args.no_overhead,
         "quick": args.quick,
         "learned_order_cap_mb": args.learned_order,  # None: not measured
         "trace_files": trace_files(args.trace, args.models) if args.trace else {},
@@ -231,51 +246,75 @@ def report_traces(cfg: dict, plot: bool) -> None:
             print(f"  wrote {png}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    notes = check_environment(args)
-    for note in notes:
-        print(note)
-
+def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
+    """Every timing run (fresh rank processes each), then the memory run.
+    Returns (each run's timed entries, the learned-order entries, the memory
+    run's output), or None when a rank failed."""
     import torch.multiprocessing as mp
 
     import _memory
     from _timing import memory_main, timing_main
-    from minddp.launch import spawn
+    from minddp.launch import RankFailed, spawn
 
-    cfg = config(args)
-    started = time.perf_counter()
+    runs, learned = [], []
     with tempfile.TemporaryDirectory(prefix="minddp-compare-") as tmp:
         timed_path, mem_path = os.path.join(tmp, "timed.json"), os.path.join(tmp, "memory.json")
         saved = dict(os.environ)
         try:
-            spawn(timing_main, cfg["world_size"], cfg, timed_path, backend=cfg["backend"])
+            for run in range(cfg["runs"]):
+                # The learned-order and trace extras once, in the first run.
+                run_cfg = {**cfg, "run": run, "extras": run == 0}
+                spawn(timing_main, cfg["world_size"], run_cfg, timed_path, backend=cfg["backend"])
+                with open(timed_path) as f:
+                    timed = json.load(f)  # {"rows": [...], "learned_order": [...]}
+                runs.append(timed["rows"])
+                learned += timed["learned_order"]
             # Fresh processes for memory, with the allocator setting that
             # makes RSS follow live tensors (_memory.py says why).
             os.environ.update(_memory.ALLOCATOR_ENV)
             spawn(memory_main, cfg["world_size"], cfg, mem_path, backend=cfg["backend"])
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        except (RankFailed, mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             print(f"error: a rank failed:\n{e}", file=sys.stderr)
-            return 1
+            return None
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        with open(timed_path) as f:
-            timed = json.load(f)  # {"rows": [...], "learned_order": [...]}
         with open(mem_path) as f:
             memory = json.load(f)
-    rows = [_report.make_row(cfg, t, m) for t, m in zip(timed["rows"], memory["memory"])]
-    learned = [_report.make_learned_order_row(r) for r in timed["learned_order"]]
+    return runs, learned, memory
+
+
+def show(cfg: dict, rows: list[dict], learned: list[dict]) -> None:
+    print(_report.all_tables(cfg, rows))
+    if learned:
+        print()
+        print(_report.learned_order_text(learned))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.show:
+        with open(args.show) as f:
+            data = json.load(f)
+        show(data["config"], data["results"], data.get("learned_order", []))
+        return 0
+    notes = check_environment(args)
+    for note in notes:
+        print(note)
+
+    cfg = config(args)
+    started = time.perf_counter()
+    measured = measure(cfg)
+    if measured is None:
+        return 1
+    runs, learned_timed, memory = measured
+    rows = _spread.make_rows(cfg, runs, memory["memory"])
+    learned = [_report.make_learned_order_row(r) for r in learned_timed]
     cfg["memory_method"] = memory["method"]
     cfg["wall_s"] = round(time.perf_counter() - started, 1)
     cfg["notes"] = notes
 
-    print(_report.header(cfg))
-    print()
-    print(_report.table(rows))
-    if learned:
-        print()
-        print(_report.learned_order_text(learned))
+    show(cfg, rows, learned)
     if cfg["trace_files"]:
         print()
         report_traces(cfg, plot=bool(args.plot))
