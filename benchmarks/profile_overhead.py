@@ -47,7 +47,8 @@ PACKAGE = os.path.dirname(os.path.abspath(minddp.__file__)) + os.sep
 SECTIONS = {  # MiniDDP method -> what the report calls it
     "_before_synchronized_forward": "forward: buffer broadcast",
     "_on_grad_ready": "hook (per gradient), in all",
-    "_copy_into_bucket": "  of which copy into bucket",
+    "_copy_into_bucket": "  of which copy into bucket",  # one call per gradient (main)
+    "_fill_bucket": "  of which filling the bucket",  # one per bucket (the proposed patch)
     "_launch_ready_buckets": "  of which bucket launch",
     "_finish_backward": "end of backward: wait, write .grad",
 }
@@ -69,7 +70,7 @@ def timed_minddp_class(totals: dict, calls: dict) -> type:
 
         return method
 
-    return type("TimedMiniDDP", (MiniDDP,), {name: timed(name) for name in SECTIONS})
+    return type("TimedMiniDDP", (MiniDDP,), {name: timed(name) for name in SECTIONS if hasattr(MiniDDP, name)})
 
 
 def sections(runner: Runner, view: bool, n_steps: int) -> str:
@@ -86,6 +87,8 @@ def sections(runner: Runner, view: bool, n_steps: int) -> str:
     per_step = (time.perf_counter() - t0) / n_steps * 1e3
     lines = [f"  sections (MiniDDP, {n_steps} steps; whole step {per_step:.2f} ms):"]
     for name, label in SECTIONS.items():
+        if not hasattr(MiniDDP, name):
+            continue
         n = calls[name] / n_steps
         us = totals[name] / n_steps * 1e6
         per_call = f"{us / n:7.1f} us x {n:5.1f}/step" if n else ""
