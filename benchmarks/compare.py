@@ -245,12 +245,17 @@ def show(cfg: dict, rows: list[dict], learned: list[dict]) -> None:
         print(_report.learned_order_text(learned))
 
 
+def footer(cfg: dict) -> str:
+    return f"{cfg['date']}, {cfg['machine']}, torch {cfg['torch_version']}, {cfg['wall_s']} s in all ({cfg['command']})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.show:
         with open(args.show) as f:
             data = json.load(f)
         show(data["config"], data["results"], data.get("learned_order", []))
+        print(f"\n{footer(data['config'])}")
         return 0
     notes = check_environment(args)
     for note in notes:
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg["trace_files"]:
         print()
         _runs.report_traces(cfg, plot=bool(args.plot))
-    print(f"\n{cfg['date']}, {cfg['machine']}, torch {cfg['torch_version']}, {cfg['wall_s']} s in all")
+    print(f"\n{footer(cfg)}")
     if args.json:
         _report.write_json(args.json, cfg, rows, learned)
         print(f"wrote {args.json}")
