@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import json
 
-FIELDS = [
-    "model", "backend", "device", "world_size", "bucket_cap_mb",
-    "local_ms", "allreduce_ms", "ideal_ms", "naive_ms", "torch_ddp_ms", "minddp_ms",
-    "ratio", "hidden_fraction_torch", "hidden_fraction_minddp",
-    "peak_mem_torch_mb", "peak_mem_minddp_mb", "max_param_diff",
-]  # fmt: skip
+from _spread import hidden_fraction
 
 PLOT_INSTALL_HINT = (
     "--plot needs matplotlib, an optional extra: pip install '.[plot]' "
@@ -24,96 +19,103 @@ LEARNED_ORDER_FIELDS = [
 ]  # fmt: skip
 
 
-def hidden_fraction(local: float, allreduce: float, t: float) -> float:
-    """(local + allreduce - t) / allreduce in [0, 1]: 1 = all communication hidden."""
-    if allreduce <= 0:
-        return 0.0
-    return min(1.0, max(0.0, (local + allreduce - t) / allreduce))
-
-
-def make_row(cfg: dict, timed: dict, mem: dict) -> dict:
-    """One result row from the timing run's medians and the memory run's peaks."""
-    med = timed["median_ms"]
-    local, ar = med["local"], med["allreduce"]
-
-    def hidden(t: float) -> float:
-        return hidden_fraction(local, ar, t)
-
-    return {
-        "model": timed["model"],
-        "backend": cfg["backend"],
-        "device": cfg["device"],
-        "world_size": cfg["world_size"],
-        "bucket_cap_mb": timed["bucket_cap_mb"],
-        "local_ms": local,
-        "allreduce_ms": ar,
-        "ideal_ms": max(local, ar),
-        "naive_ms": med["naive"],
-        "torch_ddp_ms": med["torch_ddp"],
-        "minddp_ms": med["minddp"],
-        "ratio": med["minddp"] / med["torch_ddp"],
-        "hidden_fraction_torch": hidden(med["torch_ddp"]),
-        "hidden_fraction_minddp": hidden(med["minddp"]),
-        "peak_mem_torch_mb": mem["torch_ddp"],
-        "peak_mem_minddp_mb": mem["minddp"],
-        "max_param_diff": timed["max_param_diff"],
-    }
+def _spread(row: dict, key: str, fmt: str) -> str:
+    """``median [min-max]`` of a figure over runs (the median alone after one run)."""
+    if row["runs"] == 1:
+        return fmt.format(row[key])
+    return f"{fmt.format(row[key])} [{fmt.format(row[key + '_min'])}, {fmt.format(row[key + '_max'])}]"
 
 
 def header(cfg: dict) -> str:
-    """What each column runs, stated once above the table."""
-    view_m = "gradient_as_bucket_view=True" if cfg["minddp_bucket_view"] else "gradient_as_bucket_view=False (copy)"
-    view_t = "gradient_as_bucket_view=True" if cfg["torch_bucket_view"] else "gradient_as_bucket_view=False (default)"
+    """What each column runs, stated once above the tables."""
     hook = {"none": "no comm hook (built-in all-reduce)", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
     return "\n".join(
         [
             f"backend={cfg['backend']} device={cfg['device']} world_size={cfg['world_size']} "
-            f"threads/rank={cfg['threads_per_rank']} steps={cfg['steps']} (median of {cfg['repeats']} blocks, "
-            f"after {cfg['warmup']} warm-up steps) comm hook: {hook[cfg['comm_hook']]}",
+            f"threads/rank={cfg['threads_per_rank']}; {cfg['runs']} run(s) in fresh processes, each "
+            f"{cfg['repeats']} rounds of {cfg['steps'] // cfg['repeats']} steps per implementation after "
+            f"{cfg['warmup']} warm-up steps; comm hook: {hook[cfg['comm_hook']]}",
             "  local      every rank: forward + backward + SGD step, no communication",
             "  allreduce  all_reduce of the gradient bytes alone, DDP-like buckets (1 MiB first, then cap)",
-            "  ideal      max(local, allreduce): perfect overlap;  no_overlap: local + allreduce",
+            "  ideal      max(local, allreduce): perfect overlap",
             "  naive      local step + blocking all_reduce of every .grad after backward",
-            f"  torch_ddp  torch.nn.parallel.DistributedDataParallel, {view_t}, {hook[cfg['comm_hook']]}",
-            f"  minddp     minddp.MiniDDP, {view_m}, {hook[cfg['comm_hook']]}",
-            "  ratio      minddp / torch_ddp;  hidden = (no_overlap - t) / allreduce, clipped to [0, 1]",
-            f"  peak mem   MiB added by wrapper + steps ({cfg['memory_method']}), max over ranks",
-            "  max diff   largest |param_torch_ddp - param_minddp| after the timed steps (same init, data, steps)",
-            "  times: ms per step, median; each block's time is the slowest rank's",
+            "  torch      torch.nn.parallel.DistributedDataParallel;  minddp  minddp.MiniDDP",
+            "  copy/view  gradient_as_bucket_view=False (both wrappers' default) / True",
+            "  ratio      minddp / torch, same setting; within a run, then the median [min, max] over runs",
+            "  max diff   largest |param_torch - param_minddp| after the timed steps (same init, data, steps)",
+            "  times: ms per step, the run's median over rounds (each block: the slowest rank), median over runs",
         ]
     )
 
 
-def table(rows: list[dict]) -> str:
-    cols = [
-        ("model", "{}", "model"),
-        ("cap MB", "{:g}", "bucket_cap_mb"),
-        ("local", "{:.1f}", "local_ms"),
-        ("allreduce", "{:.1f}", "allreduce_ms"),
-        ("ideal", "{:.1f}", "ideal_ms"),
-        ("no_overlap", "{:.1f}", None),
-        ("naive", "{:.1f}", "naive_ms"),
-        ("torch_ddp", "{:.1f}", "torch_ddp_ms"),
-        ("minddp", "{:.1f}", "minddp_ms"),
-        ("ratio", "{:.3f}", "ratio"),
-        ("hidden torch/minddp", None, None),
-        ("peak MiB torch/minddp", None, None),
-        ("max diff", "{:.1e}", "max_param_diff"),
-    ]
+def table(rows: list[dict], views: list[str]) -> str:
+    """Step times with communication, and the ratios with their spread."""
+    titles = ["model", "cap MB", "local", "allreduce", "ideal", "naive"]
+    for v in views:
+        titles += [f"torch {v}", f"minddp {v}", f"ratio {v}"]
+    titles.append("max diff")
     cells_all = []
     for r in rows:
-        cells = []
-        for title, fmt, key in cols:
-            if title == "no_overlap":
-                cells.append(fmt.format(r["local_ms"] + r["allreduce_ms"]))
-            elif title.startswith("hidden"):
-                cells.append(f"{r['hidden_fraction_torch']:.2f} / {r['hidden_fraction_minddp']:.2f}")
-            elif title.startswith("peak"):
-                cells.append(f"{r['peak_mem_torch_mb']:.1f} / {r['peak_mem_minddp_mb']:.1f}")
-            else:
-                cells.append(fmt.format(r[key]))
+        cells = [r["model"], f"{r['bucket_cap_mb']:g}"] + [
+            f"{r[k]:.1f}" for k in ("local_ms", "allreduce_ms", "ideal_ms", "naive_ms")
+        ]
+        for v in views:
+            cells += [f"{r[f'torch_{v}_ms']:.1f}", f"{r[f'minddp_{v}_ms']:.1f}", _spread(r, f"ratio_{v}", "{:.3f}")]
+        cells.append(f"{r['max_param_diff']:.1e}")
         cells_all.append(cells)
-    return markdown_table([c[0] for c in cols], cells_all)
+    return markdown_table(titles, cells_all)
+
+
+OVERHEAD_TEXT = [
+    "Wrapper overhead: each wrapper with a comm hook that returns its bucket at once (no communication);",
+    "  overhead = (its step - the bare model's step of the same round), median over rounds, in ms and as a",
+    "  fraction of the bare step (local); minddp - torch: the same pairing between the two wrappers",
+    "  (negative: MiniDDP costs less). Median [min, max] over runs.",
+]
+
+
+def overhead_table(rows: list[dict], views: list[str]) -> str:
+    titles = ["model", "cap MB", "local"]
+    for v in views:
+        titles += [f"torch {v}", f"minddp {v}", f"minddp - torch {v}"]
+    cells_all = []
+    for r in rows:
+        cells = [r["model"], f"{r['bucket_cap_mb']:g}", f"{r['local_ms']:.1f}"]
+        for v in views:
+            for impl in ("torch", "minddp"):
+                key = f"overhead_{impl}_{v}_ms"
+                cells.append(f"{_spread(r, key, '{:.2f}')} ({100 * r[key.replace('_ms', '_fraction')]:.1f}%)")
+            cells.append(_spread(r, f"overhead_gap_{v}_ms", "{:+.2f}"))
+        cells_all.append(cells)
+    return "\n".join(OVERHEAD_TEXT) + "\n" + markdown_table(titles, cells_all)
+
+
+def memory_table(rows: list[dict], views: list[str], method: str) -> str:
+    """Peak memory each wrapper adds, and the fraction of the all-reduce each hid."""
+    titles = ["model", "cap MB"]
+    for v in views:
+        titles += [f"peak MiB torch/minddp {v}", f"hidden torch/minddp {v}"]
+    cells_all = []
+    for r in rows:
+        cells = [r["model"], f"{r['bucket_cap_mb']:g}"]
+        for v in views:
+            cells.append(f"{r[f'peak_mem_torch_{v}_mb']:.1f} / {r[f'peak_mem_minddp_{v}_mb']:.1f}")
+            cells.append(f"{r[f'hidden_fraction_torch_{v}']:.2f} / {r[f'hidden_fraction_minddp_{v}']:.2f}")
+        cells_all.append(cells)
+    lines = [
+        f"Memory and overlap: peak MiB each wrapper adds (construction + steps; {method}), max over ranks;",
+        "  hidden = (local + allreduce - step) / allreduce, clipped to [0, 1]: the all-reduce hidden behind compute",
+    ]
+    return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)
+
+
+def all_tables(cfg: dict, rows: list[dict]) -> str:
+    views = cfg["bucket_views"]
+    parts = [header(cfg), table(rows, views)]
+    if cfg["overhead"]:
+        parts.append(overhead_table(rows, views))
+    parts.append(memory_table(rows, views, cfg["memory_method"]))
+    return "\n\n".join(parts)
 
 
 def markdown_table(titles: list[str], cells_all: list[list[str]]) -> str:
@@ -166,7 +168,7 @@ def learned_order_text(rows: list[dict]) -> str:
 
 def write_json(path: str, cfg: dict, rows: list[dict], learned_order: list[dict] | None = None) -> None:
     """``{"config", "results"}``, plus ``"learned_order"`` when it was measured (an added key only)."""
-    data = {"config": cfg, "results": [{k: r[k] for k in FIELDS} for r in rows]}
+    data = {"config": cfg, "results": rows}
     if learned_order:
         data["learned_order"] = learned_order
     with open(path, "w") as f:
@@ -196,7 +198,9 @@ def plot(path: str, cfg: dict, rows: list[dict]) -> None:
     sweep = len(caps) > 1
     fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7.5, 4.8), squeeze=False)
     ax = axes[0][0]
-    impls = [("local_ms", "local"), ("naive_ms", "naive"), ("torch_ddp_ms", "torch DDP"), ("minddp_ms", "MiniDDP")]
+    impls = [("local_ms", "local"), ("naive_ms", "naive")]
+    impls += [(f"{impl}_{v}_ms", f"{label} {v}") for v in cfg["bucket_views"]
+              for impl, label in (("torch", "torch DDP"), ("minddp", "MiniDDP"))]  # fmt: skip
     width = 0.8 / len(impls)
     for j, (key, label) in enumerate(impls):
         xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(main))]
@@ -209,7 +213,7 @@ def plot(path: str, cfg: dict, rows: list[dict]) -> None:
         )  # fmt: skip
     ax.set_xticks(range(len(main)))
     ax.set_xticklabels([r["model"] for r in main])
-    ax.set_ylabel("ms per step (median)")
+    ax.set_ylabel("ms per step (median over runs)")
     ax.set_title(f"{cfg['backend']}/{cfg['device']}, {cfg['world_size']} ranks, bucket cap {main_cap:g} MB")
     ax.legend(fontsize=8)
     if sweep:
@@ -217,14 +221,15 @@ def plot(path: str, cfg: dict, rows: list[dict]) -> None:
         for model in dict.fromkeys(r["model"] for r in rows):
             rs = sorted((r for r in rows if r["model"] == model), key=lambda r: r["bucket_cap_mb"])
             x = [r["bucket_cap_mb"] for r in rs]
-            (line,) = ax.plot(x, [r["torch_ddp_ms"] for r in rs], "o--", label=f"{model} torch DDP")
-            ax.plot(x, [r["minddp_ms"] for r in rs], "s-", color=line.get_color(), label=f"{model} MiniDDP")
+            v = cfg["bucket_views"][0]
+            (line,) = ax.plot(x, [r[f"torch_{v}_ms"] for r in rs], "o--", label=f"{model} torch DDP {v}")
+            ax.plot(x, [r[f"minddp_{v}_ms"] for r in rs], "s-", color=line.get_color(), label=f"{model} MiniDDP {v}")
         ax.set_xscale("log")
         ax.set_xticks(caps)
         ax.set_xticklabels([f"{c:g}" for c in caps])
         ax.minorticks_off()
         ax.set_xlabel("bucket cap (MB)")
-        ax.set_ylabel("ms per step (median)")
+        ax.set_ylabel("ms per step (median over runs)")
         ax.set_title("bucket sweep")
         ax.legend(fontsize=7)
     fig.tight_layout()

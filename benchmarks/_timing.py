@@ -1,35 +1,47 @@
 """What every rank runs: the measurements behind one row of the table.
 
 One row is one (model, bucket cap). Every rank builds, from the same seed and
-the same initial state, five things it can step:
+the same initial state, the things it can step:
 
-==============  ==============================================================
-``local``       the bare model: forward, backward, SGD step; no communication
-``allreduce``   no model: ``dist.all_reduce`` of the gradient bytes alone, in
-                flat buffers laid out like DDP's buckets (reverse parameter
-                order, first bucket capped at 1 MiB, then the chosen cap),
-                all launched asynchronously, then waited for. With a
-                compression hook the buffers are in the wire dtype (fp16/bf16)
-``naive``       the bare model, then a blocking ``all_reduce`` of every
-                ``.grad`` after backward (no buckets, no overlap), SGD step
-``torch_ddp``   ``torch.nn.parallel.DistributedDataParallel``, same cap
-``minddp``      ``minddp.MiniDDP``, same cap
-==============  ==============================================================
+=======================  =====================================================
+``local``                the bare model: forward, backward, SGD step; no
+                         communication
+``allreduce``            no model: ``dist.all_reduce`` of the gradient bytes
+                         alone, in flat buffers laid out like DDP's buckets
+                         (reverse parameter order, first bucket capped at
+                         1 MiB, then the chosen cap), all launched
+                         asynchronously, then waited for. With a compression
+                         hook the buffers are in the wire dtype (fp16/bf16)
+``naive``                the bare model, then a blocking ``all_reduce`` of
+                         every ``.grad`` after backward (no buckets, no
+                         overlap), SGD step
+``torch_copy``           ``torch.nn.parallel.DistributedDataParallel`` with
+``torch_view``           ``gradient_as_bucket_view`` False (its default) / True
+``minddp_copy``          ``minddp.MiniDDP``, the same two settings (False is
+``minddp_view``          its default too)
+``<wrapper>_nocomm``     the same four wrappers with a communication hook that
+                         communicates nothing (:func:`return_bucket`): what
+                         each costs beyond the bare model is its own work
+                         (hooks, copies, callbacks, buffer broadcast)
+=======================  =====================================================
 
 Timing: every implementation first runs ``warmup`` steps (torch's DDP builds
 its real buckets after its first iteration; that is never timed). Then
 ``repeats`` rounds: each round times a block of ``k`` consecutive steps of
 each implementation in turn, ranks starting together after a barrier; the
-two DDPs alternate which goes first (A/B, B/A, ...) so that slow drift of the
-machine hits both alike. A block's time per step is the *slowest rank's*
-(a step is over when every rank is), and each figure is the median over the
-rounds. In a bucket sweep, ``local`` and ``naive`` do not depend on the cap:
-they are measured at a model's first cap only and reused for the others.
+order rotates by one every round, so slow drift of the machine and "who ran
+just before" hit every implementation alike. A block's time per step is the
+*slowest rank's* (a step is over when every rank is). Every block's time goes
+back to the parent (``_spread.py`` turns them into medians, ratios and
+overheads, and those over ``--runs`` into medians with min-max). In a bucket
+sweep, ``naive`` does not depend on the cap: it is measured at a model's
+first cap only.
 
-Correctness: ``torch_ddp`` and ``minddp`` start from the same weights, take
-the same batches in the same order and the same number of steps (plain SGD,
-no momentum, so nothing hides a difference); afterwards the largest absolute
-difference between their parameters, over all ranks, is reported.
+Correctness: every torch/MiniDDP pair with the same setting starts from the
+same weights, takes the same batches in the same order and the same number
+of steps (plain SGD, no momentum, so nothing hides a difference); afterwards
+the largest absolute difference between their parameters, over all ranks and
+pairs, is reported.
 
 Peak memory is measured in separate processes after timing (``memory_main``;
 why, in ``_memory.py``). The ``--learned-order`` measurement and the
@@ -49,108 +61,56 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from minddp.buckets import MiB, TensorSpec, assign_buckets
-from minddp.ddp import FIRST_BUCKET_CAP_MB
+from minddp import MiniDDP
 
 import _memory
+import _models
 import _overlap
+from _wrappers import NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
 
-
-# Per-rank batch size: the MLP is meant to be communication-bound (many
-# parameters, little compute per step), the CNN compute-heavier, the
-# autoencoder as in the seed tutorial.
-BATCH_SIZE = {"mlp": 32, "cnn": 32, "ae": 128, "resnet": 32, _overlap.SHUFFLED: 32}
-N_BATCHES = 4  # fixed random batches per rank, cycled
 LR = 0.01
-
-
-# -- the package under test, through its public API --------------------------
-def _minddp_api():
-    from minddp import MiniDDP
-    from minddp.models import build_model, model_loss
-
-    # The benchmark's own model (a classifier, so cross-entropy like "mlp").
-    def build(name: str) -> torch.nn.Module:
-        return _overlap.ShuffledMLP() if name == _overlap.SHUFFLED else build_model(name)
-
-    def loss(name: str, *args) -> torch.Tensor:
-        return model_loss("mlp" if name == _overlap.SHUFFLED else name, *args)
-
-    return MiniDDP, build, loss
-
-
-def _hooks(name: str):
-    """(torch's hook, MiniDDP's hook) for ``--comm-hook``; (None, None) for none."""
-    if name == "none":
-        return None, None
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
-
-    from minddp import comm_hooks as mh
-
-    return {
-        "fp16": (dh.fp16_compress_hook, mh.fp16_compress_hook),
-        "bf16": (dh.bf16_compress_hook, mh.bf16_compress_hook),
-    }[name]
-
-
-def wire_dtype(hook: str, dtype: torch.dtype) -> torch.dtype:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(hook, dtype)
-
-
-def bucket_sizes(params: list[torch.Tensor], cap_mb: float) -> list[int]:
-    """Element counts of the buckets MiniDDP would build first (reverse order, 1 MiB first, then cap)."""
-    ordered = list(reversed(params))
-    groups = assign_buckets([TensorSpec.of(p) for p in ordered], int(cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
-    return [sum(ordered[i].numel() for i in group) for group in groups]
 
 
 class Runner:
     """Everything one rank needs for one (model, bucket cap)."""
 
     def __init__(self, cfg: dict, model_name: str, cap_mb: float, rank: int, world_size: int, device: torch.device):
-        MiniDDP, build_model, model_loss = _minddp_api()
         self.cfg, self.name, self.cap_mb = cfg, model_name, cap_mb
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.MiniDDP, self.model_loss = MiniDDP, model_loss
         torch.manual_seed(0)  # same initial weights on every rank, for every copy
-        template = build_model(model_name)
-        self.init_state = copy.deepcopy(template.state_dict())
-        self.build_model = build_model
-        g = torch.Generator().manual_seed(1000 + rank)  # different data per rank
-        bs = BATCH_SIZE.get(model_name, 32)
-        self.batches = [
-            (torch.rand(bs, 1, 28, 28, generator=g).to(device), torch.randint(0, 10, (bs,), generator=g).to(device))
-            for _ in range(N_BATCHES)
-        ]
-        self.torch_hook, self.minddp_hook = _hooks(cfg["comm_hook"])
+        self.init_state = copy.deepcopy(_models.build(model_name).state_dict())
+        self.batches = _models.batches(model_name, rank, device)
+        self.torch_hook, self.minddp_hook = comm_hooks(cfg["comm_hook"])
         # NCCL only reduces CUDA tensors; Gloo reduces both.
         self.comm_device = device if cfg["backend"] == "nccl" else torch.device("cpu")
 
     # -- builders ------------------------------------------------------------
     def fresh(self) -> torch.nn.Module:
-        model = self.build_model(self.name)
+        model = _models.build(self.name)
         model.load_state_dict(self.init_state)
         return model.to(self.device)
 
-    def wrap_torch(self, model: torch.nn.Module) -> torch.nn.Module:
-        kw = {}
-        if self.device.type == "cuda":
-            kw["device_ids"] = [self.device]
-        ddp = DistributedDataParallel(
-            model, bucket_cap_mb=self.cap_mb, gradient_as_bucket_view=self.cfg["torch_bucket_view"], **kw
-        )
-        if self.torch_hook is not None:
-            ddp.register_comm_hook(None, self.torch_hook)
+    def wrap_torch(self, model: torch.nn.Module, view: bool, nocomm: bool = False) -> torch.nn.Module:
+        kw = {"device_ids": [self.device]} if self.device.type == "cuda" else {}
+        ddp = DistributedDataParallel(model, bucket_cap_mb=self.cap_mb, gradient_as_bucket_view=view, **kw)
+        hook = return_bucket if nocomm else self.torch_hook
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
         return ddp
 
-    def wrap_minddp(self, model: torch.nn.Module, **extra) -> torch.nn.Module:
+    def wrap_minddp(self, model: torch.nn.Module, view: bool = True, nocomm: bool = False, **extra) -> torch.nn.Module:
         """``extra``: further MiniDDP arguments (``trace``, ``learn_bucket_order``)."""
-        ddp = self.MiniDDP(
-            model, bucket_cap_mb=self.cap_mb, gradient_as_bucket_view=self.cfg["minddp_bucket_view"], **extra
-        )
-        if self.minddp_hook is not None:
-            ddp.register_comm_hook(None, self.minddp_hook)
+        ddp = MiniDDP(model, bucket_cap_mb=self.cap_mb, gradient_as_bucket_view=view, **extra)
+        hook = return_bucket if nocomm else self.minddp_hook
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
         return ddp
+
+    def wrapped(self, name: str) -> torch.nn.Module:
+        """A fresh model in the wrapper ``name`` of :func:`wrapper_names`."""
+        impl, view = name.split("_")[:2]
+        wrap = self.wrap_torch if impl == "torch" else self.wrap_minddp
+        return wrap(self.fresh(), view=view == "view", nocomm=name.endswith(NOCOMM))
 
     def stepper(self, module: torch.nn.Module, after_backward: Callable[[], None] | None = None):
         """A closure running one training step of ``module`` on the next batch."""
@@ -158,10 +118,10 @@ class Runner:
         count = [0]
 
         def step() -> None:
-            x, y = self.batches[count[0] % N_BATCHES]
+            x, y = self.batches[count[0] % len(self.batches)]
             count[0] += 1
             opt.zero_grad()
-            self.model_loss(self.name, module(x), x, y).backward()
+            _models.loss(self.name, module, x, y).backward()
             if after_backward is not None:
                 after_backward()
             opt.step()
@@ -175,117 +135,101 @@ class Runner:
 
         def sync() -> None:
             for p in params:
-                if p.grad is None:
-                    continue
-                p.grad.div_(self.world_size)
-                dist.all_reduce(p.grad)
+                if p.grad is not None:
+                    p.grad.div_(self.world_size)
+                    dist.all_reduce(p.grad)
 
         return sync
 
     def allreduce_step(self) -> Callable[[], None]:
-        model = self.fresh()
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in self.fresh().parameters() if p.requires_grad]
         dtype = wire_dtype(self.cfg["comm_hook"], params[0].dtype)
         buffers = [torch.zeros(n, dtype=dtype, device=self.device) for n in bucket_sizes(params, self.cap_mb)]
-        del model
 
         def step() -> None:
-            works = [dist.all_reduce(b, async_op=True) for b in buffers]
-            for w in works:
-                w.wait()
+            for work in [dist.all_reduce(b, async_op=True) for b in buffers]:
+                work.wait()
 
         step.count = [0]
         return step
 
     # -- measurements --------------------------------------------------------
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def time_block(self, step: Callable[[], None], k: int) -> float:
         dist.barrier()
-        self.sync()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         for _ in range(k):
             step()
-        self.sync()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / k * 1000.0
 
-    def medians(self, steps: dict[str, Callable[[], None]], pair: tuple[str, str]) -> dict[str, float]:
-        """Warm every step up, then time rounds of one block each; the two of
-        ``pair`` go last, alternating which goes first. Returns, per name, the
-        median over rounds of each block's slowest-rank ms per step."""
+    def block_times(self, steps: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
+        """Warm every step up, then time ``repeats`` rounds of one block each,
+        the order rotating by one per round. Per name, every round's
+        slowest-rank ms per step."""
         cfg = self.cfg
         for step in steps.values():
             for _ in range(cfg["warmup"]):
                 step()
         k = max(1, cfg["steps"] // cfg["repeats"])
-        times: dict[str, list[float]] = {name: [] for name in steps}
+        names = list(steps)
+        times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(cfg["repeats"]):
-            order = list(pair) if r % 2 == 0 else list(reversed(pair))
-            for name in [n for n in steps if n not in pair] + order:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 times[name].append(self.time_block(steps[name], k))
-        names = list(times)
         t = torch.tensor([times[n] for n in names], dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return {n: statistics.median(t[i].tolist()) for i, n in enumerate(names)}
+        return {n: t[i].tolist() for i, n in enumerate(names)}
 
-    def measure(self, known: dict | None = None) -> dict:
-        """Median ms/step of each implementation, and the two DDPs' parameter gap.
+    def medians(self, steps: dict[str, Callable[[], None]]) -> dict[str, float]:
+        """:meth:`block_times`, each name's median over rounds."""
+        return {n: statistics.median(v) for n, v in self.block_times(steps).items()}
 
-        ``known``: medians of ``local`` and ``naive`` already measured for this
-        model at another bucket cap (they do not depend on it): not re-run.
-        """
-        known = known or {}
-        steps = {}
-        if "local" not in known:
-            local_model = self.fresh()
-            steps["local"] = self.stepper(local_model)
-        steps["allreduce"] = self.allreduce_step()
-        if "naive" not in known:
+    def measure(self, with_naive: bool = True) -> dict:
+        """Every block time of every implementation, and each torch/MiniDDP pair's parameter gap."""
+        steps = {"local": self.stepper(self.fresh()), "allreduce": self.allreduce_step()}
+        if with_naive:
             naive_model = self.fresh()
             steps["naive"] = self.stepper(naive_model, self.naive_sync(naive_model))
-        steps["torch_ddp"] = self.stepper(self.wrap_torch(self.fresh()))
-        steps["minddp"] = self.stepper(self.wrap_minddp(self.fresh()))
-        med = self.medians(steps, ("torch_ddp", "minddp"))
-        med.update({n: v for n, v in known.items() if n in ("local", "naive")})
-
-        a = steps["torch_ddp"].module.module.parameters()
-        b = steps["minddp"].module.module.parameters()
-        assert steps["torch_ddp"].count[0] == steps["minddp"].count[0]
-        diff = max(((p.detach() - q.detach()).abs().max().item() for p, q in zip(a, b)), default=0.0)
-        diff_t = torch.tensor([diff], dtype=torch.float64, device=self.comm_device)
+        for name in wrapper_names(self.cfg):
+            steps[name] = self.stepper(self.wrapped(name))
+        blocks = self.block_times(steps)
+        diffs = []
+        for name in (n for n in steps if n.startswith("torch_")):
+            twin = steps["minddp_" + name[len("torch_") :]]
+            assert steps[name].count[0] == twin.count[0]
+            pairs = zip(steps[name].module.module.parameters(), twin.module.module.parameters())
+            diffs.append(max(((p.detach() - q.detach()).abs().max().item() for p, q in pairs), default=0.0))
+        diff_t = torch.tensor([max(diffs)], dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
         del steps
         _memory.release()
-        return {"median_ms": med, "max_param_diff": diff_t.item()}
+        return {"block_ms": blocks, "max_param_diff": diff_t.item()}
 
     def peak_memory(self, n_steps: int | None = None) -> dict:
-        """Peak memory of each DDP's construction + steps, in fresh windows, max over ranks."""
+        """Peak memory of each wrapper's construction + steps (with communication),
+        in fresh windows, max over ranks."""
         if n_steps is None:  # past torch's bucket rebuild (second step), then steady steps
             n_steps = self.cfg["warmup"] + self.cfg["memory_steps"]
-        out = {}
-        for name, wrap in (("torch_ddp", self.wrap_torch), ("minddp", self.wrap_minddp)):
-            model = self.fresh()
-            opt = torch.optim.SGD(model.parameters(), lr=LR)
+        names = [n for n in wrapper_names(self.cfg) if not n.endswith(NOCOMM)]
+        out = []
+        for name in names:
             dist.barrier()
 
-            def run(after_step, wrap=wrap, model=model, opt=opt) -> None:
-                ddp = wrap(model)
-                for i in range(n_steps):
-                    x, y = self.batches[i % N_BATCHES]
-                    opt.zero_grad()
-                    self.model_loss(self.name, ddp(x), x, y).backward()
-                    opt.step()
+            def run(after_step, name=name) -> None:
+                step = self.stepper(self.wrapped(name))
+                for _ in range(n_steps):
+                    step()
                     after_step()
-                del ddp
+                del step
 
-            out[name] = _memory.peak_delta_mb(run, self.device)
-            del model, opt
+            out.append(_memory.peak_delta_mb(run, self.device))
             _memory.release()
-        t = torch.tensor([out["torch_ddp"], out["minddp"]], dtype=torch.float64, device=self.comm_device)
+        t = torch.tensor(out, dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return {"torch_ddp": t[0].item(), "minddp": t[1].item()}
+        return dict(zip(names, t.tolist()))
 
 
 def _device(cfg: dict) -> torch.device:
@@ -298,22 +242,30 @@ def _cases(cfg: dict) -> list[tuple[str, float]]:
     return [(name, cap) for name in cfg["models"] for cap in cfg["bucket_caps"]]
 
 
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"[compare] {text}", file=sys.stderr, flush=True)
+
+
 def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
-    """Every rank of the timing run (inside an initialised process group)."""
+    """Every rank of one timing run (inside an initialised process group).
+    ``cfg["extras"]``: also the ``--learned-order`` and ``--trace`` steps."""
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
-    out, cap_free = [], {}  # cap_free: model -> its local and naive medians
+    out, seen = [], set()
     for name, cap in _cases(cfg):
-        if rank == 0:
-            print(f"[compare] timing {name}, bucket cap {cap:g} MB ...", file=sys.stderr, flush=True)
-        result = Runner(cfg, name, cap, rank, world_size, device).measure(known=cap_free.get(name))
-        cap_free.setdefault(name, {n: result["median_ms"][n] for n in ("local", "naive")})
+        _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: timing {name}, bucket cap {cap:g} MB ...")
+        result = Runner(cfg, name, cap, rank, world_size, device).measure(with_naive=name not in seen)
+        seen.add(name)
         out.append({"model": name, "bucket_cap_mb": cap, **result})
+
     def make_runner(name: str, cap: float) -> Runner:
         return Runner(cfg, name, cap, rank, world_size, device)
 
-    learned = [_overlap.learned_order_row(cfg, make_runner)] if cfg.get("learned_order_cap_mb") else []
-    _overlap.record_traces(cfg, make_runner)
+    learned = []
+    if cfg["extras"]:
+        learned = [_overlap.learned_order_row(cfg, make_runner)] if cfg.get("learned_order_cap_mb") else []
+        _overlap.record_traces(cfg, make_runner)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"rows": out, "learned_order": learned}, f)
@@ -325,14 +277,13 @@ def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
     out, seen = [], set()
-    if rank == 0:
-        print("[compare] peak memory ...", file=sys.stderr, flush=True)
+    _say(rank, "peak memory ...")
     for name, cap in _cases(cfg):
         runner = Runner(cfg, name, cap, rank, world_size, device)
         if name not in seen:  # unmeasured: first-use costs (code pages, lazy init) land here
             runner.peak_memory(n_steps=2)
             seen.add(name)
-        out.append({"model": name, "bucket_cap_mb": cap, **runner.peak_memory()})
+        out.append({"model": name, "bucket_cap_mb": cap, "peak_mb": runner.peak_memory()})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"memory": out, "method": _memory.method(device)}, f)

@@ -1,40 +1,55 @@
 """MiniDDP against torch's DistributedDataParallel, on the same path, with the limit beside them.
 
-    python benchmarks/compare.py                       # CPU, Gloo, 2 ranks, mlp/cnn/ae
-    python benchmarks/compare.py --quick --json r.json # the smoke test (< 1 minute on 2 cores)
+    python benchmarks/compare.py                       # CPU, Gloo, 2 ranks, mlp/cnn/ae/gpt, 5 runs
+    python benchmarks/compare.py --quick --json r.json # the smoke test (< 1 minute on 2 quiet cores)
+    python benchmarks/compare.py --show docs/compare.json   # the tables of an earlier run, measuring nothing
     python benchmarks/compare.py --bucket-sweep 1,5,25,100 --plot compare.png
     python benchmarks/compare.py --backend nccl --device cuda --world-size 1
     python benchmarks/compare.py --models mlp --trace overlap.json --plot compare.png
     python benchmarks/compare.py --learned-order
 
+The whole timing runs ``--runs`` times, each in fresh rank processes; every
+figure below is first taken within a run, then reported as the median over
+runs with its minimum and maximum (``_spread.py``). One run's ratio is
+mostly noise on a shared machine; the spread says how much.
+
 For every model (and bucket cap) one table row, all times in ms per step,
-medians over repeated blocks, each block's time the slowest rank's:
+medians over rounds, each block's time the slowest rank's:
 
 * ``local``: forward + backward + SGD step with no communication;
 * ``allreduce``: all-reducing the gradient bytes alone, in DDP-like buckets;
-* ``ideal`` = max(local, allreduce), the step with perfect overlap, and
-  ``no_overlap`` = local + allreduce, the step with none;
+* ``ideal`` = max(local, allreduce), the step with perfect overlap;
 * ``naive``: a blocking all-reduce of every gradient after backward;
-* ``torch_ddp`` and ``minddp``: full steps with each wrapper, same bucket cap,
-  timed in alternating blocks (A/B, B/A, ...) after warm-up steps;
-* ``ratio`` = minddp / torch_ddp;
-* hidden fraction of communication, for each wrapper with step time ``t``::
+* ``torch copy``/``torch view`` and ``minddp copy``/``minddp view``: full
+  steps with each wrapper, same bucket cap, ``gradient_as_bucket_view``
+  False (both wrappers' default) and True; all implementations timed in
+  rounds whose order rotates (``--bucket-view`` picks one setting);
+* ``ratio copy``/``ratio view`` = minddp / torch with the same setting;
+* ``max diff``: largest parameter difference between torch's DDP and MiniDDP
+  after the same steps from the same weights on the same data (0: bit-equal).
 
-      hidden = (no_overlap - t) / allreduce, clipped to [0, 1]
+A second table, the **wrapper overhead** (skip it with ``--no-overhead``):
+the four wrappers again, each with a communication hook that returns its
+bucket at once (``_wrappers.return_bucket``), so what a step costs beyond the
+bare model's step of the same round is the wrapper's own work: hooks,
+copies, callbacks, the buffer broadcast. In ms and as a fraction of
+``local``; and MiniDDP minus torch's DDP, paired the same way. Where this
+figure goes, ``profile_overhead.py`` shows.
 
-  1 means the step costs no more than local compute would with the
-  communication fully overlapped; 0 means it costs local + allreduce or more
-  (nothing hidden, or overhead eating what overlap saved);
-* peak memory each wrapper adds (construction + steps), in fresh windows:
-  ``torch.cuda.max_memory_allocated`` on GPU, peak RSS on CPU (see
-  ``_memory.py`` for why ``ru_maxrss`` alone would be unfair);
-* ``max_param_diff``: largest parameter difference between the two wrappers
-  after the same steps from the same weights on the same data.
+A third: the peak memory each wrapper adds (construction + steps, in fresh
+windows: ``torch.cuda.max_memory_allocated`` on GPU, peak RSS on CPU; see
+``_memory.py`` for why ``ru_maxrss`` alone would be unfair), and the fraction
+of the all-reduce each wrapper hid behind compute::
+
+      hidden = (local + allreduce - t) / allreduce, clipped to [0, 1]
 
 How it runs: the ranks are spawned processes (``minddp.launch.spawn``), each
 with ``--threads-per-rank`` intra-op threads; the rank side is
-``_timing.py``, the table/JSON/plot ``_report.py``. Data are fixed random
-tensors of MNIST shape, seeded per rank: this measures steps, not learning.
+``_timing.py`` (wrappers in ``_wrappers.py``, models and their batches in
+``_models.py``), the statistics ``_spread.py``, the tables/JSON/plot
+``_report.py``. Data are fixed random tensors (images of MNIST shape, or
+token sequences for ``gpt``), seeded per rank: this measures steps, not
+learning.
 
 Two extras (rank side in ``_overlap.py``, reading traces in ``minddp/trace_view.py``):
 
@@ -47,8 +62,8 @@ Two extras (rank side in ``_overlap.py``, reading traces in ``minddp/trace_view.
 * ``--learned-order [CAP_MB]``: MiniDDP with ``learn_bucket_order=True``
   against ``False`` on ``shuffled_mlp``, a model whose layers are registered
   in a different order than they run, at bucket cap CAP_MB (default 2): a
-  separate table, and a ``learned_order`` list in the JSON (the ``results``
-  list keeps its fields).
+  separate table, and a ``learned_order`` list in the JSON (measured in the
+  first run only).
 
 NCCL refuses two ranks on one GPU; with fewer GPUs than ``--world-size`` the
 run drops to one rank per GPU and says so.
@@ -62,17 +77,19 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from minddp import trace_view  # noqa: E402
 import _report  # noqa: E402
-from minddp.models import MODEL_NAMES  # noqa: E402
+import _runs  # noqa: E402
+import _spread  # noqa: E402
+from _models import ALL_MODELS, DEFAULT_MODELS  # noqa: E402
 
-MODELS = ["mlp", "cnn", "ae"]  # the default
-ALL_MODELS = (*MODEL_NAMES, "shuffled_mlp")  # minddp.models' and the benchmark's own (_overlap.py)
+# The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
+# run's ratio moved by +-10% between runs on the shared 2-core machine; five
+# give a median and a min-max that a sixth run falls inside 2 times in 3.
+RUNS, STEPS, REPEATS, WARMUP = 5, 40, 8, 3
 TRACE_STEPS = 3  # steps kept in each --trace file, after warm-up
 # At the default 25 MB cap shuffled_mlp's 9.6 MiB are two buckets, and their order barely matters.
 LEARNED_ORDER_CAP_MB = 2.0
@@ -88,7 +105,7 @@ def _floats(text: str) -> list[float]:
     return values
 
 
-def _models(text: str) -> list[str]:
+def _model_list(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise argparse.ArgumentTypeError("--models needs at least one name")
@@ -107,16 +124,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--bucket-sweep", type=_floats, default=None, metavar="1,5,25,100",
                    help="measure every one of these bucket caps (MB) instead of --bucket-cap-mb alone")  # fmt: skip
-    p.add_argument("--steps", type=int, default=None, help="timed steps per implementation (default 60, quick 4)")
-    p.add_argument("--repeats", type=int, default=None, help="timed blocks the steps are split into (default 10, quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 2)")
-    p.add_argument("--models", type=_models, default=MODELS, help="comma-separated, from " + ",".join(ALL_MODELS))
+    p.add_argument("--runs", type=int, default=None,
+                   help=f"repeat the whole timing in fresh processes; report medians and min-max over runs "
+                   f"(default {RUNS}, quick 1)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"timed steps per implementation and run (default {STEPS}, quick 4)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"rounds the steps are split into (default {REPEATS}, quick 2)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps first (default {WARMUP}, quick 2)")
+    p.add_argument("--models", type=_model_list, default=DEFAULT_MODELS, help="comma-separated, from " + ",".join(ALL_MODELS))
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--comm-hook", choices=["none", "fp16", "bf16"], default="none",
                    help="both wrappers get the same hook (torch's own for torch's DDP, minddp.comm_hooks for MiniDDP)")  # fmt: skip
-    p.add_argument("--no-bucket-view", action="store_true",
-                   help="MiniDDP with gradient_as_bucket_view=False (copy gradients into buckets, like torch's default)")  # fmt: skip
-    p.add_argument("--torch-bucket-view", action="store_true", help="torch's DDP with gradient_as_bucket_view=True")
+    p.add_argument("--bucket-view", choices=["both", "copy", "view"], default="both",
+                   help="gradient_as_bucket_view settings to time, each on both wrappers: copy = False "
+                   "(both wrappers' default), view = True")  # fmt: skip
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the wrapper-overhead measurement (each wrapper with a comm hook that communicates nothing)")  # fmt: skip
+    p.add_argument("--show", metavar="PATH.json", default=None,
+                   help="measure nothing: print the tables of a JSON file this script wrote")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="few steps: a smoke test, under a minute on 2 cores")
     p.add_argument("--json", metavar="PATH", default=None, help="write config and results as JSON")
     p.add_argument("--plot", metavar="PATH.png", default=None, help="draw the results (needs matplotlib: pip install '.[plot]')")
@@ -128,15 +154,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"at this bucket cap (default {LEARNED_ORDER_CAP_MB:g} MB: about ten buckets of its 9.6 MiB)",
                    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.runs is None:
+        args.runs = 1 if args.quick else RUNS
     if args.steps is None:
-        args.steps = 4 if args.quick else 60  # 30 in 5 blocks proved too noisy on 2 shared cores
+        args.steps = 4 if args.quick else STEPS
     if args.repeats is None:
-        args.repeats = 2 if args.quick else 10
+        args.repeats = 2 if args.quick else REPEATS
     if args.warmup is None:
-        args.warmup = 2 if args.quick else 3
+        args.warmup = 2 if args.quick else WARMUP
     if args.device is None:
         args.device = "cuda" if args.backend == "nccl" else "cpu"
-    for name in ("steps", "repeats", "world_size", "threads_per_rank"):
+    for name in ("runs", "steps", "repeats", "world_size", "threads_per_rank"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 2:
@@ -188,17 +216,18 @@ def config(args: argparse.Namespace) -> dict:
         "bucket_cap_mb": args.bucket_cap_mb,
         "bucket_caps": args.bucket_sweep or [args.bucket_cap_mb],
         "models": args.models,
+        "runs": args.runs,
         "steps": args.steps,
         "repeats": args.repeats,
         "warmup": args.warmup,
         "memory_steps": 1 if args.quick else 2,
         "threads_per_rank": args.threads_per_rank,
         "comm_hook": args.comm_hook,
-        "minddp_bucket_view": not args.no_bucket_view,
-        "torch_bucket_view": args.torch_bucket_view,
+        "bucket_views": ["copy", "view"] if args.bucket_view == "both" else [args.bucket_view],
+        "overhead": not args.no_overhead,
         "quick": args.quick,
         "learned_order_cap_mb": args.learned_order,  # None: not measured
-        "trace_files": trace_files(args.trace, args.models) if args.trace else {},
+        "trace_files": _runs.trace_files(args.trace, args.models) if args.trace else {},
         "trace_steps": TRACE_STEPS,
         "torch_version": torch.__version__,
         "python": platform.python_version(),
@@ -209,77 +238,46 @@ def config(args: argparse.Namespace) -> dict:
     }
 
 
-def trace_files(path: str, models: list[str]) -> dict[str, str]:
-    """model -> trace path: ``path`` itself for one model, else ``PATH-model.json``."""
-    if len(models) == 1:
-        return {models[0]: os.path.abspath(path)}
-    stem = os.path.abspath(path)[: -len(".json")]
-    return {m: f"{stem}-{m}.json" for m in models}
+def show(cfg: dict, rows: list[dict], learned: list[dict]) -> None:
+    print(_report.all_tables(cfg, rows))
+    if learned:
+        print()
+        print(_report.learned_order_text(learned))
 
 
-def report_traces(cfg: dict, plot: bool) -> None:
-    """One line per traced model (its last step on every rank), and the PNGs with ``--plot``."""
-    for model, path in cfg["trace_files"].items():
-        with open(path) as f:
-            trace = json.load(f)
-        print(f"trace {model}: {path} (open in https://ui.perfetto.dev)")
-        for views in trace_view.read_steps(trace).values():
-            print(f"  {views[-1].summary()}")
-        if plot:
-            png = path[: -len(".json")] + ".png"
-            trace_view.draw_overlap(trace, png, title=f"{model}, bucket cap {cfg['bucket_caps'][0]:g} MB")
-            print(f"  wrote {png}")
+def footer(cfg: dict) -> str:
+    return f"{cfg['date']}, {cfg['machine']}, torch {cfg['torch_version']}, {cfg['wall_s']} s in all ({cfg['command']})"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.show:
+        with open(args.show) as f:
+            data = json.load(f)
+        show(data["config"], data["results"], data.get("learned_order", []))
+        print(f"\n{footer(data['config'])}")
+        return 0
     notes = check_environment(args)
     for note in notes:
         print(note)
 
-    import torch.multiprocessing as mp
-
-    import _memory
-    from _timing import memory_main, timing_main
-    from minddp.launch import spawn
-
     cfg = config(args)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="minddp-compare-") as tmp:
-        timed_path, mem_path = os.path.join(tmp, "timed.json"), os.path.join(tmp, "memory.json")
-        saved = dict(os.environ)
-        try:
-            spawn(timing_main, cfg["world_size"], cfg, timed_path, backend=cfg["backend"])
-            # Fresh processes for memory, with the allocator setting that
-            # makes RSS follow live tensors (_memory.py says why).
-            os.environ.update(_memory.ALLOCATOR_ENV)
-            spawn(memory_main, cfg["world_size"], cfg, mem_path, backend=cfg["backend"])
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            print(f"error: a rank failed:\n{e}", file=sys.stderr)
-            return 1
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        with open(timed_path) as f:
-            timed = json.load(f)  # {"rows": [...], "learned_order": [...]}
-        with open(mem_path) as f:
-            memory = json.load(f)
-    rows = [_report.make_row(cfg, t, m) for t, m in zip(timed["rows"], memory["memory"])]
-    learned = [_report.make_learned_order_row(r) for r in timed["learned_order"]]
+    measured = _runs.measure(cfg)
+    if measured is None:
+        return 1
+    runs, learned_timed, memory = measured
+    rows = _spread.make_rows(cfg, runs, memory["memory"])
+    learned = [_report.make_learned_order_row(r) for r in learned_timed]
     cfg["memory_method"] = memory["method"]
     cfg["wall_s"] = round(time.perf_counter() - started, 1)
     cfg["notes"] = notes
 
-    print(_report.header(cfg))
-    print()
-    print(_report.table(rows))
-    if learned:
-        print()
-        print(_report.learned_order_text(learned))
+    show(cfg, rows, learned)
     if cfg["trace_files"]:
         print()
-        report_traces(cfg, plot=bool(args.plot))
-    print(f"\n{cfg['date']}, {cfg['machine']}, torch {cfg['torch_version']}, {cfg['wall_s']} s in all")
+        _runs.report_traces(cfg, plot=bool(args.plot))
+    print(f"\n{footer(cfg)}")
     if args.json:
         _report.write_json(args.json, cfg, rows, learned)
         print(f"wrote {args.json}")

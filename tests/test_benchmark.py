@@ -3,7 +3,9 @@
 A smoke test: it checks that every field is there and that MiniDDP and
 torch's DDP end the run with the same parameters. It asserts nothing about
 timings (those depend on the machine and its load). The same run exercises
-``--trace`` and ``--learned-order`` (one run keeps the suite fast).
+``--runs``, ``--trace`` and ``--learned-order`` (one run keeps the suite
+fast). The statistics over rounds and runs are checked on made-up block
+times, without processes.
 """
 
 import json
@@ -16,14 +18,21 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from minddp.trace_view import read_steps
+import _spread  # noqa: E402
+from minddp.trace_view import read_steps  # noqa: E402
 
+WRAPPERS = [f"{impl}_{view}" for impl in ("torch", "minddp") for view in ("copy", "view")]
+SPREAD = [f"ratio_{v}" for v in ("copy", "view")] + [f"overhead_{w}_ms" for w in WRAPPERS]
+SPREAD += [f"overhead_gap_{v}_ms" for v in ("copy", "view")]
 RESULT_FIELDS = {
-    "model", "backend", "device", "world_size", "bucket_cap_mb",
-    "local_ms", "allreduce_ms", "ideal_ms", "naive_ms", "torch_ddp_ms", "minddp_ms",
-    "ratio", "hidden_fraction_torch", "hidden_fraction_minddp",
-    "peak_mem_torch_mb", "peak_mem_minddp_mb", "max_param_diff",
+    "model", "backend", "device", "world_size", "bucket_cap_mb", "runs",
+    "local_ms", "allreduce_ms", "ideal_ms", "naive_ms", "max_param_diff", "per_run",
+    *(f"{w}_ms" for w in WRAPPERS), *(f"{w}_nocomm_ms" for w in WRAPPERS),
+    *(f"hidden_fraction_{w}" for w in WRAPPERS), *(f"peak_mem_{w}_mb" for w in WRAPPERS),
+    *(f"overhead_{w}_fraction" for w in WRAPPERS),
+    *SPREAD, *(f"{k}_min" for k in SPREAD), *(f"{k}_max" for k in SPREAD),
 }  # fmt: skip
 LEARNED_ORDER_FIELDS = {
     "model", "bucket_cap_mb", "local_ms", "allreduce_ms", "learned_ms", "registration_ms", "ratio",
@@ -31,38 +40,71 @@ LEARNED_ORDER_FIELDS = {
     "launched_before_last_hook_learned", "launched_before_last_hook_registration",
 }  # fmt: skip
 TRACE_STEPS = 3  # compare.TRACE_STEPS
+MODELS = ["mlp", "ae", "gpt"]  # the smoke test's: a large, a small and the transformer
+RUNS = 2
 
 
 @pytest.mark.timeout(330)
 def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     out = tmp_path / "quick.json"
     proc = subprocess.run(
-        [sys.executable, COMPARE, "--quick", "--json", str(out),
-         "--trace", str(tmp_path / "trace.json"), "--learned-order"],  # fmt: skip
+        [sys.executable, COMPARE, "--quick", "--runs", str(RUNS), "--models", ",".join(MODELS),
+         "--json", str(out), "--trace", str(tmp_path / "trace.json"), "--learned-order"],  # fmt: skip
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, f"compare.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "| model" in proc.stdout  # the table was printed
+    assert "| model" in proc.stdout and "Wrapper overhead" in proc.stdout  # the tables were printed
 
     data = json.loads(out.read_text())
     assert set(data) == {"config", "results", "learned_order"}  # the last only with --learned-order
-    assert data["config"]["quick"] is True
+    assert data["config"]["quick"] is True and data["config"]["runs"] == RUNS
     results = data["results"]
-    assert {r["model"] for r in results} == {"mlp", "cnn", "ae"}
+    assert [r["model"] for r in results] == MODELS
     for r in results:
         assert set(r) == RESULT_FIELDS, f"fields differ: {set(r) ^ RESULT_FIELDS}"
-        assert (r["backend"], r["device"], r["world_size"]) == ("gloo", "cpu", 2)
-        for key in RESULT_FIELDS - {"model", "backend", "device"}:
+        assert (r["backend"], r["device"], r["world_size"], r["runs"]) == ("gloo", "cpu", 2, RUNS)
+        for key in RESULT_FIELDS - {"model", "backend", "device", "per_run"}:
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (key, r[key])
         assert r["ideal_ms"] == max(r["local_ms"], r["allreduce_ms"])
-        assert 0.0 <= r["hidden_fraction_torch"] <= 1.0
-        assert 0.0 <= r["hidden_fraction_minddp"] <= 1.0
-        assert r["max_param_diff"] <= 1e-5, f"{r['model']}: MiniDDP and torch's DDP diverged by {r['max_param_diff']}"
+        for key in SPREAD:
+            assert len(r["per_run"][key]) == RUNS
+            assert r[f"{key}_min"] <= r[key] <= r[f"{key}_max"], (key, r)
+        for w in WRAPPERS:
+            assert 0.0 <= r[f"hidden_fraction_{w}"] <= 1.0
+        assert r["max_param_diff"] == 0.0, f"{r['model']}: MiniDDP and torch's DDP diverged by {r['max_param_diff']}"
     check_learned_order(data["learned_order"])
     check_traces(tmp_path, proc.stdout)
+    shown = subprocess.run([sys.executable, COMPARE, "--show", str(out)], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "| gpt " in shown.stdout and "Wrapper overhead" in shown.stdout, shown.stderr
+
+
+def test_overhead_is_paired_by_round_and_spread_is_over_runs():
+    """Overhead subtracts the bare step of the *same round*: with drift between
+    rounds that differs from subtracting medians. Ratios are taken within a
+    run, then reported as median, min and max over runs."""
+    cfg = {"backend": "gloo", "device": "cpu", "world_size": 2, "bucket_views": ["copy"]}
+
+    def run(scale: float) -> list[dict]:
+        local = [10.0, 30.0, 50.0]  # the machine slowed down between rounds
+        blocks = {
+            "local": local, "allreduce": [5.0] * 3, "naive": [60.0] * 3,
+            "torch_copy": [20.0, 40.0, 60.0], "minddp_copy": [20.0 * scale, 40.0 * scale, 60.0 * scale],
+            "torch_copy_nocomm": [12.0, 31.0, 53.0], "minddp_copy_nocomm": [11.0, 30.5, 51.0],
+        }  # fmt: skip
+        return [{"model": "m", "bucket_cap_mb": 25.0, "block_ms": blocks, "max_param_diff": 0.0}]
+
+    memory = [{"model": "m", "bucket_cap_mb": 25.0, "peak_mb": {"torch_copy": 1.0, "minddp_copy": 2.0}}]
+    (row,) = _spread.make_rows(cfg, [run(0.9), run(1.2), run(1.0)], memory)
+    assert row["overhead_torch_copy_ms"] == 2.0  # rounds: 2, 1, 3 (medians would say 31 - 30 = 1)
+    assert row["overhead_minddp_copy_ms"] == 1.0  # rounds: 1, 0.5, 1
+    assert row["overhead_gap_copy_ms"] == -1.0  # rounds: -1, -0.5, -2
+    assert row["overhead_torch_copy_fraction"] == 2.0 / 30.0
+    assert row["per_run"]["ratio_copy"] == pytest.approx([0.9, 1.2, 1.0])
+    assert (row["ratio_copy"], row["ratio_copy_min"], row["ratio_copy_max"]) == pytest.approx((1.0, 0.9, 1.2))
+    assert row["runs"] == 3 and row["peak_mem_minddp_copy_mb"] == 2.0
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path):
@@ -99,7 +141,7 @@ def check_learned_order(rows: list[dict]) -> None:
 
 
 def check_traces(tmp_path, stdout: str) -> None:
-    for model in ("mlp", "cnn", "ae"):
+    for model in MODELS:
         path = tmp_path / f"trace-{model}.json"  # several models: the name goes into the file name
         assert f"trace {model}: {path}" in stdout
         trace = json.loads(path.read_text())

@@ -1,0 +1,59 @@
+"""The wrappers the benchmark compares, and the hooks it gives them.
+
+Four wrappers per row: torch's DDP and MiniDDP, each with
+``gradient_as_bucket_view`` False (``copy``, both defaults) and True
+(``view``). With ``--overhead`` (the default) four more, named ``..._nocomm``:
+the same wrappers with :func:`return_bucket` as their communication hook.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minddp.buckets import MiB, TensorSpec, assign_buckets
+from minddp.ddp import FIRST_BUCKET_CAP_MB
+
+NOCOMM = "_nocomm"  # suffix of the overhead-mode wrappers' names
+
+
+def return_bucket(state, bucket):  # no annotation: torch's DDP rejects any but the unquoted Future[Tensor]
+    """A communication hook that communicates nothing: the bucket, at once.
+
+    The same function serves torch's DDP and MiniDDP (both pass a bucket with
+    ``buffer()``). Both then skip their division by the world size (a hook
+    averages), so each rank's ``.grad`` stays its local gradient.
+    """
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def comm_hooks(name: str):
+    """(torch's hook, MiniDDP's hook) for ``--comm-hook``; (None, None) for none."""
+    if name == "none":
+        return None, None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+
+    from minddp import comm_hooks as mh
+
+    return {
+        "fp16": (dh.fp16_compress_hook, mh.fp16_compress_hook),
+        "bf16": (dh.bf16_compress_hook, mh.bf16_compress_hook),
+    }[name]
+
+
+def wire_dtype(hook: str, dtype: torch.dtype) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(hook, dtype)
+
+
+def bucket_sizes(params: list[torch.Tensor], cap_mb: float) -> list[int]:
+    """Element counts of the buckets MiniDDP would build first (reverse order, 1 MiB first, then cap)."""
+    ordered = list(reversed(params))
+    groups = assign_buckets([TensorSpec.of(p) for p in ordered], int(cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+    return [sum(ordered[i].numel() for i in group) for group in groups]
+
+
+def wrapper_names(cfg: dict) -> list[str]:
+    """``torch_copy``, ``minddp_copy``, ... for every measured setting, then the ``_nocomm`` ones."""
+    names = [f"{impl}_{view}" for view in cfg["bucket_views"] for impl in ("torch", "minddp")]
+    return names + ([n + NOCOMM for n in names] if cfg["overhead"] else [])

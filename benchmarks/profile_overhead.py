@@ -1,0 +1,182 @@
+"""Where MiniDDP's per-step time goes, next to torch's DDP, with no communication.
+
+    python benchmarks/profile_overhead.py                      # mlp,cnn,ae,gpt, both settings
+    python benchmarks/profile_overhead.py --models gpt --view copy --steps 100
+
+Both wrappers run with ``_wrappers.return_bucket`` as their communication hook
+(the overhead mode of ``compare.py``), on 2 Gloo ranks; rank 0 reports. Three
+views of the same steps, per model and ``gradient_as_bucket_view`` setting:
+
+1. **sections**: MiniDDP's own methods timed with ``perf_counter`` around
+   each call (a subclass, so the hooks see the timed methods): the
+   per-gradient hook, with the copy into the bucket and the bucket launch
+   inside it, the end-of-backward callback and the forward's collectives; per
+   step and per call. The timer itself costs ~0.1 us per call;
+2. **cProfile** of MiniDDP steps: the Python functions with the most own
+   time per step (cProfile roughly doubles Python's cost, so read the
+   proportions, not the absolute times);
+3. **torch.profiler** of both wrappers: the operators with the most own CPU
+   time per step and how many times each runs per step; the ops MiniDDP adds
+   (``copy_``, ``mul_``, ``clone``) sit beside the ones torch's C++ reducer issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import minddp  # noqa: E402
+from minddp import MiniDDP  # noqa: E402
+from minddp.launch import spawn  # noqa: E402
+
+import _models  # noqa: E402
+from _timing import Runner  # noqa: E402
+from _wrappers import return_bucket  # noqa: E402
+
+PACKAGE = os.path.dirname(os.path.abspath(minddp.__file__)) + os.sep
+SECTIONS = {  # MiniDDP method -> what the report calls it
+    "_before_synchronized_forward": "forward: buffer broadcast",
+    "_on_grad_ready": "hook (per gradient), in all",
+    "_copy_into_bucket": "  of which copy into bucket",  # one call per gradient (main)
+    "_fill_bucket": "  of which filling the bucket",  # one per bucket (the proposed patch)
+    "_launch_ready_buckets": "  of which bucket launch",
+    "_finish_backward": "end of backward: wait, write .grad",
+}
+
+
+def timed_minddp_class(totals: dict, calls: dict) -> type:
+    """A MiniDDP whose :data:`SECTIONS` methods add their time to ``totals``."""
+
+    def timed(name):
+        original = getattr(MiniDDP, name)
+
+        def method(self, *args):
+            t0 = time.perf_counter()
+            try:
+                return original(self, *args)
+            finally:
+                totals[name] += time.perf_counter() - t0
+                calls[name] += 1
+
+        return method
+
+    return type("TimedMiniDDP", (MiniDDP,), {name: timed(name) for name in SECTIONS if hasattr(MiniDDP, name)})
+
+
+def sections(runner: Runner, view: bool, n_steps: int) -> str:
+    totals, calls = defaultdict(float), defaultdict(int)
+    ddp = timed_minddp_class(totals, calls)(runner.fresh(), bucket_cap_mb=runner.cap_mb, gradient_as_bucket_view=view)
+    ddp.register_comm_hook(None, return_bucket)
+    step = runner.stepper(ddp)
+    for _ in range(3):
+        step()
+    totals.clear(), calls.clear()
+    t0 = time.perf_counter()
+    for _ in range(n_steps):
+        step()
+    per_step = (time.perf_counter() - t0) / n_steps * 1e3
+    lines = [f"  sections (MiniDDP, {n_steps} steps; whole step {per_step:.2f} ms):"]
+    for name, label in SECTIONS.items():
+        if not hasattr(MiniDDP, name):
+            continue
+        n = calls[name] / n_steps
+        us = totals[name] / n_steps * 1e6
+        per_call = f"{us / n:7.1f} us x {n:5.1f}/step" if n else ""
+        lines.append(f"    {label:<38} {us / 1e3:6.3f} ms/step  {per_call}")
+    return "\n".join(lines)
+
+
+def cprofile(runner: Runner, view: bool, n_steps: int, top: int) -> str:
+    step = runner.stepper(runner.wrap_minddp(runner.fresh(), view=view, nocomm=True))
+    for _ in range(3):
+        step()
+    profiler = cProfile.Profile() if dist.get_rank() == 0 else None
+    if profiler:
+        profiler.enable()
+    for _ in range(n_steps):
+        step()
+    if not profiler:
+        return ""
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        if path.startswith(PACKAGE):  # MiniDDP's own Python; torch's ops are in the op profile
+            rows.append((tottime, ncalls, cumtime, f"minddp/{os.path.relpath(path, PACKAGE)}:{line}({func})"))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows) / n_steps * 1e3
+    out = [f"  cProfile (MiniDDP, {n_steps} steps): {total:.3f} ms/step own time in minddp/*.py; top {top}:"]
+    for tottime, ncalls, cumtime, name in rows[:top]:
+        out.append(f"    own {tottime / n_steps * 1e3:6.3f} ms  cum {cumtime / n_steps * 1e3:6.3f} ms  "
+                   f"{ncalls / n_steps:6.1f} calls/step  {name}")  # fmt: skip
+    return "\n".join(out)
+
+
+def op_profile(runner: Runner, view: bool, n_steps: int, top: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for label, module in (("torch", runner.wrap_torch), ("minddp", runner.wrap_minddp)):
+        step = runner.stepper(module(runner.fresh(), view=view, nocomm=True))
+        for _ in range(3):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(n_steps):
+                step()
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        out.append(f"  torch.profiler ({label}, {n_steps} steps), own CPU time per step, top {top}:")
+        for e in events[:top]:
+            out.append(f"    {e.self_cpu_time_total / n_steps / 1e3:6.3f} ms  {e.count / n_steps:6.1f}/step  {e.key}")
+    return "\n".join(out)
+
+
+def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    cfg = {"backend": "gloo", "device": "cpu", "comm_hook": "none", "bucket_views": args.views, "overhead": True}
+    report = []
+    for name in args.models:
+        runner = Runner(cfg, name, args.bucket_cap_mb, rank, world_size, torch.device("cpu"))
+        n_params = sum(1 for p in runner.fresh().parameters())
+        for view in args.views:
+            report.append(f"{name} ({n_params} parameter tensors), gradient_as_bucket_view={view == 'view'}:")
+            report.append(sections(runner, view == "view", args.steps))
+            report.append(cprofile(runner, view == "view", args.steps, args.top))
+            report.append(op_profile(runner, view == "view", args.steps, args.top))
+            report.append("")
+            if rank == 0:
+                print(f"[profile] {name} {view} done", file=sys.stderr, flush=True)
+    if rank == 0:
+        text = "\n".join(report)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(_models.DEFAULT_MODELS))
+    p.add_argument("--view", choices=["both", "copy", "view"], default="both")
+    p.add_argument("--steps", type=int, default=30, help="profiled steps per view (after 3 warm-up steps)")
+    p.add_argument("--top", type=int, default=12, help="rows per profile")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--out", default=None, help="also write the report here")
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.views = ["copy", "view"] if args.view == "both" else [args.view]
+    spawn(rank_main, 2, args, backend="gloo")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
