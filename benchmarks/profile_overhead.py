@@ -23,6 +23,7 @@ views of the same steps, per model and ``gradient_as_bucket_view`` setting:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -38,59 +39,66 @@ import torch.distributed as dist  # noqa: E402
 import minddp  # noqa: E402
 from minddp import MiniDDP  # noqa: E402
 from minddp.launch import spawn  # noqa: E402
+from minddp.reducer import Reducer  # noqa: E402
 
 import _models  # noqa: E402
 from _timing import Runner  # noqa: E402
 from _wrappers import return_bucket  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(minddp.__file__)) + os.sep
-SECTIONS = {  # MiniDDP method -> what the report calls it
-    "_before_synchronized_forward": "forward: buffer broadcast",
-    "_on_grad_ready": "hook (per gradient), in all",
-    "_copy_into_bucket": "  of which copy into bucket",  # one call per gradient (main)
-    "_fill_bucket": "  of which filling the bucket",  # one per bucket (the proposed patch)
-    "_launch_ready_buckets": "  of which bucket launch",
-    "_finish_backward": "end of backward: wait, write .grad",
+SECTIONS = {  # (class, method) -> what the report calls it
+    (MiniDDP, "_before_synchronized_forward"): "forward: buffer broadcast",
+    (Reducer, "on_grad_ready"): "hook (per gradient), in all",
+    (Reducer, "_fill_bucket"): "  of which filling the bucket",  # once per bucket
+    (Reducer, "_launch_ready_buckets"): "  of which bucket launch",
+    (Reducer, "_finish_backward"): "end of backward: wait, write .grad",
 }
 
 
-def timed_minddp_class(totals: dict, calls: dict) -> type:
-    """A MiniDDP whose :data:`SECTIONS` methods add their time to ``totals``."""
+@contextlib.contextmanager
+def timed_sections(totals: dict, calls: dict):
+    """While inside, the :data:`SECTIONS` methods add their time to ``totals``
+    (patched on the classes, since the reducer registers its hooks at construction)."""
 
-    def timed(name):
-        original = getattr(MiniDDP, name)
-
+    def timed(key, original):
         def method(self, *args):
             t0 = time.perf_counter()
             try:
                 return original(self, *args)
             finally:
-                totals[name] += time.perf_counter() - t0
-                calls[name] += 1
+                totals[key] += time.perf_counter() - t0
+                calls[key] += 1
 
         return method
 
-    return type("TimedMiniDDP", (MiniDDP,), {name: timed(name) for name in SECTIONS if hasattr(MiniDDP, name)})
+    originals = {key: getattr(*key) for key in SECTIONS}
+    for (cls, name), original in originals.items():
+        setattr(cls, name, timed((cls, name), original))
+    try:
+        yield
+    finally:
+        for (cls, name), original in originals.items():
+            setattr(cls, name, original)
 
 
 def sections(runner: Runner, view: bool, n_steps: int) -> str:
     totals, calls = defaultdict(float), defaultdict(int)
-    ddp = timed_minddp_class(totals, calls)(runner.fresh(), bucket_cap_mb=runner.cap_mb, gradient_as_bucket_view=view)
+    with timed_sections(totals, calls):
+        ddp = MiniDDP(runner.fresh(), bucket_cap_mb=runner.cap_mb, gradient_as_bucket_view=view)
     ddp.register_comm_hook(None, return_bucket)
     step = runner.stepper(ddp)
-    for _ in range(3):
-        step()
-    totals.clear(), calls.clear()
-    t0 = time.perf_counter()
-    for _ in range(n_steps):
-        step()
+    with timed_sections(totals, calls):
+        for _ in range(3):
+            step()
+        totals.clear(), calls.clear()
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            step()
     per_step = (time.perf_counter() - t0) / n_steps * 1e3
     lines = [f"  sections (MiniDDP, {n_steps} steps; whole step {per_step:.2f} ms):"]
-    for name, label in SECTIONS.items():
-        if not hasattr(MiniDDP, name):
-            continue
-        n = calls[name] / n_steps
-        us = totals[name] / n_steps * 1e6
+    for key, label in SECTIONS.items():
+        n = calls[key] / n_steps
+        us = totals[key] / n_steps * 1e6
         per_call = f"{us / n:7.1f} us x {n:5.1f}/step" if n else ""
         lines.append(f"    {label:<38} {us / 1e3:6.3f} ms/step  {per_call}")
     return "\n".join(lines)

@@ -7,10 +7,12 @@ the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
     loss.backward()
       autograd accumulates p.grad
         └─ on_grad_ready(p)               post-accumulate hook, one per parameter
-             _copy_into_bucket: p.grad / world_size into p's slot of its bucket
-             (scale in place if p.grad *is* that slot: gradient_as_bucket_view)
-             bucket complete? ─> _launch_ready_buckets(): async all_reduce,
-                                 strictly in bucket order
+             mark p ready in its bucket; bucket complete?
+               ─> _fill_bucket(): every p.grad / world_size into its slot,
+                  one call for the bucket (in place where p.grad *is* its
+                  slot: gradient_as_bucket_view)
+               ─> _launch_ready_buckets(): async all_reduce, strictly in
+                  bucket order
       end of the backward pass
         └─ _on_backward_pass_end()        callback queued on the autograd engine
              └─ _finish_backward()
@@ -159,32 +161,48 @@ class Reducer:
 
     def _mark_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[param]
-        self._copy_into_bucket(param, bucket.view(param))
         if bucket.mark_ready(param):
+            self._fill_bucket(bucket)
             self._launch_ready_buckets()
 
-    def _copy_into_bucket(self, param: nn.Parameter, slot: torch.Tensor) -> None:
-        # Average = sum of (g / N): dividing before the sum keeps low precision
-        # from overflowing. Fused with the copy it costs one pass over the
-        # gradient, and multiplying by 1/N (as torch's reducer does) is
-        # cheaper than dividing. A comm hook does its own averaging.
+    def _fill_bucket(self, bucket: Bucket) -> None:
+        """Every gradient of a complete bucket into its slot, scaled by 1/N.
+
+        Average = sum of (g / N): dividing before the sum keeps low precision
+        from overflowing, and multiplying by 1/N is what torch's reducer does
+        (so results are bit-equal to its). Done once per bucket, when its last
+        gradient is in, rather than in each hook: one ``_foreach`` call for
+        the bucket's dense gradients instead of a tensor operation per
+        parameter, each of which costs microseconds from Python. The bucket
+        could not leave earlier anyway. A comm hook does its own averaging.
+        """
         scale = 1.0 if self.comm_hook is not None else 1.0 / self.divisor
-        grad = param.grad
-        if grad is None:  # unused here (but maybe used on another rank): contributes zero
-            self._locally_used[self._index[param]] = False
-            slot.zero_()
-        elif grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
-            if scale != 1.0:
-                slot.mul_(scale)
-        elif grad.is_sparse:  # densified: every row travels, touched or not
-            self._sparse_dim[self._index[param]] = grad.sparse_dim()
-            slot.zero_().add_(grad, alpha=scale)
-        elif grad.dtype != slot.dtype:  # reduce_dtype: cast first, so the scaling rounds only once
-            slot.copy_(grad).mul_(scale)
-        else:
-            torch.mul(grad, scale, out=slot)
-            if self._grad_is_slot_view(param, slot):  # e.g. after zero_grad(set_to_none=True)
-                param.grad = slot
+        sources, slots, in_place, become_slots = [], [], [], []
+        for param, slot in zip(bucket.params, bucket.views):
+            grad = param.grad
+            if grad is None:  # unused here (but maybe used on another rank): contributes zero
+                self._locally_used[self._index[param]] = False
+                slot.zero_()
+            elif grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
+                in_place.append(slot)
+            elif grad.is_sparse:  # densified: every row travels, touched or not
+                self._sparse_dim[self._index[param]] = grad.sparse_dim()
+                slot.zero_().add_(grad, alpha=scale)
+            elif grad.dtype != slot.dtype:  # reduce_dtype: cast first, so the scaling rounds only once
+                slot.copy_(grad).mul_(scale)
+            else:
+                sources.append(grad)
+                slots.append(slot)
+                if self._grad_is_slot_view(param, slot):  # e.g. after zero_grad(set_to_none=True)
+                    become_slots.append((param, slot))
+        if sources:  # one fused pass: slot = grad * (1/N)
+            torch.ops.aten._foreach_mul.Scalar_out(sources, scale, out=slots)
+        if in_place and scale != 1.0:
+            # Scalar_out into the inputs rather than _foreach_mul_: on CPU the
+            # in-place variant rounds the scalar to fp16/bf16 first, mul_ does not.
+            torch.ops.aten._foreach_mul.Scalar_out(in_place, scale, out=in_place)
+        for param, slot in become_slots:  # only now: .grad held the gradient until the copy
+            param.grad = slot
 
     def _launch_ready_buckets(self) -> None:
         # Strict bucket order: a ready bucket waits for the ones before it, so
@@ -260,6 +278,7 @@ class Reducer:
 
     def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
+            grads, slots = [], []  # dense same-dtype copies: one call per bucket (see _fill_bucket)
             for p, slot in zip(bucket.params, bucket.views):
                 index = self._index[p]
                 if globally_used is not None and not globally_used[index]:
@@ -272,8 +291,13 @@ class Reducer:
                     p.grad = slot
                 elif p.grad is None:
                     p.grad = slot.to(p.dtype, copy=True)
+                elif p.grad.dtype == slot.dtype:
+                    grads.append(p.grad)
+                    slots.append(slot)
                 else:
                     p.grad.copy_(slot)
+            if grads:
+                torch._foreach_copy_(grads, slots)
 
     def _globally_used(self) -> list[bool] | None:
         if not self.options.find_unused_parameters:
