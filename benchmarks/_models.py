@@ -26,7 +26,8 @@ DEFAULT_MODELS = ["mlp", "cnn", "ae", GPT_NAME]
 
 # Per-rank batch size: the MLP is meant to be communication-bound (many
 # parameters, little compute per step), the CNN compute-heavier, the
-# autoencoder as in the seed tutorial; gpt: 4 sequences of 64 tokens, a step
+# autoencoder with the 128-image batches of a typical MNIST autoencoder
+# tutorial; gpt: 4 sequences of 64 tokens, a step
 # of about the CNN's length on one core.
 BATCH_SIZE = {"mlp": 32, "cnn": 32, "ae": 128, "resnet": 32, _overlap.SHUFFLED: 32, GPT_NAME: 4}
 N_BATCHES = 4  # fixed random batches per rank, cycled
