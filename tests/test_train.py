@@ -99,7 +99,7 @@ def test_raising_rank_reports_its_traceback_once():
 
 
 def _other_model_checkpoint(directory):
-    save_checkpoint({"model": {}, "model_name": "cnn", "step": 1}, str(directory))
+    save_checkpoint({"model": {}, "model_name": "ae", "step": 1}, str(directory))
 
 
 def _corrupt_checkpoint(directory):
@@ -114,7 +114,7 @@ def _corrupt_checkpoint(directory):
         (["--batch-size", "33"], None, "--batch-size 33 is the global batch, and 2 ranks do not divide it"),
         (["--resume", "--checkpoint-dir", "{tmp}/empty"], None, "--resume: no checkpoint to resume from"),
         (["--resume", "--checkpoint-dir", "{tmp}", "--nproc", "1"], _other_model_checkpoint,
-         "written for model_name 'cnn', not 'ae'"),
+         "written for model_name 'ae', not 'cnn'"),
         (["--resume", "--checkpoint-dir", "{tmp}", "--nproc", "1"], _corrupt_checkpoint,
          "not a readable checkpoint"),
     ],
