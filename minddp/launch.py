@@ -210,12 +210,31 @@ def init_distributed(
     backend = backend or default_backend()
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = env.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+        )
+        return info
+    # Under torchrun the agent hosts the store at MASTER_ADDR:MASTER_PORT and
+    # keeps it across restarts (--max-restarts): ranks of a restarted attempt
+    # would read the dead attempt's Gloo addresses from it and time out
+    # connecting to them. Each attempt's keys get their own prefix.
+    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        info.master_addr, info.master_port, info.world_size, is_master=not agent_hosts and info.rank == 0, timeout=timeout
+    )
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        store=dist.PrefixStore(f"minddp/attempt-{restart}", store),
         rank=info.rank,
         world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     return info
 

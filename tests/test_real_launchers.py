@@ -8,6 +8,7 @@ Every run is two CPU ranks on Gloo with tiny synthetic data, each
 subprocess under a timeout.
 """
 
+import json
 import os
 import re
 import shutil
@@ -111,7 +112,7 @@ def test_slurm_job_trains_then_a_second_submission_resumes(slurm, tmp_path):
     assert "2 ranks on 1 nodes (gloo)" in first  # no GPU in the allocation: Gloo, by itself
     assert checkpoint_step(tmp_path / "ckpt") == 8
 
-    # The same command with more epochs: the script sees last.pt and adds --resume.
+    # The same command with more epochs: --resume auto (in the script) finds last.pt.
     second = Submission(slurm, tmp_path, *SMALL, "--epochs", "2").wait()
     assert "resumed from" in second and "at step 8" in second, second
     assert logged_steps(second)[0] > 8, second  # counting continues from 8
@@ -146,6 +147,10 @@ def test_slurm_job_cancelled_mid_epoch_resumes_from_its_last_checkpoint(slurm, t
     assert f"at step {saved}" in resumed, resumed
     assert logged_steps(resumed) == list(range(saved + 1, saved + save_every + 1)), resumed  # none skipped or redone
     assert checkpoint_step(job.ckpt) == saved + save_every
+    # metrics.jsonl lost the rows of the steps after `saved` (they were redone) and repeats none.
+    with open(os.path.join(job.ckpt, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, saved + save_every + 1))
 
 
 # --------------------------------------------------------------------------- mpirun, torchrun

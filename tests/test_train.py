@@ -4,6 +4,8 @@ Every run is a subprocess with tiny synthetic data, a few steps and two CPU
 ranks; ``subprocess.run(timeout=...)`` turns a hang into a failure.
 """
 
+import functools
+import json
 import os
 import subprocess
 import sys
@@ -11,9 +13,18 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from minddp.train.checkpoint import load_checkpoint, save_checkpoint
+from minddp.data import SyntheticMNIST
+from minddp.ddp import MiniDDP
 from minddp.launch import find_free_port
+from minddp.models import build_model, model_loss
+from minddp.train.checkpoint import load_checkpoint, save_checkpoint
+from minddp.train.cli import build_parser
+from minddp.train.evaluate import evaluate, held_out_loader
+from minddp.train.metrics import read_metrics
+from minddp.train.step import accumulated_step
 
 TRAIN = [sys.executable, "-m", "minddp.train"]
 # 256 samples, global batch 32 -> 8 steps per epoch on any world size.
@@ -48,6 +59,10 @@ def params(directory):
     return load_checkpoint(str(directory))["model"]
 
 
+def metric_rows(directory, key):
+    return [row for row in read_metrics(os.path.join(directory, "metrics.jsonl")) if key in row]
+
+
 # --------------------------------------------------------------------------- resume
 
 
@@ -67,6 +82,16 @@ def test_exact_resume_gives_identical_parameters(tmp_path):
     # ...and the resume really trained: the parameters moved after step 5.
     at_five = load_checkpoint(str(tmp_path / "twice" / "step-5.pt"))["model"]
     assert any(not torch.equal(once[n], at_five[n]) for n in once)
+    # The metrics file went on where the first part stopped (whose last step, 5,
+    # has its own rows), with the same validation figures as one run.
+    train_rows = [metric_rows(tmp_path / d, "loss") for d in ("once", "twice")]
+    assert [r["step"] for r in train_rows[0]] == [4, 8, 12]
+    assert [r["step"] for r in train_rows[1]] == [4, 5, 8, 12]
+    once_val, twice_val = (metric_rows(tmp_path / d, "val_loss") for d in ("once", "twice"))
+    assert [r["step"] for r in once_val] == [8, 12]  # each epoch's end, and the last step
+    assert [r["step"] for r in twice_val] == [5, 8, 12] and twice_val[1:] == once_val
+    # The default model visibly learns, even in 12 small steps.
+    assert train_rows[0][-1]["loss"] < 0.7 * train_rows[0][0]["loss"], train_rows[0]
 
 
 # --------------------------------------------------------------------------- failures
@@ -99,7 +124,7 @@ def test_raising_rank_reports_its_traceback_once():
 
 
 def _other_model_checkpoint(directory):
-    save_checkpoint({"model": {}, "model_name": "cnn", "step": 1}, str(directory))
+    save_checkpoint({"model": {}, "model_name": "ae", "step": 1}, str(directory))
 
 
 def _corrupt_checkpoint(directory):
@@ -114,7 +139,7 @@ def _corrupt_checkpoint(directory):
         (["--batch-size", "33"], None, "--batch-size 33 is the global batch, and 2 ranks do not divide it"),
         (["--resume", "--checkpoint-dir", "{tmp}/empty"], None, "--resume: no checkpoint to resume from"),
         (["--resume", "--checkpoint-dir", "{tmp}", "--nproc", "1"], _other_model_checkpoint,
-         "written for model_name 'cnn', not 'ae'"),
+         "written for model_name 'ae', not 'cnn'"),
         (["--resume", "--checkpoint-dir", "{tmp}", "--nproc", "1"], _corrupt_checkpoint,
          "not a readable checkpoint"),
     ],
@@ -207,15 +232,103 @@ def test_under_faked_openmpi(tmp_path):
     )
 
 
-def test_under_torchrun(tmp_path):
+def test_torchrun_restarts_a_killed_rank_and_loses_nothing(tmp_path):
+    # Rank 1 is SIGKILLed once, before step 10; torchrun --max-restarts 1 starts
+    # both ranks again with the same command line, and --resume auto continues
+    # from the checkpoint of step 8. The end is the uninterrupted run's, bit for bit.
+    common = ["--epochs", "2", "--max-steps", "12", *SMALL, "--log-every", "3"]
+    ok(train(*common, "--checkpoint-dir", tmp_path / "once"))
+    marker = tmp_path / "killed-once"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "minddp.train", "--max-steps", "2", *SMALL, "--checkpoint-dir", str(tmp_path)],
-        env=_clean_env(),
+         "--max-restarts", "1", "--monitor-interval", "0.1",
+         "-m", "minddp.train", *common, "--checkpoint-dir", str(tmp_path / "elastic"), "--save-every", "4",
+         "--resume", "auto"],
+        env=_clean_env(MINDDP_TEST_FAIL="1:10:kill", MINDDP_TEST_FAIL_ONCE=marker),
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=120,
     )
     ok(result)
-    assert "2 ranks" in result.stdout
-    assert load_checkpoint(str(tmp_path))["step"] == 2
+    assert marker.exists(), "rank 1 was never killed"
+    assert "no checkpoint at" in result.stdout and "starting fresh" in result.stdout  # the first attempt
+    assert "resumed from" in result.stdout and "at step 8" in result.stdout, result.stdout  # the restart
+    once, elastic = params(tmp_path / "once"), params(tmp_path / "elastic")
+    for name in once:
+        assert torch.equal(once[name], elastic[name]), name
+    # Row 9 was written before the kill and again after the restart: kept once.
+    steps = [r["step"] for r in metric_rows(tmp_path / "elastic", "loss")]
+    assert steps == [3, 6, 9, 12], steps
+
+
+# --------------------------------------------------------------------------- pieces, in process
+
+
+def test_every_option_is_explained():
+    for action in build_parser()._actions:
+        assert action.help and len(action.help) > 15, action.option_strings
+
+
+def _tiny_classifier():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 16), nn.Tanh(), nn.Linear(16, 10))
+
+
+def _one_step(rank, world_size, k, clip):
+    """Per model: its parameters after one accumulated step, and how many all-reduces the step made."""
+    generator = torch.Generator().manual_seed(100 + rank)  # every rank its own samples
+    images, labels = torch.rand(4 * k, 1, 28, 28, generator=generator), torch.randint(0, 10, (4 * k,), generator=generator)
+    micro = [(images[4 * i : 4 * i + 4], labels[4 * i : 4 * i + 4]) for i in range(k)]
+    results = []
+    for batches in (micro, [(images, labels)]):  # K micro-batches of 4, then one batch of 4K
+        model = _tiny_classifier()
+        ddp_model = MiniDDP(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        calls, all_reduce = [], dist.all_reduce
+        dist.all_reduce = lambda *a, **kw: calls.append(1) or all_reduce(*a, **kw)
+        try:
+            accumulated_step(ddp_model, batches, functools.partial(model_loss, "cnn"), optimizer,
+                             torch.amp.GradScaler("cpu", enabled=False), clip_grad=clip)
+        finally:
+            dist.all_reduce = all_reduce
+        results.append(([p.detach().clone() for p in model.parameters()], len(calls)))
+    return results
+
+
+@pytest.mark.parametrize("clip", [None, 0.01], ids=["plain", "clipped"])
+def test_accumulated_micro_batches_equal_one_big_batch_with_fewer_all_reduces(ranks, clip):
+    k = 4
+    for (accumulated, accumulated_calls), (big, big_calls) in ranks(2).run(_one_step, k, clip):
+        for a, b in zip(accumulated, big):
+            torch.testing.assert_close(a, b)  # float32 sums in another order: default tolerances
+        assert 1 <= accumulated_calls == big_calls < k  # one round of all-reduces per step, not per micro-batch
+        if clip is not None:  # the update was clipped: SGD moved the parameters by lr * NORM in all
+            moved = torch.cat([(p - p0).flatten() for p, p0 in zip(big, _tiny_classifier().parameters())])
+            assert moved.norm().item() == pytest.approx(0.5 * clip, rel=1e-3)
+
+
+def _model_with_running_stats(rank=0):
+    torch.manual_seed(0)
+    model = build_model("cnn")
+    model(torch.rand(8, 1, 28, 28))  # a training-mode forward: BatchNorm's running statistics move
+    if rank == 1:  # as if rank 1 had seen other batches: only rank 0's statistics may count
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.add_(0.5)
+    return model
+
+
+def _evaluate_on_ranks(rank, world_size, size):
+    loader = held_out_loader(SyntheticMNIST(size=size, train=False), 4, rank, world_size)
+    return evaluate(_model_with_running_stats(rank), "cnn", loader, torch.device("cpu"))
+
+
+def test_evaluation_over_ranks_equals_one_process_on_the_whole_held_out_set(ranks):
+    size = 37  # two ranks do not divide it: one rank gets one sample more, none is counted twice
+    alone = evaluate(_model_with_running_stats(), "cnn", held_out_loader(SyntheticMNIST(size=size, train=False), 4, 0, 1),
+                     torch.device("cpu"))
+    assert alone.samples == size and 0 <= alone.accuracy <= 1
+    for shared in ranks(2).run(_evaluate_on_ranks, size):
+        assert shared.samples == size
+        assert shared.accuracy == alone.accuracy
+        assert shared.loss == pytest.approx(alone.loss, rel=1e-6)

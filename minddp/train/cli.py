@@ -39,41 +39,74 @@ PROG = "minddp-train"
 _LAUNCHER_VARS = ("RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only where there is a default worth reading (not for switches and unset options)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Train an MNIST model data-parallel with MiniDDP; crash-safe checkpoints, exact resume.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train an MNIST model on several processes at once (data parallel) with MiniDDP or torch's DDP. "
+        "The loss is printed as it trains, and after every epoch the validation loss (and accuracy) on held-out "
+        "images. Checkpoints survive a crash and resume exactly.",
+        formatter_class=_HelpFormatter,
     )
     a = p.add_argument
-    a("--model", choices=["ae", "cnn", "resnet", "mlp"], default="ae", help="ae: autoencoder; cnn, resnet: small classifiers; mlp: a wide MLP (see minddp.models)")
-    a("--data", choices=["synthetic", "mnist"], default="synthetic", help="synthetic runs offline")
-    a("--data-dir", default=None, help="folder that holds (or will hold, with --download) MNIST")
-    a("--download", action="store_true", help="download MNIST into --data-dir first (rank 0 only)")
-    a("--synthetic-size", type=int, default=2048, help="number of synthetic training images")
-    a("--ddp", choices=["mini", "torch"], default="mini", help="MiniDDP or torch's DistributedDataParallel")
-    a("--nproc", type=int, default=None, help="spawn this many local processes (default 2 without a launcher)")
-    a("--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: one GPU per rank")
-    a("--epochs", type=int, default=1)
-    a("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
-    a("--batch-size", type=int, default=64, help="GLOBAL batch size, split evenly over the ranks")
-    a("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
-    a(
-        "--lr-scaling",
-        choices=["none", "linear"],
-        default="none",
-        help="linear: multiply --lr by the world size (the linear scaling rule, taking --lr as tuned for one rank)",
-    )
-    a("--amp", action="store_true", help="mixed precision: bfloat16 on CPU, float16 + GradScaler on CUDA")
-    a("--sync-bn", action="store_true", help="BatchNorm statistics over the global batch (SyncBatchNorm)")
-    a("--checkpoint-dir", default=None, help="write DIR/last.pt (atomically) here")
-    a("--save-every", type=int, default=0, help="also save every this many steps (0: only at the end)")
-    a("--keep-checkpoints", action="store_true", help="keep DIR/step-N.pt beside last.pt")
-    a("--resume", action="store_true", help="continue from --checkpoint-dir/last.pt")
-    a("--seed", type=int, default=0)
-    a("--timeout-s", type=float, default=300.0, help="process-group timeout: how long a rank waits for a silent peer")
-    a("--log-every", type=int, default=10, help="progress line every this many steps (rank 0)")
-    a("--workers", type=int, default=0, help="DataLoader worker processes per rank")
+    a("--model", choices=["cnn", "resnet", "mlp", "ae"], default="cnn",
+      help="what to train: cnn, a small convolutional classifier (fast, learns in one epoch); resnet, a "
+           "residual classifier; mlp, a wide fully connected classifier (5 M parameters, so mostly "
+           "communication); ae, an autoencoder that learns to redraw its input (no labels, no accuracy)")
+    a("--data", choices=["synthetic", "mnist"], default="synthetic",
+      help="synthetic: MNIST-like digits made up from --seed, no files or network needed; "
+           "mnist: the real MNIST from --data-dir (its 10000 test images are the held-out set)")
+    a("--data-dir", default=None, metavar="DIR", help="the folder that holds MNIST (DIR/MNIST/raw), or will with --download")
+    a("--download", action="store_true", help="download MNIST into --data-dir first (rank 0 fetches, the others wait)")
+    a("--synthetic-size", type=int, default=2048, metavar="N",
+      help="how many synthetic training images; a quarter as many more are held out for validation")
+    a("--ddp", choices=["mini", "torch"], default="mini",
+      help="which data-parallel wrapper: mini (this package's MiniDDP) or torch (torch's DistributedDataParallel)")
+    a("--nproc", type=int, default=None, metavar="N",
+      help="start this many training processes on this machine (2 when no launcher such as torchrun, "
+           "srun or mpirun started this one; never give it under a launcher)")
+    a("--backend", choices=["gloo", "nccl"], default="gloo",
+      help="how the processes talk: gloo works on CPU; nccl needs one CUDA GPU per process and is faster there")
+    a("--epochs", type=int, default=1, metavar="N", help="how many times to go through the training set")
+    a("--max-steps", type=int, default=None, metavar="N",
+      help="stop after this many optimizer steps in total (counting those before a resume), even mid-epoch")
+    a("--batch-size", type=int, default=64, metavar="N",
+      help="samples per forward pass over ALL processes together (each process takes an equal share)")
+    a("--grad-accum", type=int, default=1, metavar="K",
+      help="gradient accumulation: add up the gradients of K batches before each optimizer step, so a step "
+           "sees K x --batch-size samples (the effective batch) with the memory of one batch; gradients are "
+           "exchanged between processes once per step, not once per batch")
+    a("--lr", type=float, default=0.01, help="learning rate of the SGD optimizer (momentum 0.9)")
+    a("--lr-scaling", choices=["none", "linear"], default="none",
+      help="linear: multiply --lr by the number of processes (the linear scaling rule, taking --lr as tuned for one)")
+    a("--clip-grad", type=float, default=None, metavar="NORM",
+      help="scale the gradients down whenever their total norm exceeds NORM (gradient clipping; off by default)")
+    a("--amp", action="store_true", help="mixed precision: bfloat16 on CPU, float16 with loss scaling on CUDA")
+    a("--sync-bn", action="store_true",
+      help="compute BatchNorm statistics over the whole global batch instead of each process's share (SyncBatchNorm)")
+    a("--checkpoint-dir", default=None, metavar="DIR",
+      help="save the run here: last.pt (written atomically, so a crash never leaves half a file) and metrics.jsonl")
+    a("--save-every", type=int, default=0, metavar="STEPS",
+      help="also save a checkpoint every this many steps (0: only at the end); a crash loses at most that many")
+    a("--keep-checkpoints", action="store_true", help="keep a copy of every checkpoint as step-N.pt beside last.pt")
+    a("--resume", nargs="?", const="always", choices=["always", "auto"], default=None, metavar="auto",
+      help="--resume: continue exactly where --checkpoint-dir/last.pt stopped (an error if there is none). "
+           "--resume auto: continue if last.pt exists, start fresh if not; give it to a job that may be "
+           "restarted (torchrun --max-restarts, a requeued SLURM job) so the same command line continues it")
+    a("--seed", type=int, default=0, metavar="N",
+      help="the seed of everything random (initial weights, data order, synthetic data): same seed, same run")
+    a("--timeout-s", type=float, default=300.0, metavar="SECONDS",
+      help="seconds a process waits for a silent peer before giving up (a crashed peer stops the job after this)")
+    a("--log-every", type=int, default=10, metavar="STEPS", help="print the loss every this many steps (and add it to metrics.jsonl)")
+    a("--workers", type=int, default=0, metavar="N", help="background processes per training process that load data (0: none)")
     return p
 
 
@@ -84,6 +117,8 @@ def _launched_externally() -> bool:
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Everything that can be checked before any process group exists; raises :class:`UsageError`."""
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--log-every": args.log_every}
+    positive.update({"--grad-accum": args.grad_accum})
+    positive.update({"--clip-grad": args.clip_grad} if args.clip_grad is not None else {})
     positive.update({"--max-steps": args.max_steps} if args.max_steps is not None else {})
     positive.update({"--nproc": args.nproc} if args.nproc is not None else {})
     positive.update({"--synthetic-size": args.synthetic_size, "--timeout-s": args.timeout_s})
@@ -107,8 +142,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             )
     if (args.resume or args.save_every or args.keep_checkpoints) and not args.checkpoint_dir:
         raise UsageError("--resume, --save-every and --keep-checkpoints need --checkpoint-dir DIR")
-    if args.resume and not os.path.exists(os.path.join(args.checkpoint_dir, LAST)):
-        raise UsageError(f"--resume: no checkpoint to resume from at {os.path.join(args.checkpoint_dir, LAST)}")
+    if args.resume == "always" and not os.path.exists(os.path.join(args.checkpoint_dir, LAST)):
+        raise UsageError(
+            f"--resume: no checkpoint to resume from at {os.path.join(args.checkpoint_dir, LAST)} "
+            "(--resume auto starts fresh when there is none)"
+        )
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             raise UsageError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo on CPU")

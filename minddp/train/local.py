@@ -84,7 +84,11 @@ def _start_method(args: argparse.Namespace) -> str:
 
 def run_local(args: argparse.Namespace, nproc: int) -> int:
     """Train with ``nproc`` local ranks; return the process exit code (0, 1 failure, 2 bad input)."""
+    # The cores shared out over the ranks, unless OMP_NUM_THREADS says how many each takes
+    # (as it does under torchrun: the same thread count gives the same float sums).
     threads = max(1, (os.cpu_count() or 1) // nproc)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        threads = int(os.environ["OMP_NUM_THREADS"])
     ranks = LocalRanks(nproc, _rank, (nproc, find_free_port(), threads, args), method=_start_method(args))
     saved: list[int] = []  # steps of the checkpoints written, as the notes arrive
     grace = min(args.timeout_s, GRACE_S)

@@ -1,40 +1,41 @@
-"""One rank's training for ``minddp-train``: data, model, optimizer, the step loop, checkpoints.
+"""One rank's training for ``minddp-train``: data, model, optimizer, the step loop, evaluation, checkpoints.
 
 Called with the process group already initialized. What a checkpoint holds
 for an exact resume, and how a resumed run finds its place, is in
-:mod:`minddp.train.resume`.
-
-Test hook: ``MINDDP_TEST_FAIL=RANK:STEP:HOW`` makes rank ``RANK`` fail just
-before step ``STEP`` (1-based), ``HOW`` being ``kill`` (SIGKILL itself),
-``raise`` (a RuntimeError) or ``exit`` (``os._exit(3)``). Only the tests use it.
+:mod:`minddp.train.resume`; one optimizer step (gradient accumulation,
+clipping) in :mod:`minddp.train.step`; the held-out evaluation in
+:mod:`minddp.train.evaluate`; the parts built from the command line (and the
+failure hook the tests use) in :mod:`minddp.train.setup`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import random
-import signal
 import sys
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from minddp.data import SyntheticMNIST, make_dataset, make_loader
-from minddp.ddp import MiniDDP
+from minddp.data import make_loader
 from minddp.models import build_model, model_loss
-from minddp.sync_batchnorm import SyncBatchNorm
 from minddp.train.checkpoint import LAST
 from minddp.train.errors import UsageError
+from minddp.train.evaluate import Evaluation, evaluate, held_out_loader
+from minddp.train.metrics import MetricsLog
 from minddp.train.resume import Parts, Position, epoch_batches, restore_from, save_for_resume
+from minddp.train.setup import convert_sync_bn, failure_hook, held_out_set, pick_device, training_set, wrap
+from minddp.train.step import accumulated_step
 
 __all__ = ["train"]
 
 log = logging.getLogger("minddp.train")
+
 
 def _setup_logging(rank: int) -> None:
     # Rank 0 talks; the others only report errors (through the parent or their launcher).
@@ -45,59 +46,35 @@ def _setup_logging(rank: int) -> None:
     log.setLevel(logging.INFO if rank == 0 else logging.ERROR)
 
 
-def _test_hook(rank: int) -> Callable[[int], None]:
-    spec = os.environ.get("MINDDP_TEST_FAIL")
-    if not spec:
-        return lambda step: None
-    fail_rank, fail_step, how = spec.split(":")
-    if int(fail_rank) != rank:
-        return lambda step: None
-
-    def hook(step: int) -> None:
-        if step != int(fail_step):
-            return
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if how == "exit":
-            os._exit(3)
-        raise RuntimeError(f"MINDDP_TEST_FAIL: rank {rank} fails before step {step} on purpose")
-
-    return hook
-
-
-def _dataset(args: argparse.Namespace):
-    if args.data == "synthetic":
-        return SyntheticMNIST(size=args.synthetic_size, seed=args.seed, train=True)
-    try:
-        # With --download, rank 0 fetches while the others wait at a barrier.
-        return make_dataset("mnist", root=args.data_dir, train=True, download=args.download)
-    except (RuntimeError, OSError) as exc:  # its message says what is missing and how to get it
-        raise UsageError(str(exc).strip().replace("\n", " ")) from None
-
-
-def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
-    if args.backend == "nccl":
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def _wrap(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    if args.ddp == "torch":
-        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    return MiniDDP(model)
-
-
-def _convert_sync_bn(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    # torch's SyncBatchNorm only synchronizes on GPUs (it raises on CPU tensors),
-    # so on CPU both --ddp choices use minddp's, which works on any device.
-    if args.ddp == "torch" and device.type == "cuda":
-        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return SyncBatchNorm.convert_sync_batchnorm(model)
-
-
 def _fmt_time(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _resume_wanted(args: argparse.Namespace, ckpt_path: str | None, device: torch.device) -> bool:
+    """``--resume``: yes. ``--resume auto``: when ``last.pt`` exists (rank 0 looks; every rank follows)."""
+    if args.resume != "auto":
+        return bool(args.resume)
+    # Rank 0 decides for all: on a shared file system ranks on other nodes
+    # may see a new file a moment later, and all must take the same road.
+    found = torch.tensor([float(os.path.exists(ckpt_path))], device=device)
+    dist.broadcast(found, src=0)
+    if not found.item():
+        log.info("no checkpoint at %s yet: starting fresh", ckpt_path)
+    return bool(found.item())
+
+
+def _header(args: argparse.Namespace, world_size: int, amp_dtype: torch.dtype, steps_per_epoch: int, lr: float) -> str:
+    batch = f"global batch {args.batch_size} ({args.batch_size // world_size} per rank)"
+    if args.grad_accum > 1:
+        batch += f" x {args.grad_accum} accumulated = effective global batch {args.batch_size * args.grad_accum}"
+    amp = f", amp {str(amp_dtype).removeprefix('torch.')}" if args.amp else ""
+    ranks = f"{world_size} rank{'' if world_size == 1 else 's'}"
+    clip = f", gradients clipped to norm {args.clip_grad:g}" if args.clip_grad else ""
+    return (
+        f"{args.model} on {args.data}, {ranks} ({args.ddp}, {args.backend}{amp}), {batch}, "
+        f"{steps_per_epoch} steps/epoch, lr {lr:g}{clip}"
+    )
 
 
 def train(
@@ -109,14 +86,14 @@ def train(
 ) -> dict[str, Any]:
     """Train on this rank; return a summary (the same on every rank except timings)."""
     _setup_logging(rank)
-    fail_hook = _test_hook(rank)
-    device = _device(args, local_rank)
+    fail_hook = failure_hook(rank)
+    device = pick_device(args, local_rank)
 
     # Same initial model on every rank (the wrapper broadcasts rank 0's anyway).
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     loader = make_loader(
-        _dataset(args),
+        training_set(args),
         args.batch_size,
         shuffle=True,
         seed=args.seed,
@@ -125,19 +102,24 @@ def train(
         rank=rank,
         world_size=world_size,
     )
-    steps_per_epoch = len(loader)
+    accum = args.grad_accum
+    steps_per_epoch = len(loader) // accum  # a last group of fewer than accum batches is left out
+    batches_per_epoch = steps_per_epoch * accum
     if steps_per_epoch == 0:
-        raise UsageError(f"{len(loader.dataset)} training samples do not fill one global batch of {args.batch_size}")
+        raise UsageError(
+            f"{len(loader.dataset)} training samples do not fill one step of {accum} x {args.batch_size} samples"
+        )
+    held_out = held_out_loader(held_out_set(args), args.batch_size, rank, world_size, args.workers)
     model = build_model(args.model)
     if args.sync_bn:
-        model = _convert_sync_bn(model, args, device)
+        model = convert_sync_bn(model, args, device)
     model.to(device)
     lr = args.lr * (world_size if args.lr_scaling == "linear" else 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    use_amp = args.amp
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    autocast_dtype = amp_dtype if args.amp else None
     # Loss scaling exists for float16's narrow range; bfloat16 has float32's range and needs none.
-    scaler = torch.amp.GradScaler(device.type, enabled=use_amp and amp_dtype == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp and amp_dtype == torch.float16)
 
     # Different ranks draw different random numbers (dropout masks), reproducibly.
     torch.manual_seed(args.seed + 7919 * (rank + 1))
@@ -145,55 +127,56 @@ def train(
 
     parts = Parts(model, optimizer, scaler, loader, device)
     ckpt_path = os.path.join(args.checkpoint_dir, LAST) if args.checkpoint_dir else None
-    pos = restore_from(ckpt_path, args, parts, lr, rank, world_size) if args.resume else Position()
+    resuming = _resume_wanted(args, ckpt_path, device)
+    pos = restore_from(ckpt_path, args, parts, lr, rank, world_size) if resuming else Position()
+    metrics = MetricsLog(args.checkpoint_dir, rank, pos.step if resuming else None)
 
-    ddp_model = _wrap(model, args, device)
+    ddp_model = wrap(model, args, device)
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
-    log.info(
-        "%s on %s, %d rank%s (%s, %s%s), global batch %d (%d per rank), %d steps/epoch, lr %g",
-        args.model,
-        args.data,
-        world_size,
-        "" if world_size == 1 else "s",
-        args.ddp,
-        args.backend,
-        f", amp {str(amp_dtype).removeprefix('torch.')}" if use_amp else "",
-        args.batch_size,
-        args.batch_size // world_size,
-        steps_per_epoch,
-        lr,
+    log.info("%s", _header(args, world_size, amp_dtype, steps_per_epoch, lr))
+    step = functools.partial(
+        accumulated_step,
+        ddp_model,
+        loss_fn=functools.partial(model_loss, args.model),
+        optimizer=optimizer,
+        scaler=scaler,
+        clip_grad=args.clip_grad,
+        autocast_dtype=autocast_dtype,
     )
 
     def save() -> None:
-        save_for_resume(args, parts, pos, steps_per_epoch, world_size, epoch_start_generator)
+        save_for_resume(args, parts, pos, batches_per_epoch, world_size, epoch_start_generator)
         if on_saved is not None:
             on_saved(pos.step)
 
+    def validate() -> Evaluation:
+        result = evaluate(model, args.model, held_out, device, autocast_dtype)
+        accuracy = f"  accuracy {100 * result.accuracy:.2f}%" if result.accuracy is not None else ""
+        log.info(
+            "epoch %d/%d  step %d  validation loss %.4f%s  (%d held-out samples)",
+            pos.epoch + 1, args.epochs, pos.step, result.loss, accuracy, result.samples,
+        )
+        metrics.write(step=pos.step, epoch=pos.epoch + 1, val_loss=result.loss, val_accuracy=result.accuracy)
+        return result
+
     window_loss = torch.zeros((), device=device)
     window_steps, window_start = 0, time.perf_counter()
-    start, start_step, last_loss = time.perf_counter(), pos.step, float("nan")
-    saved_at = pos.step if args.resume else -1
+    start, start_step, last_loss, last_eval = time.perf_counter(), pos.step, float("nan"), None
+    saved_at = pos.step if resuming else -1
     while pos.step < total_steps and pos.epoch < args.epochs:
         generator = loader.generator
         epoch_start_generator = generator.get_state() if generator is not None else None
-        for images, labels in epoch_batches(loader, pos.epoch, pos.batch_in_epoch):
-            if pos.step >= total_steps:
-                break
+        batches = iter(epoch_batches(loader, pos.epoch, pos.batch_in_epoch))
+        while pos.batch_in_epoch < batches_per_epoch and pos.step < total_steps:
             fail_hook(pos.step + 1)
-            images = images.to(device, non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
-                output = ddp_model(images)
-                loss = model_loss(args.model, output, images, labels)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            micro_batches = [
+                tuple(t.to(device, non_blocking=True) for t in next(batches)) for _ in range(accum)
+            ]
+            window_loss += step(micro_batches)
             pos.step += 1
-            pos.batch_in_epoch += 1
-            window_loss += loss.detach().float()
+            pos.batch_in_epoch += accum
             window_steps += 1
 
             if pos.step % args.log_every == 0 or pos.step == total_steps:
@@ -201,31 +184,28 @@ def train(
                 dist.all_reduce(window_loss)
                 last_loss = window_loss.item() / (window_steps * world_size)
                 now = time.perf_counter()
-                rate = window_steps * args.batch_size / max(now - window_start, 1e-9)
+                rate = window_steps * args.batch_size * accum / max(now - window_start, 1e-9)
                 eta = (total_steps - pos.step) * (now - start) / max(pos.step - start_step, 1)
                 log.info(
                     "epoch %d/%d  step %d/%d  loss %.4f  %.0f samples/s  ETA %s",
-                    pos.epoch + 1,
-                    args.epochs,
-                    pos.step,
-                    total_steps,
-                    last_loss,
-                    rate,
-                    _fmt_time(eta),
+                    pos.epoch + 1, args.epochs, pos.step, total_steps, last_loss, rate, _fmt_time(eta),
                 )
+                metrics.write(step=pos.step, epoch=pos.epoch + 1, loss=last_loss, samples_per_s=rate)
                 window_loss.zero_()
                 window_steps, window_start = 0, now
+            # Evaluated before a save at the same step, so a run resumed from
+            # that checkpoint does not lack (or repeat) this evaluation.
+            if pos.batch_in_epoch == batches_per_epoch or pos.step == total_steps:
+                last_eval = validate()
             if args.checkpoint_dir and args.save_every and pos.step % args.save_every == 0:
                 save()
                 saved_at = pos.step
-        else:
+        if pos.batch_in_epoch == batches_per_epoch:
             pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
-            continue
-        break  # max steps reached inside the epoch
     if args.checkpoint_dir and saved_at != pos.step:
         save()
     seconds = time.perf_counter() - start
-    samples = (pos.step - start_step) * args.batch_size
+    samples = (pos.step - start_step) * args.batch_size * accum
     log.info(
         "done: %d steps (%d this run) in %.1f s, %.0f samples/s, final loss %.4f%s",
         pos.step,
@@ -235,4 +215,7 @@ def train(
         last_loss,
         f", checkpoint {ckpt_path}" if ckpt_path else "",
     )
-    return {"step": pos.step, "epoch": pos.epoch, "loss": last_loss, "seconds": seconds, "samples": samples}
+    summary = {"step": pos.step, "epoch": pos.epoch, "loss": last_loss, "seconds": seconds, "samples": samples}
+    if last_eval is not None:
+        summary.update(val_loss=last_eval.loss, val_accuracy=last_eval.accuracy)
+    return summary

@@ -34,7 +34,9 @@ __all__ = ["Parts", "Position", "restore_from", "save_for_resume", "epoch_batche
 log = logging.getLogger("minddp.train")
 
 # Arguments that change what a resumed run computes; a difference is warned about.
-_RESUME_SENSITIVE = ("data", "synthetic_size", "batch_size", "lr", "lr_scaling", "seed", "amp", "sync_bn", "ddp")
+_RESUME_SENSITIVE = (
+    "data", "synthetic_size", "batch_size", "grad_accum", "clip_grad", "lr", "lr_scaling", "seed", "amp", "sync_bn", "ddp",
+)
 
 
 @dataclass
@@ -50,7 +52,11 @@ class Parts:
 
 @dataclass
 class Position:
-    """Where a run stands: optimizer steps in total, and batches consumed of the current epoch."""
+    """Where a run stands: optimizer steps in total, and loader batches consumed of the current epoch.
+
+    With ``--grad-accum K`` a step consumes ``K`` batches, and a checkpoint is
+    only ever written between steps, so ``batch_in_epoch`` is a multiple of ``K``.
+    """
 
     step: int = 0
     epoch: int = 0
@@ -118,14 +124,14 @@ def save_for_resume(
     args: argparse.Namespace,
     parts: Parts,
     position: Position,
-    steps_per_epoch: int,
+    batches_per_epoch: int,
     world_size: int,
     epoch_start_generator: torch.Tensor | None,
 ) -> None:
     """Write a checkpoint of this run (every rank calls it: the RNG states are gathered)."""
     # Normalize "end of epoch e" to "start of epoch e+1": the resumed run then
     # does not build an empty epoch.
-    if position.batch_in_epoch == steps_per_epoch:
+    if position.batch_in_epoch == batches_per_epoch:
         epoch, batch = position.epoch + 1, 0
     else:
         epoch, batch = position.epoch, position.batch_in_epoch
