@@ -35,7 +35,7 @@ FLAGS = {
     "11": [["--forward-outside"]],
     "13": [["--no-scaler"]],
     "16": [["--link", "laptop"]],
-    "18": [["--skip-hang"]],
+    "18": [["--timeout-s", "1"]],
 }
 
 
