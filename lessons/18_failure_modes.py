@@ -5,8 +5,8 @@ What you will learn
     raise an error where the mistake is: a rank waits in a collective that
     its partners will never join, and the job just stops. This lesson makes
     each failure happen, on a process group with a short timeout (here a few
-    seconds; torch's default is 10 minutes for Gloo -- 30 for NCCL -- which is
-    why a real hang looks like a frozen job, not an error), prints what you
+    seconds; torch's default is 30 minutes, and ``minddp.init_distributed``'s
+    10 -- which is why a real hang looks like a frozen job, not an error), prints what you
     would see, and then the fix.
 
     1. Uneven inputs. Rank 0 has 3 batches, rank 1 has 2. Rank 0's third
