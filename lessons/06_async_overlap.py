@@ -62,7 +62,7 @@ class AsyncDDP(nn.Module):
         self.world_size = dist.get_world_size()
         self.require_sync = True  # False while accumulating micro-batches
         self.link, self.wait_in_hook = link, wait_in_hook
-        self.pending = []  # (param, future) launched during this backward
+        self.pending = []  # (param, future, timeline entry) launched during this backward
         self.timeline = []  # (name, launched at, finished at) for the picture
         self.backward_and_sync_ms = []  # per step, from the end of forward to every sum in
         names = {p: n for n, p in module.named_parameters()}
@@ -88,8 +88,8 @@ class AsyncDDP(nn.Module):
         if not self.require_sync:
             return
         future = self._all_reduce(param.grad)
-        self.pending.append((param, future))
         entry = [name, time.perf_counter(), None]
+        self.pending.append((param, future, entry))
         self.timeline.append(entry)
         future.then(lambda _, entry=entry: note_finish(entry))  # for the picture
         if self.wait_in_hook:  # lesson 05's behaviour: backward stands still
@@ -99,8 +99,9 @@ class AsyncDDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         # Called after backward, before optimizer.step().
         self.backward_done = time.perf_counter()
-        for param, future in self.pending:
+        for param, future, entry in self.pending:
             future.wait()
+            note_finish(entry)
             param.grad /= self.world_size
         self.pending.clear()
         self.all_done = time.perf_counter()

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _common import add_link_option, is_exact, make_link, parse_args, print0, print_results, run, train_and_compare
+from _common import FEATURES, add_link_option, is_exact, make_link, make_model, parse_args, print0, print_results, run, train_and_compare
 
 
 class BucketDDP(nn.Module):
@@ -141,30 +141,54 @@ def label(cap: float) -> str:
     return "per param" if cap == 0 else "one bucket" if cap == math.inf else f"{cap / 1024:.0f} KB"
 
 
+def time_alternately(wrappers: list, per_rank: int, rounds: int = 6) -> list[dict]:
+    """Forward + backward + sync, one step of each wrapper in turn (so all meet
+    the same load on a shared machine); the fastest of ``rounds``, slowest rank."""
+    x = torch.randn(per_rank, FEATURES)
+    times = [dict(step=[], forward=[], backward=[]) for _ in wrappers]
+    for _ in range(rounds):
+        for ddp, t in zip(wrappers, times):
+            ddp.zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            ddp(x).sum().backward()
+            ddp.finish_gradient_synchronization()
+            t["step"].append(time.perf_counter() - start)
+            t["forward"].append(ddp.forward_done - start)
+            t["backward"].append(ddp.hook_times[-1] - ddp.forward_done)
+    worst = torch.tensor([[1e3 * min(t[k]) for k in ("step", "forward", "backward")] for t in times])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return [dict(zip(("step", "forward", "backward"), row)) for row in worst.tolist()]
+
+
 def main(rank: int, world_size: int, args) -> None:
-    bench = dict(width=256, depth=12, per_rank=256, steps=4)
     caps = sorted({0, 300 * 1024, 600 * 1024, 1100 * 1024, 1600 * 1024, math.inf} | ({args.cap * 1024} if args.cap else set()))
-    # Once without communication cost, to know how long forward and backward take here.
-    _, plain = train_and_compare("timing", lambda m: BucketDDP(m, math.inf), rank, world_size, reference=False, **bench)
-    backward_ms = 1e3 * (plain.hook_times[-1] - plain.forward_done)
+    results, wrappers = [], []
+    for cap in caps:  # the bench: every cap gives the full-batch gradients (checked at both ends)
+        result, ddp = train_and_compare(label(cap), lambda m: BucketDDP(m, cap, make_link(args.link)), rank, world_size,
+                                        width=256, depth=12, steps=2, reference=cap in (0, math.inf))
+        results.append(result)
+        wrappers.append(ddp)
+    # One more without any communication cost: how long forward and backward take here.
+    plain = BucketDDP(make_model(seed=0, width=256, depth=12), math.inf)
+    # 1024 samples per rank: a backward long enough to hide several buckets behind.
+    timing = time_alternately([plain] + wrappers, per_rank=1024)
+    compute, timing = timing[0], timing[1:]
     link = make_link(args.link)
     grad_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     if link is not None:
         print0(f"link {link.link.name}: alpha {link.link.alpha_s * 1e3:g} ms per message, {link.link.bandwidth_Bps / 1e6:g} MB/s; "
-               f"{world_size} ranks; {grad_bytes / 1e6:.2f} MB of gradients in {len(list(plain.parameters()))} tensors, "
-               f"made by a backward of about {backward_ms:.0f} ms")
+               f"{world_size} ranks; {grad_bytes / 1e6:.2f} MB of gradients in {len(list(plain.parameters()))} tensors,")
+        print0(f"made by a backward of about {compute['backward']:.0f} ms after a {compute['forward']:.0f} ms forward.")
         print0("  (predict the best cap now; the sweep follows)\n")
 
-    results, rows = [], []
-    for cap in caps:
-        result, ddp = train_and_compare(label(cap), lambda m: BucketDDP(m, cap, make_link(args.link)), rank, world_size,
-                                        reference=cap in (0, math.inf), **bench)
-        results.append(result)
-        model_ms = predicted_ms(ddp, ddp.link, backward_ms) if link is not None else float("nan")
-        rows.append((cap, len(ddp.buckets), model_ms, result.step_ms))
-    print0("  bucket cap  | all_reduce calls | model: backward + sync | measured step (with forward)")
+    rows = []
+    for cap, ddp, t in zip(caps, wrappers, timing):
+        model_ms = compute["forward"] + predicted_ms(ddp, ddp.link, compute["backward"]) if link is not None else float("nan")
+        rows.append((cap, len(ddp.buckets), model_ms, t["step"]))
+    print0("  bucket cap  | all_reduce calls | model's step | measured step (fastest of 6)")
     for cap, calls, model_ms, measured in rows:
-        print0(f"  {label(cap):<11} | {calls:>16} | {model_ms:>19.1f} ms | {measured:>8.1f} ms")
+        print0(f"  {label(cap):<11} | {calls:>16} | {model_ms:>9.1f} ms | {measured:>8.1f} ms")
 
     assert all(is_exact(r) for r in results if not math.isnan(r.grad_error)), "buckets change when, not what"
     calls = [c for _, c, _, _ in rows]
@@ -172,7 +196,7 @@ def main(rank: int, world_size: int, args) -> None:
     assert all(a >= b for a, b in zip(calls, calls[1:])), "bigger buckets, fewer calls"
     best = min(rows, key=lambda row: row[3])
     print0(f"\nfastest measured: {label(best[0])}; fastest in the model: {label(min(rows, key=lambda row: row[2])[0])}")
-    print0("checked: per-parameter and one-bucket sweeps give the full-batch gradients; calls fall")
+    print0("checked: per-parameter and one-bucket runs give the full-batch gradients; calls fall")
     print0("         as buckets grow" + ("." if link is None else ";"))
     if link is not None:
         ends = min(rows[0][3], rows[-1][3])
