@@ -32,6 +32,15 @@ What to look at
     The table rank 0 prints: every process read a different RANK, they all
     agree on the world size, and the node/local ranks recombine into the
     global rank.
+
+Try this
+    1. ``--world-size 6``: predict the node and local rank of global rank 4.
+       (2 pretend nodes x 3: node 1, local rank 1.)
+    2. Start only the first of the two ``--child`` commands above and
+       predict what it does. (It waits in init_process_group for the second;
+       after torch's default timeout, 30 minutes, it gives up.)
+    3. Start the two children with ``WORLD_SIZE=3`` and predict. (Both wait:
+       the group is complete only when rank 2 has arrived too.)
 """
 
 import argparse

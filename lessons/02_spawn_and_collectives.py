@@ -19,6 +19,16 @@ What to run
 What to look at
     Each collective's tensor on every rank, before and after. Rank r starts
     with values built from r, so you can redo the arithmetic in your head.
+
+Try this
+    1. Predict every "after" column for ``--world-size 4`` before running.
+    2. In ``collectives`` change ``src=0`` to ``src=1`` in the broadcast:
+       predict the output and which assert fails (the one that expects rank
+       0's values).
+    3. Make rank 1 skip the ``all_gather`` (``if rank != 1:``) and predict.
+       (Everyone else waits in it, then in the next collective the ranks
+       disagree on what is being sent: a hang, or a garbled result. Lesson
+       18 shows how such hangs look and end.)
 """
 
 import os
@@ -49,11 +59,11 @@ def collectives(rank: int, world_size: int) -> None:
     ranks_sum = n * (n - 1) // 2  # 0 + 1 + ... + (n-1)
 
     print0("\nbroadcast(t, src=0): rank 0's tensor overwrites everyone's")
-    t = torch.full((3,), float(rank))
+    t = torch.tensor([1.0, 2.0, 3.0]) + 10 * rank  # rank r holds 10r + [1, 2, 3]
     before = t.tolist()
     dist.broadcast(t, src=0)
     print_ranks(f"{before} -> {t.tolist()}")
-    assert torch.equal(t, torch.zeros(3))
+    assert t.tolist() == [1.0, 2.0, 3.0], "rank 0's values, not zeros"
 
     print0("\nall_reduce(t, SUM): every rank ends with the sum over ranks, in place")
     t = torch.tensor([1.0, float(rank)])

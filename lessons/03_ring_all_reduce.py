@@ -16,14 +16,30 @@ What you will learn
       That is why the ring (and its cousins) is what NCCL and Gloo use.
 
 What to run
-    python lessons/03_ring_all_reduce.py [--world-size 4]
+    python lessons/03_ring_all_reduce.py [--world-size 4] [--blocking-send]
 
 What to look at
-    The traffic table: measured numbers sent per rank for both patterns,
-    equal to the formulas, and the formulas for larger p. The timings are
-    measured on your machine over loopback, so take them as an illustration.
+    The ring step by step (3 ranks by default): which chunk each rank sends
+    and which it receives, and who owns which finished sum after the
+    reduce-scatter. Then the traffic table: numbers sent per rank, counted
+    at every send for both patterns and compared with the formulas, and the
+    formulas for larger p. The timings are measured on your machine over
+    loopback, so take them as an illustration.
+
+Try this
+    1. Predict which chunk rank 0 owns after the reduce-scatter for p = 3,
+       then for ``--world-size 4``. (Chunk (r + 1) mod p.)
+    2. ``--blocking-send``: the ring with a plain ``send`` before the
+       ``recv`` instead of ``isend``. Predict what happens. (Every rank waits
+       in ``send`` for its right neighbour to post a ``recv`` -- which it
+       never does, being stuck in its own ``send``: a deadlock. Gloo's send
+       waits for the matching receive even for small tensors. The lesson
+       runs it on a process group with a 3-second timeout, so the hang ends
+       as an error, which it reports as the expected outcome.)
+    3. The parameter server at ``--world-size 4``: predict rank 0's count.
 """
 
+import datetime
 import time
 
 import torch
@@ -32,8 +48,11 @@ import torch.distributed as dist
 from _common import parse_args, print0, print_ranks, run
 
 
-def ring_all_reduce(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sum ``x`` over all ranks with a ring; return (sum, numbers this rank sent)."""
+def ring_all_reduce(x: torch.Tensor, log: list | None = None) -> tuple[torch.Tensor, int]:
+    """Sum ``x`` over all ranks with a ring; return (sum, numbers this rank sent).
+
+    ``log``, if given, receives one (phase, step, sent chunk, received chunk) per step.
+    """
     p, r = dist.get_world_size(), dist.get_rank()
     right, left = (r + 1) % p, (r - 1) % p
     # tensor_split always gives p pieces (chunk may give fewer). They are
@@ -55,6 +74,8 @@ def ring_all_reduce(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         request.wait()
         chunks[recv_i] += incoming
         sent += chunks[send_i].numel()
+        if log is not None:
+            log.append(("reduce-scatter", step, send_i, recv_i))
     # Now rank r holds the complete sum of chunk (r + 1) % p.
 
     # All-gather: pass the complete chunks around; receiving overwrites.
@@ -64,12 +85,23 @@ def ring_all_reduce(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         dist.recv(chunks[recv_i], src=left)
         request.wait()
         sent += chunks[send_i].numel()
+        if log is not None:
+            log.append(("all-gather", step, send_i, recv_i))
     return out, sent
+
+
+def blocking_ring_step(x: torch.Tensor, group) -> None:
+    """The first ring step written with a plain, blocking send: every rank sends first."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    incoming = torch.empty_like(x)
+    dist.send(x, dst=(r + 1) % p, group=group)  # waits until the right neighbour receives...
+    dist.recv(incoming, src=(r - 1) % p, group=group)  # ...which it never reaches
 
 
 def parameter_server_all_reduce(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Everyone to rank 0, rank 0 sums and sends back; return (sum, numbers sent)."""
     p, r = dist.get_world_size(), dist.get_rank()
+    sent = 0
     if r == 0:
         total = x.clone()
         incoming = torch.empty_like(x)
@@ -78,11 +110,13 @@ def parameter_server_all_reduce(x: torch.Tensor) -> tuple[torch.Tensor, int]:
             total += incoming
         for dst in range(1, p):
             dist.send(total, dst=dst)
-        return total, (p - 1) * x.numel()
+            sent += total.numel()
+        return total, sent
     dist.send(x, dst=0)
+    sent += x.numel()
     total = torch.empty_like(x)
     dist.recv(total, src=0)
-    return total, x.numel()
+    return total, sent
 
 
 def timed(fn, x, repeats=3):
@@ -94,7 +128,41 @@ def timed(fn, x, repeats=3):
     return (time.perf_counter() - start) / repeats
 
 
-def main(rank: int, world_size: int) -> None:
+def show_blocking_send(rank: int, world_size: int) -> None:
+    # A group of its own with a short timeout: the default group keeps its
+    # long one, so the ranks can still meet and leave cleanly afterwards.
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    start = time.perf_counter()
+    try:
+        blocking_ring_step(torch.ones(10), group)
+        outcome = "finished (no deadlock?)"
+    except RuntimeError as error:
+        outcome = f"stuck in send for {time.perf_counter() - start:.1f} s, then: {str(error).split('] ')[-1][:60]}"
+    print0("--blocking-send: every rank calls send() before recv() in the first ring step")
+    print_ranks(outcome)
+    outcomes = [None] * world_size
+    dist.all_gather_object(outcomes, outcome.startswith("stuck"))
+    assert all(outcomes), "a blocking send in a ring deadlocks"
+    print0("checked: the ring with blocking sends deadlocked on every rank, as predicted; isend")
+    print0("         (send without waiting, then recv) is what lets ring_all_reduce work.")
+
+
+def show_ring_steps(log_per_rank: list, p: int) -> None:
+    print0(f"the ring for p = {p}, step by step: 'c1 -> +c0' = sent chunk 1 right, added the chunk 0 from the left")
+    print0("  phase          step | " + " | ".join(f"rank {r:<8}" for r in range(p)))
+    for i, (phase, step, _, _) in enumerate(log_per_rank[0]):
+        op = "+" if phase == "reduce-scatter" else "="
+        cells = [f"c{log[i][2]} -> {op}c{log[i][3]}" for log in log_per_rank]
+        print0(f"  {phase:<14} {step:>4} | " + " | ".join(f"{c:<13}" for c in cells))
+        if phase == "reduce-scatter" and step == p - 2:
+            print0("  " + "-" * 21 + "+ now rank r owns the full sum of chunk (r+1) mod p: " +
+                   ", ".join(f"rank {r}: c{(r + 1) % p}" for r in range(p)))
+    print0("  ('+' adds the incoming partial sum to your chunk; '=' overwrites it with a finished one)\n")
+
+
+def main(rank: int, world_size: int, blocking_send: bool) -> None:
+    if blocking_send:
+        return show_blocking_send(rank, world_size)
     p = world_size
     n = p * 200_000  # divisible by p, so the traffic formula is exact
     # Whole numbers stored as floats add up exactly in any order, so the
@@ -104,7 +172,13 @@ def main(rank: int, world_size: int) -> None:
 
     reference = x.clone()
     dist.all_reduce(reference)
-    ring, ring_sent = ring_all_reduce(x)
+    log = []
+    ring, ring_sent = ring_all_reduce(x, log)
+    logs = [None] * world_size
+    dist.all_gather_object(logs, log)
+    show_ring_steps(logs, p)
+    owners = [logs[r][p - 2][3] for r in range(p)]  # the chunk received in the last reduce-scatter step
+    assert owners == [(r + 1) % p for r in range(p)], owners
     ps, ps_sent = parameter_server_all_reduce(x)
     assert torch.equal(ring, reference), "ring all-reduce differs from dist.all_reduce"
     assert torch.equal(ps, reference), "parameter server differs from dist.all_reduce"
@@ -113,7 +187,7 @@ def main(rank: int, world_size: int) -> None:
 
     print0(f"summing N = {n:,} numbers over p = {p} ranks")
     print0("checked: ring == dist.all_reduce == parameter server, element for element\n")
-    print0("numbers sent by each rank (measured, and equal to the formulas):")
+    print0("numbers sent by each rank (counted at every send, and equal to the formulas):")
     print_ranks(f"ring {ring_sent:>10,} = 2(p-1)/p * N    parameter server {ps_sent:>10,}")
 
     print0("\nthe same formulas for larger jobs: numbers sent per rank, in units of N")
@@ -135,5 +209,6 @@ def main(rank: int, world_size: int) -> None:
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, world_size=3, min_world_size=2,
+                      extra=lambda p: p.add_argument("--blocking-send", action="store_true", help="the ring with plain sends: a deadlock"))
+    run(main, args.world_size, args.blocking_send)

@@ -11,107 +11,103 @@ What you will learn
     Two things make it work, and this lesson's ``HandDDP`` does both:
     1. all ranks start from the same weights (broadcast rank 0's at start),
     2. after ``backward()``, ``all_reduce`` every ``.grad`` and divide by p.
+    And one switch, ``require_sync``, kept through lesson 08: set it to False
+    while *accumulating* several micro-batches into one step, so that only
+    the last backward pays for communication (lesson 11's ``no_sync``).
+
+    Lessons 04 to 08 share one test bench (``_common.train_and_compare``):
+    every rank starts from its *own* random weights, trains a few SGD steps
+    on its slice, and is compared with one process training on the whole
+    batch. Only the wrapper changes from lesson to lesson.
 
 What to run
-    python lessons/04_average_gradients.py [--world-size 4]
+    python lessons/04_average_gradients.py [--world-size 4] [--no-broadcast]
 
 What to look at
-    Rank 1 starts with different weights until the broadcast. Before
-    averaging, each rank's gradient differs from the full-batch one; after,
-    they agree to float rounding, and after 5 SGD steps the model equals one
-    trained by a single process on the whole batch.
+    The table: "start spread" is how far each rank's weights were from rank
+    0's right after wrapping; the errors compare with one process on the
+    whole batch. Without averaging each rank follows its own slice; with
+    HandDDP every column is at float rounding.
+
+Try this
+    1. Predict, then run ``--no-broadcast`` (HandDDP skips step 1): which
+       columns go wrong, and do the ranks ever agree again? (Answer, checked
+       by the lesson: the spread stays, the weights never meet -- the same
+       averaged update applied to different starting points keeps them
+       apart forever.)
+    2. In ``finish_gradient_synchronization`` forget ``/= self.world_size``.
+       Predict the grad error. (The gradient is p times too large: a p-times
+       larger learning rate in disguise.)
+    3. ``--world-size 4``: the errors stay at rounding level; why does the
+       step time grow?
 """
 
-import copy
-
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _common import parse_args, print0, print_ranks, run
+from _common import is_exact, parse_args, print0, print_results, run, train_and_compare
 
 
 class HandDDP(nn.Module):
     """The smallest data-parallel wrapper: sync weights once, gradients by hand."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, broadcast: bool = True):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
+        self.require_sync = True  # False while accumulating micro-batches
         # Without this, each rank would train its own model from its own
         # random start; averaging gradients of different models means nothing.
-        for p in self.module.parameters():
-            dist.broadcast(p.data, src=0)
+        if broadcast:
+            for p in self.module.parameters():
+                dist.broadcast(p.data, src=0)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def sync_gradients(self) -> None:
-        # Call after backward, before optimizer.step().
+    def finish_gradient_synchronization(self) -> None:
+        # Called after backward, before optimizer.step().
+        if not self.require_sync:
+            return
         for p in self.module.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad /= self.world_size
 
 
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+class NoAveraging(HandDDP):
+    """Each rank alone on its slice: what data parallelism must fix."""
+
+    def finish_gradient_synchronization(self) -> None:
+        pass
 
 
-def max_diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+def main(rank: int, world_size: int, args) -> None:
+    broadcast = not args.no_broadcast
+    variants = [
+        ("no averaging (each rank alone)", lambda m: NoAveraging(m, broadcast)),
+        ("HandDDP" + ("" if broadcast else " without broadcast"), lambda m: HandDDP(m, broadcast)),
+    ]
+    results = [train_and_compare(name, wrap, rank, world_size)[0] for name, wrap in variants]
+    print0(f"{world_size} ranks, 8 samples each, 3 SGD steps; one process on all {8 * world_size} samples as reference:")
+    print_results(results)
+
+    alone, hand = results
+    assert alone.grad_error > 1e-3 and not alone.ranks_agree, "a slice's gradient is not the full batch's"
+    if broadcast:
+        assert is_exact(hand), hand
+        print0("checked: the broadcast aligned the models; each slice's gradient differs from the")
+        print0("         full batch's; averaged, they match it, and the trained models match.")
+    else:
+        assert hand.start_spread > 1e-3 and hand.weight_error > 1e-3 and not hand.ranks_agree, hand
+        print0("checked (--no-broadcast): the ranks started apart and stayed apart: averaged")
+        print0("         gradients applied to different weights never make them meet.")
 
 
-def main(rank: int, world_size: int) -> None:
-    torch.manual_seed(rank)  # a different random model on every rank, on purpose
-    model = make_model()
-    first_weight = model[0].weight[0, 0].item()
-    ddp = HandDDP(model)
-    print0("first weight before and after the broadcast in HandDDP.__init__:")
-    print_ranks(f"{first_weight:+.4f} -> {model[0].weight[0, 0].item():+.4f}")
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, model[0].weight[0, 0].item())
-    assert len(set(everyone)) == 1, "after the broadcast all ranks hold rank 0's weights"
-
-    # The reference: one process, the same start, the whole batch.
-    single = copy.deepcopy(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
-
-    per_rank = 8
-    global_batch = per_rank * world_size
-    data = torch.Generator().manual_seed(1234)  # same batches on every rank
-    loss_fn = nn.CrossEntropyLoss()  # a mean over the batch: what makes averaging exact
-    for step in range(5):
-        x = torch.randn(global_batch, 20, generator=data)
-        y = torch.randint(0, 4, (global_batch,), generator=data)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-
-        opt.zero_grad()
-        loss_fn(ddp(x[mine]), y[mine]).backward()
-        local = [p.grad.clone() for p in ddp.parameters()]
-        ddp.sync_gradients()
-
-        opt_single.zero_grad()
-        loss_fn(single(x), y).backward()
-        full = [p.grad for p in single.parameters()]
-
-        before, after = max_diff(local, full), max_diff([p.grad for p in ddp.parameters()], full)
-        assert before > 1e-4, "a slice's gradient is not the full batch's"
-        assert after < 1e-5, "averaged gradients equal the full batch's"
-        if step == 0:
-            print0(f"\nstep 0, max |grad - full-batch grad| over all weights ({per_rank} of {global_batch} samples each):")
-            print_ranks(f"own slice only {before:.2e}   after sync_gradients {after:.2e}")
-        opt.step()
-        opt_single.step()
-
-    drift = max_diff(ddp.parameters(), single.parameters())
-    assert drift < 1e-5
-    print0(f"\nafter 5 steps, max |weight - single-process weight| = {drift:.1e}")
-    print0("checked: the broadcast aligned the models; each slice's gradient differs from")
-    print0("         the full batch's; averaged, they match it; and the trained models match.")
+def options(parser) -> None:
+    parser.add_argument("--no-broadcast", action="store_true", help="skip the broadcast of rank 0's weights")
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, extra=options, min_world_size=2)
+    run(main, args.world_size, args)

@@ -1,12 +1,13 @@
 """Lesson 05: averaging inside backward, with hooks -- and two hooks that go wrong.
 
 What you will learn
-    Lesson 04 needed a ``sync_gradients()`` call after every backward. Here
-    the wrapper asks autograd to call it: ``param.register_post_accumulate_grad_hook(fn)``
-    runs ``fn(param)`` right after ``param.grad`` has been updated by this
-    backward pass. The difference from lesson 04 is a dozen lines: hooks in
-    ``__init__``, and a ``require_sync`` switch so that gradient
-    *accumulation* (several backward passes, one optimizer step) can average
+    Lesson 04 needed a ``finish_gradient_synchronization()`` call after every
+    backward. Here the wrapper asks autograd to do it:
+    ``param.register_post_accumulate_grad_hook(fn)`` runs ``fn(param)``
+    right after ``param.grad`` has been updated by this backward pass. The
+    difference from lesson 04 is a few lines: a hook per parameter in
+    ``__init__``, reading the same ``require_sync`` switch, so that gradient
+    *accumulation* (several backward passes, one optimizer step) averages
     only once, after the last micro-batch.
 
     Two mistakes people really make, run here and caught:
@@ -21,33 +22,44 @@ What you will learn
        the weights; the gradients are never averaged.
 
 What to run
-    python lessons/05_gradient_hooks.py [--world-size 4]
+    python lessons/05_gradient_hooks.py [--world-size 4] [--micro-batches 4]
 
 What to look at
-    The table: for each variant, the largest difference from the
-    single-process full-batch gradient, without and with accumulation.
-    Only the post-accumulate hook is right in both columns.
-"""
+    The table, once with one backward per step and once with two
+    micro-batches: only the post-accumulate hook is right in both. Then
+    mistake B made visible: rank r's weight is nudged by r, one backward
+    runs, and the weights come out averaged while the gradients do not.
 
-import copy
+Try this
+    1. Before running, predict which rows of the two tables are exact.
+       (Mistake A passes every test without accumulation.)
+    2. ``--micro-batches 4``: mistake A now averages 1 micro-batch of 4
+       instead of 1 of 2. Predict whether its ranks end up agreeing. (They do
+       not: the 3 earlier micro-batches stay each rank's own.)
+    3. In ``HookDDP._average_grad`` remove the ``require_sync`` test and
+       predict the grad error with accumulation. (Still exact: averaging is
+       linear, so averaging after every micro-batch gives the same sum --
+       just k times the messages. Lesson 11 counts them.)
+"""
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _common import parse_args, print0, run
+from _common import FEATURES, is_exact, make_model, parse_args, print0, print_ranks, print_results, run, train_and_compare
 
 
 class HookDDP(nn.Module):
     """Lesson 04's HandDDP, with the averaging moved into backward."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, broadcast: bool = True):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
         self.require_sync = True  # False while accumulating micro-batches
         for p in self.module.parameters():
-            dist.broadcast(p.data, src=0)
+            if broadcast:
+                dist.broadcast(p.data, src=0)
             if p.requires_grad:
                 self._add_hook(p)
 
@@ -90,75 +102,52 @@ class ParamAsGradDDP(HookDDP):
             grad.data /= self.world_size
 
 
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+def show_mistake_b(rank: int) -> None:
+    ddp = ParamAsGradDDP(make_model(seed=0))
+    weight = ddp.module[-1].weight
+    with torch.no_grad():
+        weight[0, 0] += rank  # rank r's replica drifts by r
+    before = weight[0, 0].item()
+    x = torch.randn(4, FEATURES, generator=torch.Generator().manual_seed(rank))  # each rank its own data
+    ddp(x).sum().backward()
+    after, grad = weight[0, 0].item(), weight.grad[0, 0].item()
+    print0("\nmistake B made visible: rank r adds r to one weight, then one backward:")
+    print_ranks(f"weight {before:+.4f} -> {after:+.4f}   its gradient {grad:+.4f} (never averaged)")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (before, after))
+    mean = sum(b for b, _ in everyone) / len(everyone)
+    assert all(abs(a - mean) < 1e-6 for _, a in everyone), "backward averaged the weights"
 
 
-def gradient_error(wrapper_cls, micro_batches: int, rank: int, world_size: int) -> float:
-    """Largest |grad - single-process full-batch grad| after one (accumulated) step."""
-    torch.manual_seed(0)
-    model = make_model()
-    single = copy.deepcopy(model)
-    ddp = wrapper_cls(model)
+def main(rank: int, world_size: int, args) -> None:
+    variants = [
+        ("post-accumulate hook (right)", HookDDP),
+        ("A: Tensor.register_hook", TensorHookDDP),
+        ("B: hook(grad) that gets the param", ParamAsGradDDP),
+    ]
+    tables = {}
+    for k in (1, args.micro_batches):
+        tables[k] = [train_and_compare(name, wrap, rank, world_size, micro_batches=k)[0] for name, wrap in variants]
+        print0(f"\n{k} micro-batch(es) per step, 8 samples each, on {world_size} ranks:")
+        print_results(tables[k])
+    show_mistake_b(rank)
 
-    per_rank = 8 * micro_batches
-    data = torch.Generator().manual_seed(1234)
-    x = torch.randn(per_rank * world_size, 20, generator=data)
-    y = torch.randint(0, 4, (per_rank * world_size,), generator=data)
-    loss_fn = nn.CrossEntropyLoss()
-
-    loss_fn(single(x), y).backward()
-
-    mine_x, mine_y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-    for i, (xb, yb) in enumerate(zip(mine_x.chunk(micro_batches), mine_y.chunk(micro_batches))):
-        ddp.require_sync = i == micro_batches - 1  # communicate once, on the last
-        # Divide by the number of micro-batches: the sum of k means of k
-        # equal parts is k times the mean of the whole.
-        (loss_fn(ddp(xb), yb) / micro_batches).backward()
-
-    error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), single.parameters()))
-    # Averaged gradients are the same on every rank; check that too.
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    spread = grads.clone()
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    ranks_agree = torch.equal(spread, grads)
-    # Use the same numbers on every rank (mistake B leaves ranks disagreeing).
-    t = torch.tensor([error, float(not ranks_agree)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t[0].item(), t[1].item() == 0.0
+    (right_1, a_1, b_1), (right_k, a_k, b_k) = tables[1], tables[args.micro_batches]
+    assert is_exact(right_1) and is_exact(right_k), "the post-accumulate hook is right with and without accumulation"
+    assert is_exact(a_1), "mistake A passes a test without accumulation..."
+    assert a_k.grad_error > 1e-3, "...and silently breaks accumulation"
+    assert b_1.grad_error > 1e-3 and b_k.grad_error > 1e-3, "mistake B never averages the gradients"
+    print0("checked: only the post-accumulate hook is exact in both tables; mistake A is right")
+    print0("         without accumulation and wrong with it; mistake B is wrong always: its")
+    print0("         hook averaged the weights (shown above) and left the gradients alone.")
 
 
-def main(rank: int, world_size: int) -> None:
-    ok = 1e-5
-    rows = []
-    for cls, name in [
-        (HookDDP, "post-accumulate hook (right)"),
-        (TensorHookDDP, "A: Tensor.register_hook"),
-        (ParamAsGradDDP, "B: hook(grad) that gets the param"),
-    ]:
-        (one, agree_one), (two, agree_two) = (gradient_error(cls, k, rank, world_size) for k in (1, 2))
-        rows.append((name, one, two))
-        if cls is ParamAsGradDDP:
-            assert not agree_one and not agree_two, "mistake B leaves each rank with its own gradients"
-        if cls is HookDDP:
-            assert agree_one and agree_two
-
-    print0("max |grad - full-batch grad| after one optimizer step's worth of backward:")
-    print0(f"  {'variant':<36} {'1 micro-batch':>14} {'2 micro-batches':>16}")
-    for name, one, two in rows:
-        print0(f"  {name:<36} {one:>14.1e} {two:>16.1e}")
-
-    (_, right_1, right_2), (_, a_1, a_2), (_, b_1, b_2) = rows
-    assert right_1 < ok and right_2 < ok, "the post-accumulate hook is right with and without accumulation"
-    assert a_1 < ok, "mistake A passes a test without accumulation..."
-    assert a_2 > 1e-3, "...and silently breaks accumulation"
-    assert b_1 > 1e-3 and b_2 > 1e-3, "mistake B never averages the gradients"
-    print0(f"checked: only the post-accumulate hook is within {ok:g} in both columns;")
-    print0("         mistake A is right without accumulation and wrong with it;")
-    print0("         mistake B is wrong always: each rank kept its own gradients (it averaged")
-    print0("         the weights instead).")
+def options(parser) -> None:
+    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step in the second table")
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, extra=options, min_world_size=2)
+    if args.micro_batches < 2:
+        raise SystemExit("--micro-batches must be 2 or more: the second table is about accumulation")
+    run(main, args.world_size, args)

@@ -3,139 +3,189 @@
 What you will learn
     In lesson 05 each hook *waited* for its all_reduce, so backward stood
     still while gradients travelled. But the last layer's gradient is final
-    long before the first layer's is computed. ``dist.all_reduce(t,
-    async_op=True)`` returns at once with a *work handle*; the sum happens
-    in Gloo's background thread while autograd carries on with the earlier
-    layers. Before the optimizer step we ``wait()`` for every handle.
+    long before the first layer's is computed. An asynchronous all_reduce
+    returns at once with a *future*; the sum travels while autograd carries
+    on with the earlier layers. Before the optimizer step we ``wait()`` for
+    every future and divide.
 
     The difference from lesson 05: the hook launches instead of waiting, and
-    a new ``finish_gradient_synchronization()`` waits and divides. (Torch's
-    DDP and MiniDDP call that for you at the end of backward; here it is
-    explicit so you can see it.)
+    ``finish_gradient_synchronization()`` comes back to wait and divide.
+    (Torch's DDP and MiniDDP call that for you at the end of backward, lesson
+    07b; here it is explicit so you can see it.)
+
+    A laptop's loopback "network" costs microseconds, so overlap would hide
+    almost nothing there. The all-reduces therefore go through a *simulated
+    link* (``minddp.simulated_link``): the real sum, delivered after the time
+    the alpha-beta model of ``minddp.network`` gives -- per message
+    ``2(p-1) alpha + 2(p-1)/p * bytes / bandwidth`` for a ring, one message
+    on the wire at a time. Preset ``laptop``: alpha 2 ms, 200 MB/s.
 
 What to run
-    python lessons/06_async_overlap.py [--world-size 4]
+    python lessons/06_async_overlap.py [--world-size 4] [--wait-in-hook] [--link eth25|none]
 
 What to look at
-    The timeline of one backward pass on rank 0: when each parameter's hook
-    fired (``^``), while its all-reduce was queued or in flight (``=``), and where
-    backward ended (``|``). Communication of the last layers runs while the
-    first layers are still computing. Gradients still equal the full batch's.
+    The step times of the same wrapper waiting in the hook (lesson 05's
+    behaviour, no overlap) and not waiting (overlap), and the saving. Then
+    the timeline of one backward on rank 0: when each parameter's hook
+    fired (``^``), while its all-reduce was queued or on the wire (``=``),
+    and where backward returned (``|``).
+
+Try this
+    1. Predict the saving before running: overlap hides the shorter of
+       backward and communication behind the longer, so expect up to about
+       min(backward time, time on the wire); the lesson prints both. (The
+       waiting variant also pays, at every hook, for the slowest rank to
+       arrive, so on a busy machine the saving can come out larger.)
+    2. ``--wait-in-hook`` draws the waiting variant's timeline instead.
+       Predict its shape. (Each bar ends before the next hook fires, and
+       backward returns only after the last all-reduce: a staircase.)
+    3. ``--link none``: plain Gloo over loopback. Predict the saving. (About
+       nothing, or even a loss: there is no communication time to hide, and
+       on a 2-core machine Gloo's thread competes with backward.)
 """
 
-import copy
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _common import parse_args, print0, run
+from _common import FEATURES, add_link_option, is_exact, make_link, parse_args, print0, print_results, run, train_and_compare
 
 
 class AsyncDDP(nn.Module):
     """Lesson 05's HookDDP, launching all_reduce without waiting for it."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, link=None, wait_in_hook: bool = False, broadcast: bool = True):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
-        self.pending = []  # (param, work handle) launched during this backward
+        self.require_sync = True  # False while accumulating micro-batches
+        self.link, self.wait_in_hook = link, wait_in_hook
+        self.pending = []  # (param, future, timeline entry) launched during this backward
         self.timeline = []  # (name, launched at, finished at) for the picture
+        self.backward_and_sync_ms = []  # per step, from the end of forward to every sum in
         names = {p: n for n, p in module.named_parameters()}
         for p in self.module.parameters():
-            dist.broadcast(p.data, src=0)
+            if broadcast:
+                dist.broadcast(p.data, src=0)
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda param, name=names[p]: self._launch(param, name))
+                p.register_post_accumulate_grad_hook(lambda param, name=names[p]: self._average_grad(param, name))
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        self.timeline.clear()
+        self.forward_done = None
+        output = self.module(*args, **kwargs)
+        self.forward_done = time.perf_counter()
+        return output
 
-    def _launch(self, param: torch.Tensor, name: str) -> None:
-        work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, async_op=True)
-        self.pending.append((param, work))
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        if self.link is not None:  # the same sum, at the simulated network's pace
+            return self.link.all_reduce(tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
+
+    def _average_grad(self, param: torch.Tensor, name: str) -> None:
+        if not self.require_sync:
+            return
+        future = self._all_reduce(param.grad)
         entry = [name, time.perf_counter(), None]
+        self.pending.append((param, future, entry))
         self.timeline.append(entry)
-
-        # Only to draw the timeline: note the moment the sum is complete.
-        def done(fut, entry=entry):
-            entry[2] = time.perf_counter()
-
-        work.get_future().then(done)
+        future.then(lambda _, entry=entry: note_finish(entry))  # for the picture
+        if self.wait_in_hook:  # lesson 05's behaviour: backward stands still
+            future.wait()
+            note_finish(entry)
 
     def finish_gradient_synchronization(self) -> None:
-        # Call after backward, before optimizer.step().
-        for param, work in self.pending:
-            work.wait()
+        # Called after backward, before optimizer.step().
+        self.backward_done = time.perf_counter()
+        for param, future, entry in self.pending:
+            future.wait()
+            note_finish(entry)
             param.grad /= self.world_size
         self.pending.clear()
+        self.all_done = time.perf_counter()
+        if self.timeline:
+            self.backward_and_sync_ms.append(1e3 * (self.all_done - self.forward_done))
 
 
-def make_model() -> nn.Sequential:
-    # Wide enough layers that computing a layer's gradient takes a moment.
-    layers = []
-    for _ in range(6):
-        layers += [nn.Linear(384, 384), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(384, 10))
+def note_finish(entry: list) -> None:
+    if entry[2] is None:  # the first to see the sum complete: a callback, or the waiter
+        entry[2] = time.perf_counter()
 
 
-def draw(timeline, t0: float, t_backward_end: float, t_all_done: float, width: int = 56) -> None:
-    scale = width / (t_all_done - t0)
+def draw(ddp: AsyncDDP, width: int = 56) -> None:
+    t0 = ddp.forward_done
+    scale = width / (ddp.all_done - t0)
     col = lambda t: min(width - 1, int((t - t0) * scale))  # noqa: E731
-    end_col = col(t_backward_end)
-    print0(f"  {'parameter':<10} 0 ms{' ' * (width - 14)}{(t_all_done - t0) * 1e3:6.1f} ms")
-    for name, launched, finished in timeline:
+    end_col = col(ddp.backward_done)
+    print0(f"  {'parameter':<10} 0 ms{' ' * (width - 14)}{(ddp.all_done - t0) * 1e3:6.1f} ms")
+    for name, launched, finished in ddp.timeline:
         row = [" "] * width
         for c in range(col(launched), col(finished) + 1):
             row[c] = "="
         row[col(launched)] = "^"
-        if row[end_col] == " ":
-            row[end_col] = "|"
+        row[end_col] = "|"
         print0(f"  {name:<10} {''.join(row)}")
-    print0(f"  ^ hook fired, all_reduce launched   = queued or in flight   | backward returned at {(t_backward_end - t0) * 1e3:.1f} ms")
+    print0(f"  ^ hook fired, all_reduce launched   = queued or on the wire   | backward returned at {(ddp.backward_done - t0) * 1e3:.1f} ms")
 
 
-def main(rank: int, world_size: int) -> None:
-    torch.manual_seed(0)
-    model = make_model()
-    single = copy.deepcopy(model)
-    ddp = AsyncDDP(model)
-    loss_fn = nn.CrossEntropyLoss()
-    per_rank = 128
-    data = torch.Generator().manual_seed(1234)
+def time_alternately(wrappers: list, per_rank: int, rounds: int = 6) -> list[float]:
+    """Backward + sync, the part overlap can shorten, one step of each wrapper in
+    turn (so both meet the same load on a shared machine); the fastest step of
+    each, since a busy machine can only add time, never take it away."""
+    x = torch.randn(per_rank, FEATURES)
+    for _ in range(rounds):
+        for ddp in wrappers:
+            ddp.zero_grad()
+            dist.barrier()
+            ddp(x).sum().backward()
+            ddp.finish_gradient_synchronization()
+    backward_ms = 1e3 * (wrappers[-1].timeline[-1][1] - wrappers[-1].forward_done)  # until the last hook
+    print0(f"  timing on {per_rank} samples per rank: backward alone about {backward_ms:.0f} ms on rank 0")
+    return [min(ddp.backward_and_sync_ms[-rounds:]) for ddp in wrappers]
 
-    for step in range(3):  # the first pass is slow (allocations); show the last
-        x = torch.randn(per_rank * world_size, 384, generator=data)
-        y = torch.randint(0, 10, (per_rank * world_size,), generator=data)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        ddp.zero_grad()
-        ddp.timeline.clear()
-        loss = loss_fn(ddp(x[mine]), y[mine])
-        dist.barrier()  # start backward together, for a fair picture
-        t0 = time.perf_counter()
-        loss.backward()
-        t_backward_end = time.perf_counter()
-        ddp.finish_gradient_synchronization()
-        t_all_done = time.perf_counter()
 
-    single.zero_grad()
-    loss_fn(single(x), y).backward()
-    error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), single.parameters()))
-    assert error < 1e-5, error
+def main(rank: int, world_size: int, args) -> None:
+    bench = dict(width=256, depth=4, per_rank=512, steps=3)
+    waiting, ddp_waiting = train_and_compare("waits in the hook (05)", lambda m: AsyncDDP(m, make_link(args.link), True), rank, world_size, **bench)
+    overlap, ddp_overlap = train_and_compare("async, waits at the end (06)", lambda m: AsyncDDP(m, make_link(args.link)), rank, world_size, **bench)
+    print0(f"{world_size} ranks, link {args.link}; the same wrapper, waiting in the hook or at the end:")
+    print_results([waiting, overlap])
+    wire_ms = 1e3 * ddp_overlap.link.wire_time() / bench["steps"] if args.link != "none" else float("nan")
+    # A larger batch for the timing, so that backward lasts about as long as
+    # the wire is busy: then overlap has the most to hide.
+    slow, fast = time_alternately([ddp_waiting, ddp_overlap], per_rank=2048)
+    saving = 1 - fast / slow
+    print0(f"  the link model says {wire_ms:.1f} ms on the wire per step")
+    print0(f"  backward + sync, fastest of 6 alternating steps on rank 0: {slow:.1f} ms waiting in the hook, {fast:.1f} ms with overlap:")
+    print0(f"  overlap saved {slow - fast:.1f} ms ({saving:.0%})")
 
+    shown = ddp_waiting if args.wait_in_hook else ddp_overlap
     if rank == 0:
-        print(f"rank 0, one backward pass, {len(ddp.timeline)} parameters, all_reduce launched from the hooks:")
-        draw(ddp.timeline, t0, t_backward_end, t_all_done)
-    first_name, first_launch, _ = ddp.timeline[0]
-    last_layer = str(len(model) - 1)
-    assert first_name.split(".")[0] == last_layer, "backward reaches the last layer first"
-    assert first_launch < t_backward_end, "communication started while backward was still running"
-    assert all(finished is not None for _, _, finished in ddp.timeline)
-    print0(f"\nchecked: the first hook was the last layer's ({first_name}), its all_reduce was launched")
-    print0("         before backward returned, and the averaged gradients equal the")
-    print0(f"         full-batch ones (max difference {error:.1e}).")
+        print(f"\nrank 0, the last backward {'waiting in the hook' if args.wait_in_hook else 'with overlap'}, {len(shown.timeline)} parameters:")
+        draw(shown)
+    assert is_exact(waiting) and is_exact(overlap), "when a sum arrives does not change what it is"
+    first_name = shown.timeline[0][0]
+    assert first_name.split(".")[0] == str(len(shown.module) - 1), "backward reaches the last layer first"
+    finished_in_backward = sum(finished < shown.backward_done for _, _, finished in shown.timeline)
+    if args.wait_in_hook:
+        assert finished_in_backward == len(shown.timeline), "each hook waited: everything finished inside backward"
+        assert all(f <= nxt for (_, _, f), (_, nxt, _) in zip(shown.timeline, shown.timeline[1:]))
+    else:
+        assert shown.timeline[0][1] < shown.backward_done and 0 < finished_in_backward
+    if args.link != "none" and rank == 0:
+        assert saving > 0.1, f"with a slow link, overlap must save time (saved {saving:.0%})"
+    print0(f"\nchecked: both variants give the full-batch gradients; the first hook was the last layer's")
+    print0(f"         ({first_name}); {finished_in_backward} of {len(shown.timeline)} all-reduces finished before backward returned"
+           + ("" if args.link == "none" else f"; overlap saved more than 10% of the step"))
+
+
+def options(parser) -> None:
+    add_link_option(parser)
+    parser.add_argument("--wait-in-hook", action="store_true", help="draw the no-overlap variant's timeline")
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, extra=options, min_world_size=2)
+    run(main, args.world_size, args)

@@ -3,15 +3,16 @@
 What you will learn
     Every collective call pays a fixed cost (a round trip, a wake-up of the
     communication thread, on GPUs a kernel launch) before its first byte
-    moves. A model with hundreds of small parameters pays it hundreds of
-    times per step; that was lesson 06's ``AsyncDDP``. The fix is to pack
-    gradients into a few flat *buckets* and all-reduce each bucket as one
-    tensor.
+    moves: the network model's *alpha*. A model with hundreds of small
+    parameters pays it hundreds of times per step; that was lesson 06's
+    ``AsyncDDP``. The fix is to pack gradients into a few flat *buckets* and
+    all-reduce each bucket as one tensor.
 
     But one huge bucket is wrong too: it can only be sent once its *last*
-    gradient exists, i.e. after backward has finished, so nothing overlaps.
-    The answer is in between: buckets of a few MB (torch's DDP: 25 MB),
-    filled in the order backward produces gradients (last layer first).
+    gradient exists, i.e. after backward has finished, so nothing overlaps
+    and the whole ``bytes / bandwidth`` is paid on top of backward. The
+    answer is in between: buckets of a few MB (torch's DDP: 25 MB), filled
+    in the order backward produces gradients (last layer first).
 
     The difference from lesson 06: parameters are grouped into buckets in
     ``__init__``; the hook counts a bucket's ready gradients and launches the
@@ -20,20 +21,29 @@ What you will learn
     first and rank 1 bucket 0, the sums would mix different tensors.
 
 What to run
-    python lessons/07_buckets.py [--world-size 4]
+    python lessons/07_buckets.py [--world-size 4] [--cap KB] [--link eth25|none]
 
 What to look at
-    The sweep over bucket sizes: all-reduce calls per step, when the first
-    bucket left (as a fraction of backward), and the measured step time.
-    On a laptop with Gloo over loopback the fixed cost per call is small, so
-    the differences are modest; on real networks and GPUs they are large.
-    Also, on one CPU machine Gloo's communication thread competes with
-    backward for the same cores, so overlap buys little there and the fewest
-    calls often win; with GPUs (compute on the GPU, transfers on the
-    network) overlap is what hides the communication time.
+    The sweep over bucket caps through the simulated ``laptop`` link: calls
+    per step, the model's step time and the measured one. Too small a cap
+    pays alpha per call; one bucket pays all of ``bytes / bandwidth`` after
+    backward; the best cap is in the middle (a U).
+
+Try this
+    1. Before running, predict the best cap from alpha = 2 ms and 200 MB/s
+       (printed first, with backward's length and the gradient bytes).
+       A bucket of b bytes is on the wire for 2(p-1) alpha + 2(p-1)/p b/B;
+       backward makes gradients at G bytes per T ms. The wire keeps up when
+       a bucket's wire time is at most the time backward takes to fill the
+       next one; the smallest such bucket leaves least work after backward.
+    2. ``--cap 200``: add your own cap (in KB) to the sweep; the lesson
+       prints the model's prediction for it next to the measurement.
+    3. ``--link none``: plain Gloo on loopback, where alpha is microseconds.
+       Predict where the best cap moves. (To the largest buckets, or
+       anywhere: nothing is worth overlapping, and the differences drown in
+       noise.)
 """
 
-import copy
 import math
 import time
 
@@ -41,19 +51,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _common import parse_args, print0, run
+from _common import FEATURES, add_link_option, is_exact, make_link, make_model, parse_args, print0, print_results, run, train_and_compare
 
 
 class BucketDDP(nn.Module):
     """Lesson 06's AsyncDDP, all-reducing flat buckets instead of single tensors."""
 
-    def __init__(self, module: nn.Module, bucket_cap_bytes: float):
+    def __init__(self, module: nn.Module, bucket_cap_bytes: float, link=None, broadcast: bool = True):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
+        self.require_sync = True  # False while accumulating micro-batches
+        self.link = link
         params = [p for p in module.parameters() if p.requires_grad]
         for p in params:
-            dist.broadcast(p.data, src=0)
+            if broadcast:
+                dist.broadcast(p.data, src=0)
 
         # Reversed: backward produces the last layer's gradients first, so
         # the first bucket fills (and can leave) first.
@@ -70,33 +83,38 @@ class BucketDDP(nn.Module):
 
         self.ready = [0] * len(self.buckets)  # gradients arrived, per bucket
         self.next_bucket = 0  # the next bucket to launch, in order
-        self.pending = []  # (bucket index, flat tensor, work handle)
-        self.calls = 0
-        self.hook_times, self.launch_times = [], []
+        self.pending = []  # (bucket index, flat tensor, future)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(self._average_grad)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        self.hook_times = []
+        output = self.module(*args, **kwargs)
+        self.forward_done = time.perf_counter()
+        return output
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        if self.link is not None:  # the same sum, at the simulated network's pace
+            return self.link.all_reduce(tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
+
+    def _average_grad(self, param: torch.Tensor) -> None:
+        if not self.require_sync:
+            return
         self.hook_times.append(time.perf_counter())
         self.ready[self.bucket_of[param]] += 1
         while self.next_bucket < len(self.buckets) and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket]):
-            self._launch(self.next_bucket)
+            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[self.next_bucket]])
+            self.pending.append((self.next_bucket, flat, self._all_reduce(flat)))
             self.next_bucket += 1
 
-    def _launch(self, i: int) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
-        self.pending.append((i, flat, work))
-        self.calls += 1
-        self.launch_times.append(time.perf_counter())
-
     def finish_gradient_synchronization(self) -> None:
+        # Called after backward, before optimizer.step().
+        if not self.require_sync:
+            return
         assert self.next_bucket == len(self.buckets), "a parameter got no gradient this step"
-        for i, flat, work in self.pending:
-            work.wait()
+        for i, flat, future in self.pending:
+            future.wait()
             flat /= self.world_size
             offset = 0
             for p in self.buckets[i]:  # unpack the bucket back into each .grad
@@ -107,77 +125,91 @@ class BucketDDP(nn.Module):
         self.next_bucket = 0
 
 
-def make_model() -> nn.Sequential:
-    # Many small layers: 48 parameter tensors (16 KB weights, 256 B biases),
-    # the worst case for one call per parameter.
-    layers = []
-    for _ in range(24):
-        layers += [nn.Linear(64, 64), nn.Tanh()]
-    return nn.Sequential(*layers)
+def predicted_ms(ddp: BucketDDP, link, backward_ms: float) -> float:
+    """The alpha-beta model's step: gradients made at a steady rate during
+    backward, each bucket on the wire once it is full and the wire is free."""
+    sizes = [sum(p.numel() * p.element_size() for p in b) for b in ddp.buckets]
+    made, wire_free = 0, 0.0
+    for nbytes in sizes:
+        made += nbytes
+        ready = backward_ms * made / sum(sizes)
+        wire_free = max(ready, wire_free) + 1e3 * link.predicted_time(nbytes)
+    return wire_free
 
 
-def run_cap(cap: float, rank: int, world_size: int, steps: int = 12):
-    torch.manual_seed(0)
-    model = make_model()
-    single = copy.deepcopy(model)
-    ddp = BucketDDP(model, cap)
-    loss_fn = nn.MSELoss()
-    data = torch.Generator().manual_seed(1234)
-    per_rank = 32
-    times = []
-    for step in range(steps):
-        x = torch.randn(per_rank * world_size, 64, generator=data)
-        mine = x[rank * per_rank : (rank + 1) * per_rank]
-        ddp.zero_grad()
-        ddp.calls, ddp.hook_times, ddp.launch_times = 0, [], []
-        dist.barrier()
-        start = time.perf_counter()
-        loss = loss_fn(ddp(mine), mine.flip(1))
-        t_backward = time.perf_counter()
-        loss.backward()
-        t_backward_end = time.perf_counter()
-        ddp.finish_gradient_synchronization()
-        times.append(time.perf_counter() - start)
-
-    single.zero_grad()
-    loss_fn(single(x), x.flip(1)).backward()
-    error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), single.parameters()))
-    assert error < 1e-5, f"bucket cap {cap}: gradients differ from the full batch by {error}"
-
-    first_launch = (ddp.launch_times[0] - t_backward) / (t_backward_end - t_backward)
-    launched_after_last_grad = ddp.launch_times[0] >= ddp.hook_times[-1]
-    # The slowest rank sets the pace; skip the first two steps (warm-up).
-    step_time = torch.tensor(sorted(times[2:])[len(times[2:]) // 2])
-    dist.all_reduce(step_time, op=dist.ReduceOp.MAX)
-    return dict(buckets=len(ddp.buckets), calls=ddp.calls, first_launch=first_launch,
-                after_last=launched_after_last_grad, ms=step_time.item() * 1e3)
+def label(cap: float) -> str:
+    return "per param" if cap == 0 else "one bucket" if cap == math.inf else f"{cap / 1024:.0f} KB"
 
 
-def main(rank: int, world_size: int) -> None:
-    n_params = len(list(make_model().parameters()))
-    caps = [0, 20 * 1024, 80 * 1024, 320 * 1024, math.inf]
-    results = [run_cap(cap, rank, world_size) for cap in caps]
+def time_alternately(wrappers: list, per_rank: int, rounds: int = 6) -> list[dict]:
+    """Forward + backward + sync, one step of each wrapper in turn (so all meet
+    the same load on a shared machine); the fastest of ``rounds``, slowest rank."""
+    x = torch.randn(per_rank, FEATURES)
+    times = [dict(step=[], forward=[], backward=[]) for _ in wrappers]
+    for _ in range(rounds):
+        for ddp, t in zip(wrappers, times):
+            ddp.zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            ddp(x).sum().backward()
+            ddp.finish_gradient_synchronization()
+            t["step"].append(time.perf_counter() - start)
+            t["forward"].append(ddp.forward_done - start)
+            t["backward"].append(ddp.hook_times[-1] - ddp.forward_done)
+    worst = torch.tensor([[1e3 * min(t[k]) for k in ("step", "forward", "backward")] for t in times])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return [dict(zip(("step", "forward", "backward"), row)) for row in worst.tolist()]
 
-    print0(f"{n_params} parameter tensors, {world_size} ranks; per step:")
-    print0("  bucket cap  | all_reduce calls | first bucket left after | median step time")
-    for cap, r in zip(caps, results):
-        label = "per param" if cap == 0 else "one bucket" if cap == math.inf else f"{cap // 1024} KB"
-        print0(f"  {label:<11} | {r['calls']:>16} | {r['first_launch']:>10.0%} of backward | {r['ms']:>8.2f} ms")
 
-    calls = [r["calls"] for r in results]
-    assert calls[0] == n_params and calls[-1] == 1
+def main(rank: int, world_size: int, args) -> None:
+    caps = sorted({0, 300 * 1024, 600 * 1024, 1100 * 1024, 1600 * 1024, math.inf} | ({args.cap * 1024} if args.cap else set()))
+    results, wrappers = [], []
+    for cap in caps:  # the bench: every cap gives the full-batch gradients (checked at both ends)
+        result, ddp = train_and_compare(label(cap), lambda m: BucketDDP(m, cap, make_link(args.link)), rank, world_size,
+                                        width=256, depth=12, steps=2, reference=cap in (0, math.inf))
+        results.append(result)
+        wrappers.append(ddp)
+    # One more without any communication cost: how long forward and backward take here.
+    plain = BucketDDP(make_model(seed=0, width=256, depth=12), math.inf)
+    # 1024 samples per rank: a backward long enough to hide several buckets behind.
+    timing = time_alternately([plain] + wrappers, per_rank=1024)
+    compute, timing = timing[0], timing[1:]
+    link = make_link(args.link)
+    grad_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    if link is not None:
+        print0(f"link {link.link.name}: alpha {link.link.alpha_s * 1e3:g} ms per message, {link.link.bandwidth_Bps / 1e6:g} MB/s; "
+               f"{world_size} ranks; {grad_bytes / 1e6:.2f} MB of gradients in {len(list(plain.parameters()))} tensors,")
+        print0(f"made by a backward of about {compute['backward']:.0f} ms after a {compute['forward']:.0f} ms forward.")
+        print0("  (predict the best cap now; the sweep follows)\n")
+
+    rows = []
+    for cap, ddp, t in zip(caps, wrappers, timing):
+        model_ms = compute["forward"] + predicted_ms(ddp, ddp.link, compute["backward"]) if link is not None else float("nan")
+        rows.append((cap, len(ddp.buckets), model_ms, t["step"]))
+    print0("  bucket cap  | all_reduce calls | model's step | measured step (fastest of 6)")
+    for cap, calls, model_ms, measured in rows:
+        print0(f"  {label(cap):<11} | {calls:>16} | {model_ms:>9.1f} ms | {measured:>8.1f} ms")
+
+    assert all(is_exact(r) for r in results if not math.isnan(r.grad_error)), "buckets change when, not what"
+    calls = [c for _, c, _, _ in rows]
+    assert calls[0] == len(list(plain.parameters())) and calls[-1] == 1
     assert all(a >= b for a, b in zip(calls, calls[1:])), "bigger buckets, fewer calls"
-    assert all(r["calls"] == r["buckets"] for r in results)
-    assert results[-1]["after_last"], "one bucket leaves only after the last gradient"
-    assert not results[1]["after_last"], "smaller buckets leave while backward still runs"
-    best = min(zip(caps, results), key=lambda cr: cr[1]["ms"])[0]
-    print0(f"\nchecked: every cap gives the full-batch gradients; calls fall from {n_params} to 1")
-    print0("         as buckets grow; the single bucket left only after the last gradient")
-    print0("         was computed, while 20 KB buckets left during backward.")
-    label = "per param" if best == 0 else "one bucket" if best == math.inf else f"{best // 1024} KB"
-    print0(f"fastest here: {label} (a measurement; it varies from run to run and machine to machine)")
+    best = min(rows, key=lambda row: row[3])
+    print0(f"\nfastest measured: {label(best[0])}; fastest in the model: {label(min(rows, key=lambda row: row[2])[0])}")
+    print0("checked: per-parameter and one-bucket runs give the full-batch gradients; calls fall")
+    print0("         as buckets grow" + ("." if link is None else ";"))
+    if link is not None:
+        ends = min(rows[0][3], rows[-1][3])
+        assert best[0] not in (0, math.inf) and best[3] < ends, "the U: the best cap lies in between"
+        print0(f"         with the simulated link the best cap lies in between: {best[3]:.1f} ms against")
+        print0(f"         {rows[0][3]:.1f} ms per parameter and {rows[-1][3]:.1f} ms for one bucket.")
+
+
+def options(parser) -> None:
+    add_link_option(parser)
+    parser.add_argument("--cap", type=float, default=None, help="add a bucket cap of your own, in KB")
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, extra=options, min_world_size=2)
+    run(main, args.world_size, args)

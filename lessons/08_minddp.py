@@ -1,36 +1,46 @@
-"""Lesson 08: ``minddp.MiniDDP`` -- lessons 04 to 07 in one class, checked against torch.
+"""Lesson 08: ``minddp.MiniDDP`` -- lesson 07b's wrapper, packaged, and equal to torch's DDP.
 
 What you will learn
-    ``MiniDDP`` is the wrapper you grew in lessons 04-07, finished:
+    ``MiniDDP`` is the wrapper you grew in lessons 04-07b, finished:
 
-    * at construction it broadcasts rank 0's parameters *and buffers*
-      (lesson 04 forgot buffers: BatchNorm's running statistics);
-    * post-accumulate hooks (lesson 05) copy each gradient into a flat bucket
-      (lesson 07), already divided by the world size;
-    * full buckets are all-reduced asynchronously, strictly in order, while
-      backward goes on (lesson 06);
-    * the end-of-backward wait is queued on autograd's engine, so there is
-      no ``finish_gradient_synchronization()`` to forget: when
+    * at construction it broadcasts rank 0's parameters *and buffers* (07b);
+    * post-accumulate hooks (05) copy each gradient, already divided by the
+      world size, into its slot of a persistent flat bucket (07b);
+    * full buckets are all-reduced asynchronously, strictly in order (07),
+      while backward goes on (06);
+    * an end-of-backward callback waits for them (07b): when
       ``loss.backward()`` returns, every ``.grad`` is the average;
-    * after the first step, buckets are rebuilt in the order gradients
-      actually arrived (registration order is only a guess);
-    * with ``broadcast_buffers=True`` (the default) every forward first copies
-      rank 0's buffers to all ranks, so the running statistics agree.
+    * after the first step buckets are rebuilt in the order gradients really
+      arrived (07b);
+    * ``require_sync`` became torch's ``with ddp.no_sync():``; with
+      ``broadcast_buffers=True`` (the default) every synchronized forward
+      first copies rank 0's buffers to all ranks.
 
     Its constructor takes torch's arguments, so it is a drop-in for
-    ``torch.nn.parallel.DistributedDataParallel`` -- and this lesson trains
-    both side by side and compares them number for number.
+    ``torch.nn.parallel.DistributedDataParallel`` -- and this lesson runs
+    both on the same test bench as lessons 04-07b.
 
 What to run
-    python lessons/08_minddp.py [--world-size 4]
+    python lessons/08_minddp.py [--world-size 4] [--bucket-cap-mb 25]
 
 What to look at
-    The buckets MiniDDP built (small ``bucket_cap_mb`` to get several), the
-    timeline of the last step, and the final differences to torch's DDP.
-    Read ``minddp/ddp.py`` next: its docstring traces a gradient's path.
-"""
+    The test bench's table for MiniDDP and torch's DDP (both exact, with
+    accumulation through ``no_sync``); the buckets MiniDDP built, in launch
+    order, and when the first one left; and the BatchNorm buffers made
+    equal at construction. Then read ``minddp/ddp.py``: its docstring traces
+    a gradient's path through exactly these steps.
 
-import copy
+Try this
+    1. Predict the order of the names in bucket 0. (``4.bias`` before
+       ``4.weight``: backward reaches the last layer first, and inside a
+       layer the bias's gradient comes straight out of ``Linear``'s backward
+       while the weight's goes through one more node (a transpose). That is
+       registration order, "weight, bias", reversed -- so for a plain stack
+       of layers the first guess was already right and the rebuild keeps it.)
+    2. ``--bucket-cap-mb 25`` (torch's default): predict how many buckets and
+       whether the first one still leaves before the last gradient. (One
+       bucket, which can only leave at the very end.)
+"""
 
 import torch
 import torch.distributed as dist
@@ -38,76 +48,54 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from _common import parse_args, print0, print_ranks, run
+from _common import is_exact, parse_args, print0, print_ranks, print_results, run, train_and_compare
 
 
-def make_model() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(20, 128), nn.BatchNorm1d(128), nn.ReLU(),  # a buffer-carrying layer
-        nn.Linear(128, 128), nn.ReLU(),
-        nn.Linear(128, 4),
-    )
+def show_buffers(rank: int) -> None:
+    model = nn.Sequential(nn.Linear(20, 8), nn.BatchNorm1d(8))
+    model[1].running_mean.fill_(float(rank))  # different on purpose: construction must fix it
+    before = model[1].running_mean[0].item()
+    MiniDDP(model)
+    print0("\nBatchNorm's running mean, before -> after MiniDDP(model):")
+    print_ranks(f"{before:+.1f} -> {model[1].running_mean[0].item():+.1f}")
+    assert model[1].running_mean[0].item() == 0.0, "rank 0's buffers everywhere"
 
 
-def main(rank: int, world_size: int) -> None:
-    torch.manual_seed(rank)  # different on purpose: construction must fix it
-    model = make_model()
-    model[1].running_mean.fill_(float(rank))  # and the buffers too
-    torch_model = copy.deepcopy(model)
-    before = (model[0].weight[0, 0].item(), model[1].running_mean[0].item())
+def main(rank: int, world_size: int, args) -> None:
+    cap = args.bucket_cap_mb  # 0.02 MiB ~ 20 KB: several buckets even for a small model
+    variants = [("MiniDDP", lambda m: MiniDDP(m, bucket_cap_mb=cap)), ("torch DDP", lambda m: TorchDDP(m, bucket_cap_mb=cap))]
+    results, wrappers = [], []
+    for k in (1, 2):
+        for name, wrap in variants:
+            result, ddp = train_and_compare(f"{name}, {k} micro-batch(es)", wrap, rank, world_size, micro_batches=k)
+            results.append(result)
+            wrappers.append(ddp)
+    print0(f"{world_size} ranks on the test bench of lessons 04-07b:")
+    print_results(results)
 
-    # 0.02 MiB ~ 20 KB: the 64 KB weight gets a bucket of its own. torch's
-    # default is 25 MiB, which would put this whole model in one bucket.
-    ddp = MiniDDP(model, bucket_cap_mb=0.02)
-    reference = TorchDDP(torch_model, bucket_cap_mb=0.02)
-
-    w = [None] * world_size
-    dist.all_gather_object(w, (model[0].weight[0, 0].item(), model[1].running_mean[0].item()))
-    assert len(set(w)) == 1, "MiniDDP broadcast rank 0's parameters and buffers"
-    print0("first weight and first running mean, before -> after MiniDDP(model):")
-    print_ranks(f"weight {before[0]:+.4f} -> {w[rank][0]:+.4f}   running mean {before[1]:+.1f} -> {w[rank][1]:+.1f}")
-
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    data = torch.Generator().manual_seed(100 + rank)  # each rank its own samples
-    for step in range(8):
-        x, y = torch.randn(16, 20, generator=data), torch.randint(0, 4, (16,), generator=data)
-        for m, o in ((ddp, opt), (reference, opt_ref)):
-            o.zero_grad()
-            loss = loss_fn(m(x), y)
-            loss.backward()  # MiniDDP: .grad is averaged when this returns
-            o.step()
-        if step == 0:
-            grads = [p.grad.clone() for p in model.parameters()]
-            ref_grads = [p.grad for p in torch_model.parameters()]
-            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ref_grads))
-
-    print0(f"\nMiniDDP's buckets after the first step, in launch order ({len(ddp.bucket_names)} buckets):")
-    for i, names in enumerate(ddp.bucket_names):
+    ours = wrappers[0]
+    print0(f"\nMiniDDP's buckets after the first step, in launch order ({len(ours.bucket_names)} buckets):")
+    for i, names in enumerate(ours.bucket_names):
         print0(f"  bucket {i}: {', '.join(names)}")
-    tl = ddp.timeline
-    first = (tl.launches[0] - tl.first_hook) * 1e3
-    last_hook = (tl.last_hook - tl.first_hook) * 1e3
-    print0(f"last step: first bucket launched {first:.2f} ms after the first hook; last hook at {last_hook:.2f} ms")
-    assert len(ddp.bucket_names) > 1 and len(tl.launches) == len(ddp.bucket_names)
-    assert tl.launches[0] < tl.last_hook, "the first bucket left while backward was still running"
+    tl = ours.timeline
+    print0(f"last step: first bucket launched {(tl.launches[0] - tl.first_hook) * 1e3:.2f} ms after the first hook; "
+           f"last hook at {(tl.last_hook - tl.first_hook) * 1e3:.2f} ms")
+    show_buffers(rank)
 
-    param_diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), torch_model.parameters()))
-    buffer_diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(model.buffers(), torch_model.buffers()))
-    ranks_agree = [None] * world_size
-    dist.all_gather_object(ranks_agree, [p.sum().item() for p in model.parameters()])
-    assert param_diff < 1e-5 and buffer_diff < 1e-5, (param_diff, buffer_diff)
-    assert all(r == ranks_agree[0] for r in ranks_agree), "every rank holds the same weights"
-    print0("\nafter 8 steps of SGD with momentum, MiniDDP vs torch's DDP:")
-    print_ranks(f"max |param diff| {param_diff:.1e}   max |buffer diff| {buffer_diff:.1e}")
-    print0("checked: construction broadcast rank 0's weights and buffers; the first bucket")
-    print0("         left before the last gradient was ready; the gradients, weights and")
-    print0("         BatchNorm buffers match torch's DDP, and all ranks hold the same weights.")
-    print0("(the buffers are rank 0's at the start of every forward; that forward then updates")
-    print0(" them with the local batch, so between steps they differ across ranks: lesson 10)")
+    assert all(is_exact(r) for r in results), results
+    assert ours.bucket_names[0][:2] == ["4.bias", "4.weight"]
+    several = len(ours.bucket_names) > 1
+    assert several == (tl.launches[0] < tl.last_hook), "a first bucket leaves early exactly when there are several"
+    print0("\nchecked: MiniDDP and torch's DDP are both exact on the bench, with and without")
+    print0("         accumulation; the learned order starts with the last layer's bias;")
+    print0("         " + ("the first bucket left before the last gradient hook;" if several else
+                         "one bucket, launched only with the last gradient;") + " construction fixed the buffers.")
+
+
+def options(parser) -> None:
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.02, help="bucket cap in MiB (default %(default)s)")
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, extra=options, min_world_size=2)
+    run(main, args.world_size, args)

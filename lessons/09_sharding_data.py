@@ -20,12 +20,23 @@ What you will learn
       the learning rate by the same factor (with a warm-up for large ones).
 
 What to run
-    python lessons/09_sharding_data.py [--world-size 3]
+    python lessons/09_sharding_data.py [--world-size 3] [--forget-set-epoch]
 
 What to look at
     Each rank's indices of an 11-sample dataset under the three modes; two
     epochs with and without ``set_epoch``; and the small experiment behind
     the linear scaling rule.
+
+Try this
+    1. Predict each rank's indices for 11 samples on 3 ranks with padding:
+       how many are repeated? (ceil(11/3) * 3 - 11 = 1.)
+    2. ``--forget-set-epoch``: a small training loop over 3 epochs that
+       never calls ``set_epoch``. Predict what each epoch reads. (The same
+       order every epoch, on every rank: the shuffle is seeded with
+       ``seed + epoch`` and the epoch never changed.)
+    3. Change the learning rate in the scaling experiment to 0.05 and
+       predict whether the scaled big step still matches. (Less well: the
+       rule assumes the gradient barely changes over the k small steps.)
 """
 
 import torch
@@ -43,7 +54,7 @@ def gather(x):
     return out
 
 
-def main(rank: int, world_size: int) -> None:
+def main(rank: int, world_size: int, forget_set_epoch: bool = False) -> None:
     p, n = world_size, 11
     dataset = list(range(n))  # a sampler needs only len(dataset)
 
@@ -89,6 +100,16 @@ def main(rank: int, world_size: int) -> None:
     assert images.shape[0] == global_batch // p
     print0(f"make_loader(global_batch_size={global_batch}) on {p} ranks: each rank's batch has {images.shape[0]} images\n")
 
+    if forget_set_epoch:
+        epochs_read = []
+        for epoch in range(3):  # the training loop, without sampler.set_epoch(epoch)
+            epochs_read.append([i for batch in torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler) for i in batch.tolist()])
+        print0("--forget-set-epoch: three epochs of a loop that never calls set_epoch, rank 0 read:")
+        for epoch, order in enumerate(epochs_read):
+            print0(f"  epoch {epoch}: {order}")
+        assert epochs_read[0] == epochs_read[1] == epochs_read[2], "every epoch repeats the first one's order"
+        print0("checked: without set_epoch every epoch read the same order.")
+        return
     if rank == 0:
         linear_scaling_experiment(p)
 
@@ -127,5 +148,6 @@ def linear_scaling_experiment(k: int) -> None:
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, extra=lambda p: p.add_argument(
+        "--forget-set-epoch", action="store_true", help="train three epochs without set_epoch"))
+    run(main, args.world_size, args.forget_set_epoch)

@@ -12,18 +12,34 @@ What you will learn
       rank 0's *running* statistics to everyone before each forward. That
       keeps evaluation consistent across ranks, but training still uses
       local batch statistics, and the running statistics are rank 0's alone.
-    * ``SyncBatchNorm`` all-reduces the per-channel sums and squared sums in
-      forward (and the matching terms in backward), so every rank normalizes
-      with the *global* batch's statistics: exactly the single-process result,
-      at the price of two extra small collectives per BatchNorm layer.
+    * ``minddp.SyncBatchNorm`` all-gathers each rank's per-channel count,
+      mean and sum of squared deviations (n, mean, M2) in forward and
+      combines them into the *global* batch's mean and variance (Chan et
+      al.'s parallel formula: no cancellation, unlike sums and sums of
+      squares, see ``minddp/sync_batchnorm.py``); backward all-reduces the
+      two sums the input gradient needs. Every rank then normalizes with
+      the global statistics: exactly the single-process result, at the
+      price of two extra small collectives per BatchNorm layer.
       ``SyncBatchNorm.convert_sync_batchnorm(model)`` swaps every BatchNorm.
 
 What to run
-    python lessons/10_batchnorm.py [--world-size 4]
+    python lessons/10_batchnorm.py [--world-size 4] [--plain-batchnorm-only]
 
 What to look at
     For plain BatchNorm and for SyncBatchNorm: how far outputs, gradients
     and running means are from one process on the whole batch.
+
+Try this
+    1. Predict the row "running mean" for plain BatchNorm before running:
+       rank 0's slice is not shifted, rank 1's by 2, so how far can rank 0's
+       running mean be from the global one? (About the momentum 0.1 times
+       half the shift: ~0.1.)
+    2. Set the shift (``2.0 *``) to 0 and predict which differences remain
+       for plain BatchNorm. (Still not zero: each slice's own mean and
+       variance differ from the whole batch's by chance.)
+    3. ``--plain-batchnorm-only`` skips SyncBatchNorm: the run you would get
+       with torch's own ``nn.SyncBatchNorm`` on a CPU, which only
+       synchronizes on GPUs.
 """
 
 import copy
@@ -65,7 +81,7 @@ def compare(model: nn.Module, single: nn.Module, rank: int, world_size: int) -> 
     return dict(zip(["output", "gradient", "running mean"], diffs.tolist()))
 
 
-def main(rank: int, world_size: int) -> None:
+def main(rank: int, world_size: int, plain_only: bool = False) -> None:
     torch.manual_seed(0)
     plain = make_model()
     single = copy.deepcopy(plain)
@@ -73,6 +89,13 @@ def main(rank: int, world_size: int) -> None:
     assert isinstance(synced[1], SyncBatchNorm)
 
     bn = compare(plain, copy.deepcopy(single), rank, world_size)
+    if plain_only:
+        print0(f"{world_size} ranks, plain BatchNorm1d; largest difference from one process on all samples:")
+        for key, value in bn.items():
+            print0(f"  {key:<14} {value:.2e}")
+        assert all(v > 1e-2 for v in bn.values()), "plain BatchNorm uses local statistics"
+        print0("checked: outputs, gradients and running mean all differ from the full batch's.")
+        return
     sync = compare(synced, copy.deepcopy(single), rank, world_size)
 
     print0(f"{world_size} ranks, 16 samples each, rank r's samples shifted by 2r.")
@@ -87,5 +110,6 @@ def main(rank: int, world_size: int) -> None:
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, min_world_size=2, extra=lambda p: p.add_argument(
+        "--plain-batchnorm-only", action="store_true", help="skip SyncBatchNorm"))
+    run(main, args.world_size, args.plain_batchnorm_only)

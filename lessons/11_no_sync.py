@@ -7,7 +7,10 @@ What you will learn
     would be correct (averaging is linear) but wasteful: k all-reduces where
     one suffices. ``with ddp.no_sync():`` switches communication off;
     the first backward outside it averages everything accumulated so far.
-    This is lesson 05's ``require_sync`` switch, with a context manager.
+    This is the ``require_sync`` switch of lessons 04-07b, as a context
+    manager. (nanoGPT instead sets torch's attribute
+    ``model.require_backward_grad_sync = (last micro-batch)`` directly:
+    the same switch, read at the same moment.)
 
     One trap, as in torch's DDP: the switch is read at *forward*. The
     forward must run inside the ``with`` block; a forward outside it and a
@@ -18,11 +21,21 @@ What you will learn
     lesson 13 uses the same door to compress gradients.
 
 What to run
-    python lessons/11_no_sync.py [--world-size 4]
+    python lessons/11_no_sync.py [--world-size 4] [--forward-outside]
 
 What to look at
     All-reduces per optimizer step with and without ``no_sync``, and that
     both give the gradients of one process on the whole global batch.
+
+Try this
+    1. Predict the number of all-reduces per optimizer step for k = 4
+       micro-batches, with and without ``no_sync``. (k times the buckets,
+       and the buckets once.)
+    2. ``--forward-outside``: the forward runs before the ``with`` block,
+       only the backward inside it. Predict the count and the gradients.
+       (As many all-reduces as without no_sync -- the forward already
+       decided to synchronize -- and still correct gradients: averaging is
+       linear, so the only cost is the wasted communication.)
 """
 
 import copy
@@ -81,22 +94,27 @@ def accumulate(use_no_sync: bool, k: int, rank: int, world_size: int, forward_ou
     return state["calls"], len(ddp.bucket_names), error
 
 
-def main(rank: int, world_size: int) -> None:
+def main(rank: int, world_size: int, forward_outside: bool = False) -> None:
     k = 4
     calls_every, buckets, err_every = accumulate(False, k, rank, world_size)
     calls_once, _, err_once = accumulate(True, k, rank, world_size)
-    calls_wrong, _, err_wrong = accumulate(True, k, rank, world_size, forward_outside=True)
+    if forward_outside:
+        calls_wrong, _, err_wrong = accumulate(True, k, rank, world_size, forward_outside=True)
+    else:
+        calls_wrong, err_wrong = k * buckets, 0.0  # the trap is shown with --forward-outside
 
     print0(f"{k} micro-batches per step, {buckets} buckets; all-reduces per optimizer step:")
     print0(f"  sync after every micro-batch        {calls_every:>3}   max |grad - full batch| {err_every:.1e}")
     print0(f"  no_sync() for the first {k - 1}           {calls_once:>3}   max |grad - full batch| {err_once:.1e}")
-    print0(f"  forward outside no_sync (the trap)  {calls_wrong:>3}   max |grad - full batch| {err_wrong:.1e}")
+    if forward_outside:
+        print0(f"  forward outside no_sync (the trap)  {calls_wrong:>3}   max |grad - full batch| {err_wrong:.1e}")
     assert calls_every == k * buckets and calls_once == buckets and calls_wrong == k * buckets
     assert err_every < 1e-5 and err_once < 1e-5 and err_wrong < 1e-5
-    print0(f"checked: all three give the full-batch gradients; no_sync cut communication {k}-fold;")
-    print0("         with the forward outside the block, no_sync did nothing.")
+    print0(f"checked: all give the full-batch gradients; no_sync cut communication {k}-fold"
+           + (";\n         with the forward outside the block, no_sync did nothing." if forward_outside else "."))
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, extra=lambda p: p.add_argument(
+        "--forward-outside", action="store_true", help="run the forward outside no_sync (the trap)"))
+    run(main, args.world_size, args.forward_outside)

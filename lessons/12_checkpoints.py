@@ -33,6 +33,17 @@ What to look at
     A run of 6 steps against a run that stops after 3, is rebuilt from the
     checkpoint in fresh objects, and does 3 more: the losses and final
     weights are identical.
+
+Try this
+    1. Predict the resumed losses if the checkpoint leaves out the optimizer
+       state; the lesson runs it last. (The first resumed loss matches: it is
+       computed before the first resumed step; every later one differs.)
+    2. Save ``ddp.state_dict()`` instead of ``model.state_dict()`` and load
+       it into the plain model: predict the error. (Unexpected and missing
+       keys: every name carries ``module.``.)
+    3. Remove the ``dist.barrier()`` in ``save_checkpoint`` and run a few
+       times: predict what can happen. (Rank 1 may read before rank 0 has
+       finished writing: file not found, or the previous checkpoint.)
 """
 
 import os

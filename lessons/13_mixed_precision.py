@@ -8,7 +8,9 @@ What you will learn
        memory traffic, faster tensor cores; losses and reductions stay in
        float32. On a CPU, bfloat16 autocast works too, which this lesson uses.
     2. ``GradScaler`` exists for float16 only: its smallest normal number is
-       ~6e-5, so small gradients underflow to zero. The scaler multiplies the
+       ~6e-5; below it the *subnormals* keep fewer and fewer significant bits
+       down to ~6e-8, and anything smaller becomes zero. Small gradients
+       lose precision or vanish. The scaler multiplies the
        loss by a large factor S before backward (every gradient is S times
        larger, out of the underflow zone), divides the gradients by S before
        the step, and if any gradient is inf/NaN it *skips* the step and halves
@@ -22,12 +24,24 @@ What you will learn
        torch's contract, so torch's own hooks plug into it unchanged.
 
 What to run
-    python lessons/13_mixed_precision.py [--world-size 4]
+    python lessons/13_mixed_precision.py [--world-size 4] [--no-scaler]
 
 What to look at
     The dtypes under autocast; the scaler skipping a step on every rank; and
     how far fp16-communicated gradients are from exact ones (small, not zero),
     identical whether MiniDDP or torch's DDP, minddp's hook or torch's.
+
+Try this
+    1. Predict ``torch.tensor(1e-6).half()``, ``torch.tensor(1e-8).half()``
+       and ``torch.tensor(1e5).half()``, then check in a Python shell.
+       (~1.0e-6 with 2-3 correct digits, a subnormal; 0; inf: fp16 stops at 65504.)
+    2. ``--no-scaler``: the same inf on rank 0, without GradScaler. Predict
+       what every rank's weights look like after ``opt.step()``. (Not
+       finite, on every rank: the all-reduce spreads rank 0's inf to all,
+       and nothing skips the step.)
+    3. Replace ``fp16_compress_hook`` by ``bf16_compress_hook`` in part 3 and
+       predict whether the error grows or shrinks. (Grows: bf16 keeps 8
+       significant bits to fp16's 11.)
 """
 
 import copy
@@ -78,10 +92,11 @@ def part1_autocast(rank: int) -> None:
 
 
 def part2_grad_scaler(rank: int, world_size: int) -> None:
-    tiny = torch.tensor(1e-8)
+    tiny, subnormal = torch.tensor(1e-8), torch.tensor(1e-6)
     assert tiny.half() == 0 and (tiny * 2**16).half() != 0
-    print0("2. GradScaler: 1e-8 in float16 is", tiny.half().item(), "; scaled by 2^16 first it survives:",
-           f"{(tiny * 2**16).half().item():.3e}")
+    assert 0 < subnormal.half().item() < 6.1e-5 and abs(subnormal.half().item() - 1e-6) > 1e-10
+    print0(f"2. GradScaler: in float16 1e-6 is a subnormal, {subnormal.half().item():.4e}; 1e-8 is",
+           tiny.half().item(), "; scaled by 2^16 first it survives:", f"{(tiny * 2**16).half().item():.3e}")
 
     model = make_model()
     ddp = MiniDDP(model)
@@ -133,20 +148,39 @@ def part3_compression(rank: int) -> None:
 
     err = rel_error(ours, exact)
     assert 0 < err < 1e-3, err
+    torch_vs_ours = rel_error(torchs, ours)
     # Same buckets, same hook arithmetic: identical. torch's DDP buckets the
     # gradients differently, and Gloo may then add three or more fp16 values
     # in another order, so only fp16 rounding separates it from ours.
     assert rel_error(torchs_hook_on_ours, ours) < 1e-6
-    assert rel_error(torchs, ours) < 1e-3
+    assert torch_vs_ours < 1e-3
     numel = sum(g.numel() for g in exact)
     print0("3. fp16 gradient compression (a comm hook):")
     print0(f"   {numel:,} gradients: {numel * 4:,} bytes per all-reduce in float32, {numel * 2:,} in float16")
     print0(f"   compressed vs exact average: {err:.1e} relative difference")
-    print0("   minddp's hook == torch's hook on MiniDDP (to 1e-6); torch's DDP with its hook: within")
-    print0(f"   fp16 rounding ({rel_error(torchs, ours):.0e} relative; Gloo may add in another order)")
+    print0("   minddp's hook == torch's hook on MiniDDP (to 1e-6); torch's DDP with its hook: " +
+           ("identical here" if torch_vs_ours == 0 else f"{torch_vs_ours:.0e} relative (other buckets, another order of fp16 sums)"))
 
 
-def main(rank: int, world_size: int) -> None:
+def without_scaler(rank: int, world_size: int) -> None:
+    ddp = MiniDDP(make_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x, y = batch(rank)
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    if rank == 0:
+        loss = loss * float("inf")  # the same overflow as in part 2
+    loss.backward()
+    opt.step()
+    finite = [None] * world_size
+    dist.all_gather_object(finite, all(torch.isfinite(p).all().item() for p in ddp.parameters()))
+    print0(f"--no-scaler: an inf on rank 0, no GradScaler; weights finite after the step, per rank: {finite}")
+    assert not any(finite), "the all-reduce carried rank 0's inf into every rank's weights"
+    print0("checked: without the scaler's skip, one rank's overflow ruined every replica.")
+
+
+def main(rank: int, world_size: int, no_scaler: bool = False) -> None:
+    if no_scaler:
+        return without_scaler(rank, world_size)
     part1_autocast(rank)
     part2_grad_scaler(rank, world_size)
     part3_compression(rank)
@@ -154,5 +188,6 @@ def main(rank: int, world_size: int) -> None:
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__)
-    run(main, args.world_size)
+    args = parse_args(__doc__, extra=lambda p: p.add_argument(
+        "--no-scaler", action="store_true", help="the overflow of part 2 without GradScaler"))
+    run(main, args.world_size, args.no_scaler)

@@ -42,6 +42,16 @@ What to run
 What to look at
     What detect_launch reads from each launcher's (faked) environment, then
     the ranks of a real launch reporting in.
+
+Try this
+    1. For SLURM with ``SLURM_JOB_NODELIST=gpu[07-08]`` predict the master
+       address, then change it to ``node[1,3-4]`` in FAKE_ENVIRONMENTS and
+       predict again. (gpu07; node1.)
+    2. Run it under torchrun with ``--nproc-per-node 3`` and predict each
+       rank's MASTER_ADDR line. (The same address for all: torchrun's.)
+    3. Remove ``MASTER_ADDR`` from the openmpi entry and predict what
+       detect_launch says. (An error naming the missing variable: MPI
+       itself has no master address.)
 """
 
 import os

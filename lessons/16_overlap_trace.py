@@ -13,13 +13,23 @@ What you will learn
     How to read it: a bucket's bar starts when its last gradient arrived
     (buckets leave strictly in order, so a bar can also wait for the one
     before it). The part of a bar before the *last* gradient hook ran under
-    backward: hidden. The part after it is paid on top of backward. On a
-    machine with few cores Gloo's all-reduce competes with backward for the
-    CPU, so bars stretch and little is hidden; with spare cores (or GPUs and
-    NCCL) more is.
+    backward: hidden. The part after it is paid on top of backward.
+
+    By default the buckets travel over the simulated ``laptop`` link
+    (``minddp.simulated_link``, 2 ms per message, 200 MB/s), which carries
+    one message at a time, so bars end in launch order and the wire's cost
+    is plain to see. With ``--link none`` they go over plain Gloo, and a
+    *later* bucket can finish before an earlier one: Gloo runs a process
+    group's queued collectives on a small pool of worker threads (two by
+    default), so bucket k+1 may start while bucket k is still in flight,
+    and a smaller bucket then completes first. Launch order, the only order
+    matching needs, stays the same on every rank. On a machine with few
+    cores Gloo's threads also compete with backward for the CPU, so bars
+    stretch and little is hidden; with spare cores (or GPUs and NCCL) more
+    is.
 
 What to run
-    python lessons/16_overlap_trace.py [--world-size 4] [--out overlap.json]
+    python lessons/16_overlap_trace.py [--world-size 4] [--link none] [--out overlap.json]
     then open the JSON in https://ui.perfetto.dev (or chrome://tracing).
 
 What to look at
@@ -28,6 +38,15 @@ What to look at
     (``pip install '.[plot]'``) the same step for every rank as a PNG
     beside the JSON, drawn by ``minddp/trace_view.py``, the code
     behind ``benchmarks/compare.py --trace``.
+
+Try this
+    1. Each bucket here is one 256 KiB layer. Predict a bar's length on the
+       laptop link at 2 ranks: 2 alpha + bytes / bandwidth = 4 ms + 1.3 ms.
+       Then compare with the drawing.
+    2. ``--link none``: predict whether the bars still end in launch order.
+       (Not always -- see above; run it a few times.)
+    3. Change ``bucket_cap_mb=0.3`` to ``25`` and predict the picture. (One
+       bar, launched at the last gradient hook: nothing hidden.)
 """
 
 import json
@@ -39,8 +58,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minddp import MiniDDP
+from minddp.simulated_link import simulated_allreduce_hook
 from minddp.trace_view import StepView, draw_overlap, read_steps  # shared with the benchmark
-from _common import parse_args, print0, run
+from _common import add_link_option, make_link, parse_args, print0, run
 
 STEPS = 4
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "minddp_lesson16_trace.json")
@@ -76,7 +96,7 @@ def draw(view: StepView, width: int = 60) -> None:
     print0("  ^ bucket launched   = until its all-reduce completed   | the last gradient hook")
 
 
-def check_and_show(trace: dict, n_buckets: int) -> None:
+def check_and_show(trace: dict, n_buckets: int, one_wire: bool) -> None:
     """Rank 0: read the trace back, assert what it shows, draw it."""
     steps = read_steps(trace)
     for rank, views in steps.items():
@@ -85,6 +105,9 @@ def check_and_show(trace: dict, n_buckets: int) -> None:
             indices = [b.index for b in v.buckets]  # in launch order
             assert indices == list(range(len(indices))), f"rank {rank} step {v.step}: bars {indices}"
             assert v.buckets[0].launched_ms < v.last_hook_ms, "the first bucket leaves during backward"
+            if one_wire:  # one message at a time: each ends after the one before it
+                ends = [b.finished_ms for b in v.buckets]
+                assert ends == sorted(ends), f"rank {rank} step {v.step}: bars ended out of order {ends}"
         assert len(views[-1].buckets) == n_buckets, "one bar per bucket"
 
     last = steps[0][-1]
@@ -95,14 +118,18 @@ def check_and_show(trace: dict, n_buckets: int) -> None:
         print0(f"  {views[-1].summary()}")
     print0(f"\nchecked: on every rank, in each of the {STEPS} steps, the trace holds exactly one all-reduce")
     print0("         bar per bucket, launched in bucket order, and the first bucket was launched")
-    print0("         before the last gradient hook fired: communication began during backward.")
+    print0("         before the last gradient hook fired: communication began during backward"
+           + (";\n         over the simulated link the bars ended in launch order, one at a time." if one_wire else "."))
 
 
-def main(rank: int, world_size: int, out: str) -> None:
+def main(rank: int, world_size: int, out: str, link_name: str) -> None:
     torch.manual_seed(0)
     # 0.3 MiB buckets: about one layer each. The default 25 MiB would make
     # this 0.5 MiB model a single bucket that can only leave at the end.
     ddp = MiniDDP(make_model(), bucket_cap_mb=0.3, trace=True)
+    link = make_link(link_name)
+    if link is not None:
+        ddp.register_comm_hook(link, simulated_allreduce_hook)  # the same average, at the link's pace
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(100 + rank)
     for _ in range(STEPS):
@@ -116,7 +143,7 @@ def main(rank: int, world_size: int, out: str) -> None:
         return
     with open(out) as f:
         trace = json.load(f)
-    check_and_show(trace, len(ddp.bucket_names))
+    check_and_show(trace, len(ddp.bucket_names), one_wire=link is not None)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -127,6 +154,11 @@ def main(rank: int, world_size: int, out: str) -> None:
     print(f"\nwrote {png}")
 
 
+def options(parser) -> None:
+    parser.add_argument("--out", default=DEFAULT_OUT, help="trace file (JSON)")
+    add_link_option(parser)
+
+
 if __name__ == "__main__":
-    args = parse_args(__doc__, extra=lambda p: p.add_argument("--out", default=DEFAULT_OUT, help="trace file (JSON)"))
-    run(main, args.world_size, os.path.abspath(args.out))
+    args = parse_args(__doc__, extra=options)
+    run(main, args.world_size, os.path.abspath(args.out), args.link)

@@ -1,28 +1,59 @@
-"""The little every lesson shares: its command line, starting ranks, printing.
+"""The little every lesson shares: its command line, starting ranks, printing,
+and the frozen test bench of lessons 04 to 08.
 
-Kept tiny on purpose, so that each lesson still reads top to bottom. From
+Kept small on purpose, so that each lesson still reads top to bottom. From
 lesson 02 on, ranks are started with ``minddp.launch.spawn``, which wraps
 ``torch.multiprocessing.spawn`` (lesson 02 shows how it works underneath).
+
+Lessons 04-08 each build one data-parallel wrapper and hand it to
+:func:`train_and_compare`: the same model, the same data, the same
+single-process reference and the same result table every time, so that
+``diff lessons/05_gradient_hooks.py lessons/06_async_overlap.py`` shows the
+wrapper's new idea and little else.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from minddp.launch import spawn
+from minddp.network import PRESETS
+from minddp.simulated_link import SimulatedLink
 
 
-def parse_args(doc: str, world_size: int = 2, extra=None) -> argparse.Namespace:
-    """``--world-size N`` (default 2), plus whatever ``extra(parser)`` adds."""
+def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 1) -> argparse.Namespace:
+    """``--world-size N`` (default 2), plus whatever ``extra(parser)`` adds.
+
+    A lesson that compares ranks with each other passes ``min_world_size=2``
+    and stops with one line when given fewer.
+    """
     first_line = (doc or "").strip().splitlines()[0] if doc else None
     parser = argparse.ArgumentParser(description=first_line)
     parser.add_argument("--world-size", type=int, default=world_size, help="number of processes (default %(default)s)")
     if extra is not None:
         extra(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.world_size < min_world_size:
+        parser.exit(2, f"this lesson compares ranks with each other: run it with --world-size {min_world_size} or more\n")
+    return args
+
+
+def add_link_option(parser: argparse.ArgumentParser, default: str = "laptop") -> None:
+    """``--link NAME``: a simulated network from ``minddp.network.PRESETS``, or ``none``."""
+    parser.add_argument("--link", default=default, choices=[*PRESETS, "none"],
+                        help="simulated network for the all-reduces (default %(default)s; none: plain Gloo)")
+
+
+def make_link(name: str) -> SimulatedLink | None:
+    return None if name == "none" else SimulatedLink(name)
 
 
 def _entry(rank: int, world_size: int, fn, args: tuple) -> None:
@@ -54,3 +85,111 @@ def print0(*args) -> None:
     """Print on rank 0 only (or when no process group is running)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# The test bench of lessons 04-08. Frozen: a lesson changes its wrapper, not
+# this. A wrapper is anything with the module's parameters that averages
+# gradients; it may offer ``require_sync`` (False while accumulating),
+# ``no_sync()`` (torch's and MiniDDP's spelling of the same switch) and
+# ``finish_gradient_synchronization()`` (called after every backward).
+
+FEATURES, CLASSES = 20, 4
+
+
+def make_model(seed: int, width: int = 64, depth: int = 2) -> nn.Sequential:
+    """``depth`` hidden layers of ``width``; ``seed`` sets the starting weights."""
+    torch.manual_seed(seed)
+    layers, size = [], FEATURES
+    for _ in range(depth):
+        layers += [nn.Linear(size, width), nn.ReLU()]
+        size = width
+    return nn.Sequential(*layers, nn.Linear(size, CLASSES))
+
+
+@dataclass
+class Result:
+    name: str
+    start_spread: float  # max |weight - rank 0's| right after wrapping, over ranks
+    grad_error: float  # max |averaged grad - one process's full-batch grad|, all steps
+    weight_error: float  # max |weight - one process's weight| after the last step
+    ranks_agree: bool  # every rank holds bit-identical weights at the end
+    step_ms: float  # median forward + backward + sync time, slowest rank
+
+
+def _sync_switch(ddp, sync: bool):
+    if hasattr(ddp, "require_sync"):
+        ddp.require_sync = sync
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else ddp.no_sync()
+
+
+def _worst(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def train_and_compare(name: str, wrap, rank: int, world_size: int, *, width: int = 64, depth: int = 2,
+                      per_rank: int = 8, micro_batches: int = 1, steps: int = 3, lr: float = 0.1,
+                      reference: bool = True):
+    """Train ``wrap(model)`` for ``steps`` SGD steps against one process on the whole batch.
+
+    Every rank starts from its *own* random weights (seed = rank): the
+    wrapper must make them rank 0's. Each step every rank takes its slice of
+    ``per_rank * micro_batches`` samples out of the same global batch, in
+    ``micro_batches`` backward passes (syncing on the last only). Returns
+    ``(Result, wrapper)``; every rank gets the same Result. ``reference=False``
+    skips the single process (errors then read nan): for timing sweeps.
+    """
+    ddp = wrap(make_model(seed=rank, width=width, depth=depth))
+    single = make_model(seed=0, width=width, depth=depth)  # rank 0's start, on every rank
+    start_spread = _worst(max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), single.parameters())))
+    opt, opt_single = torch.optim.SGD(ddp.parameters(), lr=lr), torch.optim.SGD(single.parameters(), lr=lr)
+    loss_fn = nn.CrossEntropyLoss()  # a mean over the batch: what makes averaging exact
+    data = torch.Generator().manual_seed(1234)  # the same global batches on every rank
+    finish = getattr(ddp, "finish_gradient_synchronization", lambda: None)
+    grad_error, times = 0.0, []
+    for _ in range(steps):
+        x = torch.randn(world_size, micro_batches, per_rank, FEATURES, generator=data)
+        y = torch.randint(0, CLASSES, (world_size, micro_batches, per_rank), generator=data)
+        opt.zero_grad()
+        dist.barrier()  # start together, for fair times
+        started = time.perf_counter()
+        for i in range(micro_batches):
+            with _sync_switch(ddp, i == micro_batches - 1):
+                # The mean of k equal parts' means, each divided by k, is the whole's mean.
+                (loss_fn(ddp(x[rank, i]), y[rank, i]) / micro_batches).backward()
+            finish()
+        times.append(time.perf_counter() - started)
+        opt.step()
+        if not reference:
+            continue
+        opt_single.zero_grad()
+        loss_fn(single(x.reshape(-1, FEATURES)), y.reshape(-1)).backward()
+        grad_error = max(grad_error, *((p.grad - q.grad).abs().max().item()
+                                       for p, q in zip(ddp.parameters(), single.parameters())))
+        opt_single.step()
+
+    weights = torch.cat([p.detach().flatten() for p in ddp.parameters()])
+    highest = weights.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    agree = _worst(float(not torch.equal(highest, weights))) == 0.0
+    weight_error = max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), single.parameters()))
+    if not reference:
+        grad_error = weight_error = float("nan")
+    step_ms = 1e3 * statistics.median(times[1:] if steps > 1 else times)  # the first step warms up
+    return Result(name, start_spread, _worst(grad_error), _worst(weight_error), agree, _worst(step_ms)), ddp
+
+
+def print_results(results: list[Result]) -> None:
+    print0(f"  {'wrapper':<34} {'start spread':>12} {'grad error':>10} {'weight error':>12} {'ranks agree':>11} {'step':>9}")
+    for r in results:
+        print0(f"  {r.name:<34} {r.start_spread:>12.1e} {r.grad_error:>10.1e} {r.weight_error:>12.1e} "
+               f"{'yes' if r.ranks_agree else 'NO':>11} {r.step_ms:>6.1f} ms")
+    print0("  (errors: max |difference| from one process training on the whole batch; spread: from rank 0)")
+
+
+def is_exact(r: Result, tolerance: float = 1e-5) -> bool:
+    """Right in every column: float32 rounding of sums in another order stays far below 1e-5."""
+    return r.start_spread == 0 and r.grad_error < tolerance and r.weight_error < tolerance and r.ranks_agree

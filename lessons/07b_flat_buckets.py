@@ -1,0 +1,188 @@
+"""Lesson 07b: the last mile to a real DDP -- persistent buckets, a callback, a learned order.
+
+What you will learn
+    Lesson 07's ``BucketDDP`` works, but a real DDP does five things more,
+    and this lesson's ``FlatDDP`` adds each one (the numbers mark them in
+    the code). After it, lesson 08's ``MiniDDP`` is the same wrapper,
+    packaged, and checked against torch's DDP.
+
+    1. Persistent flat buckets with views. Lesson 07 built a new flat tensor
+       with ``torch.cat`` every step and copied it back. Here each bucket's
+       buffer is allocated once; every parameter owns a *view* into it (a
+       slice shaped like the parameter), and the hook copies its gradient
+       straight into that slot.
+    2. Divide before the sum. The copy into the slot multiplies by 1/p, so
+       the all-reduce adds averages' parts: in float16 the sum of p
+       gradients can overflow where p parts of the average cannot.
+    3. An end-of-backward callback. ``Variable._execution_engine.queue_callback(fn)``
+       asks autograd to call ``fn`` once this backward pass is over; it
+       waits for the buckets and writes ``.grad``. No
+       ``finish_gradient_synchronization()`` to forget: when
+       ``loss.backward()`` returns, the gradients are averaged.
+    4. Buffers too. The broadcast at construction covers ``module.buffers()``
+       (BatchNorm's running statistics), not only parameters.
+    5. Rebuilding buckets. Reverse registration order is only a guess at the
+       order gradients arrive. After the first backward, rank 0's observed
+       order is broadcast and every rank rebuilds the same buckets from it.
+
+What to run
+    python lessons/07b_flat_buckets.py [--world-size 4] [--keep-order]
+
+What to look at
+    The buckets of a model that registers its head first, before and after
+    the first backward (the learned order puts the head first; within a
+    layer the bias's gradient arrives before the weight's), and the test
+    bench's table: exact, with and without accumulation.
+
+Try this
+    1. Predict: after the rebuild, does the head's weight or bias come
+       first? (Its bias: ``Linear``'s backward hands the bias its gradient
+       directly, while the weight's passes through one more node, the
+       transpose ``TBackward``, so its hook fires a moment later.)
+    2. ``--keep-order`` skips step 5: predict what changes in the table.
+       (Nothing: the order of slots inside buckets changes when buckets
+       leave, never what they sum.)
+    3. Remove the ``1 / self.world_size`` in ``_average_grad`` (step 2) and
+       predict the grad error. (A factor p: every rank adds full gradients.)
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _common import is_exact, parse_args, print0, print_results, run, train_and_compare
+
+
+class FlatDDP(nn.Module):
+    """Lesson 07's BucketDDP with persistent buckets, a callback and a learned order."""
+
+    def __init__(self, module: nn.Module, bucket_cap_bytes: float, link=None, broadcast: bool = True,
+                 learn_order: bool = True):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.require_sync = True  # False while accumulating micro-batches
+        self.link = link
+        self.bucket_cap_bytes, self.learn_order = bucket_cap_bytes, learn_order
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.names = {p: n for n, p in module.named_parameters()}
+        if broadcast:  # 4. buffers too
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src=0)
+        self._build_buckets(list(reversed(self.params)))  # the first guess
+        self.arrival = []  # the order gradients really came, this backward
+        self.backward_running = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._average_grad)
+
+    def _build_buckets(self, order: list) -> None:
+        self.buckets, current, size = [], [], 0
+        for p in order:
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > self.bucket_cap_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        self.buckets.append(current)
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        # 1. One buffer per bucket, allocated once; each parameter's slot is a view.
+        self.buffers_ = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype) for b in self.buckets]
+        self.slot = {}
+        for buffer, bucket in zip(self.buffers_, self.buckets):
+            offset = 0
+            for p in bucket:
+                self.slot[p] = buffer[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        self.ready = [0] * len(self.buckets)
+        self.next_bucket = 0
+        self.futures = []
+
+    def bucket_names(self) -> list:
+        return [[self.names[p] for p in bucket] for bucket in self.buckets]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        if self.link is not None:  # the same sum, at the simulated network's pace
+            return self.link.all_reduce(tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
+
+    def _average_grad(self, param: torch.Tensor) -> None:
+        if not self.require_sync:
+            return
+        if not self.backward_running:  # 3. the first hook of this backward
+            self.backward_running = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.arrival.append(param)
+        torch.mul(param.grad, 1 / self.world_size, out=self.slot[param])  # 2. divide, then sum
+        self.ready[self.bucket_of[param]] += 1
+        while self.next_bucket < len(self.buckets) and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket]):
+            self.futures.append(self._all_reduce(self.buffers_[self.next_bucket]))
+            self.next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        # 3. Autograd calls this when the whole backward pass is done.
+        assert self.next_bucket == len(self.buckets), "a parameter got no gradient this step"
+        for future in self.futures:
+            future.wait()
+        for p in self.params:
+            p.grad.copy_(self.slot[p])  # the averaged value, out of the bucket
+        self.backward_running = False
+        self.ready = [0] * len(self.buckets)
+        self.next_bucket = 0
+        self.futures = []
+        if self.learn_order:  # 5. once: rebuild in the order rank 0 saw
+            self.learn_order = False
+            index = {p: i for i, p in enumerate(self.params)}
+            order = torch.tensor([index[p] for p in self.arrival])
+            dist.broadcast(order, src=0)
+            self._build_buckets([self.params[i] for i in order.tolist()])
+        self.arrival = []
+
+
+class HeadFirst(nn.Module):
+    """A model whose registration order is not its execution order: the head is
+    registered first but computed last, so its gradients arrive first."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(64, 4)
+        self.body = nn.Linear(20, 64)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def main(rank: int, world_size: int, args) -> None:
+    cap = 20 * 1024  # small, to get several buckets out of a small model
+    ddp = FlatDDP(HeadFirst(), cap, learn_order=not args.keep_order)
+    guess = ddp.bucket_names()
+    ddp(torch.randn(8, 20)).sum().backward()
+    print0(f"HeadFirst registers head, then body; buckets of at most {cap // 1024} KB, in launch order:")
+    print0(f"  first guess, reverse registration: {guess}")
+    print0(f"  after the first backward:          {ddp.bucket_names()}")
+
+    results = [train_and_compare(f"FlatDDP, {k} micro-batch(es)", lambda m: FlatDDP(m, cap, learn_order=not args.keep_order),
+                                 rank, world_size, micro_batches=k)[0] for k in (1, 2)]
+    print0(f"\n{world_size} ranks on the test bench:")
+    print_results(results)
+
+    assert all(is_exact(r) for r in results), results
+    if args.keep_order:
+        assert ddp.bucket_names() == guess
+    else:
+        assert [n for b in ddp.bucket_names() for n in b] == ["head.bias", "head.weight", "body.bias", "body.weight"]
+    print0("checked: exact with and without accumulation, with no call after backward;")
+    print0("         " + ("the buckets kept the first guess." if args.keep_order else
+                         "the rebuilt buckets follow the real order: each layer's bias, then its weight."))
+
+
+def options(parser) -> None:
+    parser.add_argument("--keep-order", action="store_true", help="skip rebuilding the buckets in arrival order")
+
+
+if __name__ == "__main__":
+    args = parse_args(__doc__, extra=options, min_world_size=2)
+    run(main, args.world_size, args)
