@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minddp import MiniDDP
-from minddp.debug import ReplicaDesyncError
+from minddp.replicas import ReplicaDesyncError
 from _common import parse_args, print0, print_ranks, run
 
 

@@ -43,21 +43,7 @@ def number(lesson: Path) -> str:
     return lesson.name.split("_")[0]
 
 
-# Seen about once in 20 runs on a loaded 2-core machine: a rank that has
-# finished everything, passed the closing barrier and destroyed its group
-# aborts at interpreter exit inside Gloo's teardown (torch's C++ threads, not
-# the lesson; see pytorch/pytorch PR 179291). One retry for exactly that.
-EXIT_ABORT = "terminate called without an active exception"
-
-
 def run_lesson(args: list[str]) -> subprocess.CompletedProcess:
-    result = _run(args)
-    if result.returncode != 0 and EXIT_ABORT in result.stderr and "checked" in result.stdout:
-        result = _run(args)
-    return result
-
-
-def _run(args: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
         return subprocess.run(
