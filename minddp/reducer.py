@@ -164,6 +164,12 @@ class Reducer:
 
     def _mark_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[param]
+        slot, grad = bucket.view(param), param.grad
+        if grad is not None and grad is not slot and not grad.is_sparse and self._grad_is_slot_view(param, slot):
+            # gradient_as_bucket_view after zero_grad(set_to_none=True): autograd
+            # made a fresh .grad. Move it into its slot now, so its memory goes
+            # back at once instead of when the whole bucket is complete.
+            param.grad = slot.copy_(grad)
         if bucket.mark_ready(param):
             self._fill_bucket(bucket)
             self._launch_ready_buckets()
