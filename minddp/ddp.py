@@ -37,8 +37,9 @@ class MiniDDP(nn.Module):
     * ``process_group``: the ranks to average over (default: the whole world).
     * ``bucket_cap_mb``: gradients travel in flat buckets of at most this many
       MiB (the first one at most 1 MiB); 0 means one parameter per bucket.
-    * ``broadcast_buffers``: before each forward that will synchronize, copy
-      rank 0's buffers (BatchNorm running statistics) to every rank. Kept as
+    * ``broadcast_buffers``: before each forward that follows a synchronized
+      one (torch's ``require_forward_param_sync``), whatever its grad mode,
+      copy rank 0's buffers (BatchNorm running statistics) to every rank. Kept as
       an attribute for compatibility; ``buffer_sync`` is what MiniDDP reads.
     * ``find_unused_parameters``: allow parameters that get no gradient on
       some rank; they count as zero there. Without it such a parameter is an
@@ -149,6 +150,7 @@ class MiniDDP(nn.Module):
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options, self._observer)
 
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
+        self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
         self._synchronized_forwards = 0
         self.join_context: Join | None = None  # set by Join inside ``with model.join():``
         self._join_hook: _MiniDDPJoinHook | None = None
@@ -185,8 +187,19 @@ class MiniDDP(nn.Module):
         # forward with require_backward_grad_sync False (inside no_sync())
         # makes its backward skip communication.
         sync = self.reducer.sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if sync:
-            self._before_synchronized_forward()
+        buffer_source = self._before_synchronized_forward() if sync else 0
+        # torch's rule for buffers: broadcast before a forward when the forward
+        # before it synchronized, whatever this one's grad mode. So an
+        # evaluation forward after a training step sees rank 0's BatchNorm
+        # statistics on every rank, and the synchronized forward that closes a
+        # no_sync() accumulation does not overwrite what the micro-steps did.
+        # Inside join() every synchronized forward broadcasts: a rank that ran
+        # out of data shadows each one with a broadcast, not knowing what the
+        # others' previous forward was.
+        in_join = sync and self.join_context is not None
+        if (self.require_forward_param_sync or in_join) and self.world_size > 1:
+            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+        self.require_forward_param_sync = sync
         started = self._observer.forward_started()
         output = self.module(*args, **kwargs)
         if sync:
@@ -205,8 +218,9 @@ class MiniDDP(nn.Module):
             "MiniDDP(..., find_unused_parameters=True)."
         )
 
-    def _before_synchronized_forward(self) -> None:
-        """The collectives that open a synchronized step, identical on every rank."""
+    def _before_synchronized_forward(self) -> int:
+        """The collectives that open a synchronized step, identical on every rank;
+        returns the rank whose buffers everyone takes."""
         buffer_source, everyone_active = 0, True
         self.reducer.divisor = self.world_size
         active = Join.notify_join_context(self)  # inside join(): who is still training?
@@ -216,8 +230,7 @@ class MiniDDP(nn.Module):
         if self.check_sync_every and everyone_active and self._synchronized_forwards % self.check_sync_every == 0:
             check_replicas_in_sync(self.module, self.process_group)
         self._synchronized_forwards += 1
-        if self.world_size > 1:
-            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+        return buffer_source
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -164,7 +164,7 @@ def _buffers(rank, world_size, broadcast):
         out, seen = model(torch.randn(1, 2))
         out.sum().backward()
         observed.append(seen.tolist())
-    with torch.no_grad():  # no synchronized backward follows: no broadcast, like torch
+    with torch.no_grad():  # follows a synchronized forward: broadcast, like torch (whatever the grad mode)
         observed.append(model(torch.randn(1, 2))[1].tolist())
     return observed
 
@@ -173,9 +173,10 @@ def test_forward_sees_rank0_buffers(ranks):
     results = ranks(2).run(_buffers, True)
     # Construction copies rank 0's zeros; each synchronized forward re-broadcasts rank 0's.
     assert results[0] == [[0.0] * 3, [10.0] * 3, [20.0] * 3]
-    # Rank 1 sees rank 0's values in both synchronized forwards; the no_grad
-    # forward skips the broadcast, so its own last step (+11) shows there.
-    assert results[1] == [[0.0] * 3, [10.0] * 3, [21.0] * 3]
+    # Rank 1 sees rank 0's values in every forward, the no_grad one too: the
+    # forward before it synchronized (torch's require_forward_param_sync), so
+    # rank 0's buffers are broadcast, not rank 1's own last step (+11 -> 21).
+    assert results[1] == [[0.0] * 3, [10.0] * 3, [20.0] * 3]
     own = ranks(2).run(_buffers, False)
     # Only construction copied rank 0's zeros; after that rank 1 drifts by its own steps.
     assert own[1] == [[0.0] * 3, [11.0] * 3, [22.0] * 3]
