@@ -160,6 +160,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         """This round's averaged gradients into the shards, unless already there (stage 2, clipping)."""
         if self._grads_in_shards:
             return
+        if self.shard_gradients:  # the first backward was all-reduced: partition the final buckets now
+            from minddp.zero.stage2 import check_buckets_unchanged
+
+            check_buckets_unchanged(self)
         source: Callable = (lambda p: None) if shadow else (lambda p: p.grad)
         if self.average_gradients:
             reduce_scatter_grads(self.layout, source, self._shard_grad, self.process_group, self.world_size)
@@ -169,7 +173,11 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _receive_piece(self, unit_index: int, piece: torch.Tensor) -> None:
         """Stage 2: a bucket's reduce-scattered piece, into the shards (summed over backwards)."""
-        self.layout.take_piece(unit_index, piece, self._shard_grad, accumulate=self._grads_in_shards)
+        if not self._grads_in_shards:  # the round's first bucket: the other buckets' parts start at zero too
+            for shard in self.layout.shards:
+                self._shard_grad(shard).zero_()
+            self._grads_in_shards = True
+        self.layout.take_piece(unit_index, piece, self._shard_grad, accumulate=True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model.
@@ -204,10 +212,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         return loss
 
     def _sharded_step(self, shadow: bool, **kwargs) -> None:
-        if self.shard_gradients:
-            from minddp.zero.stage2 import check_buckets_unchanged
-
-            check_buckets_unchanged(self)
         self._collect_gradients(shadow)
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # an LR scheduler's changes
         self.optim.step(**kwargs)

@@ -92,7 +92,6 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
 
     def arrived() -> None:
         zero._receive_piece(index, piece)
-        zero._grads_in_shards = True
         zero._scattered.add(index)
 
     return _WorkFuture(work, buffer, arrived)
