@@ -85,6 +85,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._pending_load: dict | None = None  # a loaded state, kept until stage 2's layout is final
         self._all_state: dict | None = None  # the consolidated state, on the rank it was sent to
         self.join_context: Join | None = None
+        self._clipped = self._last_clip = None  # clip_grad_norm_'s arguments this step, and last step
         self.layout = self._build_layout()
         self._build_local_optimizer()
         if self.shard_gradients:
@@ -186,6 +187,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         The norm is summed over the shards and all-reduced; returns it.
         """
         self._collect_gradients()
+        self._clipped = (max_norm, norm_type)
         grads = [self._shard_grad(s) for s in self.layout.shards]
         device = grads[0].device
         if math.isinf(norm_type):
@@ -213,6 +215,10 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _sharded_step(self, shadow: bool, **kwargs) -> None:
         self._collect_gradients(shadow)
+        if shadow and self._last_clip is not None:  # out of data: the same collectives as the others' step
+            self.clip_grad_norm_(*self._last_clip)
+        if not shadow:
+            self._last_clip, self._clipped = self._clipped, None
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # an LR scheduler's changes
         self.optim.step(**kwargs)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
