@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from minddp.join import Join, JoinHook
-from minddp.zero import checkpoint as ckpt
+from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
 from minddp.zero.partition import PARTITIONS, FlatUnit, flat_units, greedy_units
 from minddp.zero.shards import Shard, ShardLayout
@@ -85,6 +85,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._pending_load: dict | None = None  # a loaded state, kept until stage 2's layout is final
         self._all_state: dict | None = None  # the consolidated state, on the rank it was sent to
         self.join_context: Join | None = None
+        if self.shard_gradients:
+            from minddp.zero.stage2 import check_attachable
+
+            check_attachable(self, self.ddp)
         self._clipped = self._last_clip = None  # clip_grad_norm_'s arguments this step, and last step
         self.layout = self._build_layout()
         self._build_local_optimizer()
@@ -235,7 +239,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to``, in the CPU's memory (a collective on every rank)."""
         gather = lambda shard_tensor, dest: gather_to(self.layout, shard_tensor, dest, to, self.process_group)
-        state = ckpt.consolidate(self, gather, to == self.rank)
+        state = consolidate(self, gather, to == self.rank)
         self._all_state = state if to == self.rank else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -247,10 +251,10 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated (torch-format) state: each rank keeps its part, for any world size."""
-        self._load(ckpt.pieces_of_full(state_dict), state_dict["param_groups"])
+        self._load(pieces_of_full(state_dict), state_dict["param_groups"])
 
     def _load(self, pieces, param_groups: list[dict]) -> None:
-        ckpt.load_pieces(self, pieces, param_groups)
+        load_pieces(self, pieces, param_groups)
         if self.shard_gradients:  # re-applied if MiniDDP rebuilds its buckets before the first step
             self._pending_load = (pieces, param_groups)
 

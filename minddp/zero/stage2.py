@@ -35,7 +35,7 @@ from minddp.comm_hooks import GradBucket
 from minddp.zero.collectives import _reduce_scatter
 from minddp.zero.partition import FlatUnit
 
-__all__ = ["attach", "bucket_units", "check_buckets_unchanged", "reduce_scatter_hook"]
+__all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "reduce_scatter_hook"]
 
 
 def bucket_units(ddp, world_size: int) -> list[FlatUnit]:
@@ -43,8 +43,8 @@ def bucket_units(ddp, world_size: int) -> list[FlatUnit]:
     return [FlatUnit(list(bucket.params), world_size) for bucket in ddp.reducer.buckets]
 
 
-def attach(zero, ddp) -> None:
-    """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards."""
+def check_attachable(zero, ddp) -> None:
+    """Errors that name what is wrong before anything is partitioned."""
     reducer = getattr(ddp, "reducer", None)
     if reducer is None or not hasattr(reducer, "bucket_reduced_hook"):
         raise TypeError("shard_gradients=True needs ddp=<the MiniDDP model>: stage 2 changes how MiniDDP "
@@ -57,6 +57,11 @@ def attach(zero, ddp) -> None:
     if missing:
         raise ValueError(f"shard_gradients=True: MiniDDP parameters {missing} are not in the optimizer; stage 2 "
                          "keeps no full gradient for any bucketed parameter, so all must be optimized here")
+
+
+def attach(zero, ddp) -> None:
+    """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards."""
+    reducer = ddp.reducer
     zero._scattered = set()  # buckets whose piece the optimizer took in this backward
     ddp.register_comm_hook(zero, reduce_scatter_hook)
     reducer.bucket_reduced_hook = lambda bucket: _took(zero, bucket)
