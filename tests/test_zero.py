@@ -160,6 +160,39 @@ def _standalone_under_join(rank, world_size, opt_name):
     assert_close_to_reference(model, reference, "after join")
 
 
+def under_join(rank, world_size, shard_gradients):
+    """MiniDDP, rank r has r + 2 batches; a rank out of data still steps and sends its shard (join's hooks)."""
+    from minddp.join import Join
+
+    cls, kw = optimizer_args("adamw")
+    reference = build(0)
+    model = MiniDDP(build(rank), bucket_cap_mb=SMALL_CAP_MB)
+    ref_opt = cls(groups(reference), **kw)
+    opt = ZeroRedundancyOptimizer(groups(model.module), cls, ddp=model, shard_gradients=shard_gradients, **kw)
+    batches = [r + 2 for r in range(world_size)]
+    with Join([model, opt], divide_by_initial_world_size=True):
+        for step in range(batches[rank]):
+            x, y = batch(step, PER_RANK * world_size)
+            opt.zero_grad()
+            loss_of(model, x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+    for step in range(max(batches)):
+        x, y = batch(step, PER_RANK * world_size)
+        ref_opt.zero_grad()
+        active = [r for r in range(world_size) if batches[r] > step]
+        sum(loss_of(reference, x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK])
+            for r in active).div(world_size).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+    assert_close_to_reference(model.module, reference, "after join")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage1_on_minddp_uneven_inputs_under_join(ranks, world_size):
+    ranks(world_size).run(under_join, False, timeout_s=120)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_stage1_without_wrapper_uneven_inputs_under_join(ranks, world_size):
     ranks(world_size).run(_standalone_under_join, "adamw", timeout_s=120)

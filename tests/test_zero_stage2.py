@@ -11,7 +11,7 @@ import torch
 
 from minddp import MiniDDP
 from minddp.zero import ZeroRedundancyOptimizer
-from test_zero import PER_RANK, SMALL_CAP_MB, STEPS, assert_close_to_reference, batch, build, groups, loss_of, \
+from test_zero import PER_RANK, under_join, SMALL_CAP_MB, STEPS, assert_close_to_reference, batch, build, groups, loss_of, \
     optimizer_args
 
 
@@ -68,37 +68,9 @@ def test_stage2_accumulation_under_no_sync_with_bucket_views(ranks):
     ranks(2).run(_stage2_vs_one_process, "adamw", True, 2, True, timeout_s=120)
 
 
-def _stage2_under_join(rank, world_size):
-    """Rank r has r + 2 batches; a rank out of data still steps and sends its shard (join's hooks)."""
-    from minddp.join import Join
-
-    cls, kw = optimizer_args("adamw")
-    reference = build(0)
-    model = MiniDDP(build(rank), bucket_cap_mb=SMALL_CAP_MB)
-    ref_opt = cls(groups(reference), **kw)
-    opt = ZeroRedundancyOptimizer(groups(model.module), cls, ddp=model, shard_gradients=True, **kw)
-    batches = [r + 2 for r in range(world_size)]
-    with Join([model, opt], divide_by_initial_world_size=True):
-        for step in range(batches[rank]):
-            x, y = batch(step, PER_RANK * world_size)
-            opt.zero_grad()
-            loss_of(model, x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
-            opt.clip_grad_norm_(1.0)
-            opt.step()
-    for step in range(max(batches)):
-        x, y = batch(step, PER_RANK * world_size)
-        ref_opt.zero_grad()
-        active = [r for r in range(world_size) if batches[r] > step]
-        sum(loss_of(reference, x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK])
-            for r in active).div(world_size).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        ref_opt.step()
-    assert_close_to_reference(model.module, reference, "after join")
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_stage2_uneven_inputs_under_join(ranks, world_size):
-    ranks(world_size).run(_stage2_under_join, timeout_s=120)
+    ranks(world_size).run(under_join, True, timeout_s=120)
 
 
 def test_stage2_needs_minddp_and_every_parameter(ranks):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from minddp.zero.shards import Shard, ShardLayout
 
-__all__ = ["CHUNK_BYTES", "all_gather_params", "reduce_scatter_grads", "gather_to"]
+__all__ = ["CHUNK_BYTES", "WorkFuture", "completed", "all_gather_params", "reduce_scatter_grads", "gather_to"]
 
 CHUNK_BYTES = 16 * 1024 * 1024
 
@@ -92,3 +92,29 @@ def gather_to(layout: ShardLayout, shard_tensor: Callable[[Shard], torch.Tensor]
             if chunks is not None:
                 for rank, values in enumerate(chunks):
                     unit.write(rank, lo, values, dest)
+
+
+def completed(value: torch.Tensor) -> torch.futures.Future:
+    done = torch.futures.Future()
+    done.set_result(value)
+    return done
+
+
+class WorkFuture(torch.futures.Future):
+    """A future for an asynchronous collective whose ``Work`` has none (Gloo's reduce-scatter).
+
+    The collective runs in the background from the launch; ``wait()`` (the
+    reducer's, at the end of backward) blocks on it, then hands the piece over.
+    """
+
+    def __init__(self, work, value: torch.Tensor, on_done):
+        super().__init__()
+        self._work, self._value, self._on_done = work, value, on_done
+
+    def wait(self):
+        if not self.done():
+            if self._work is not None:
+                self._work.wait()
+            self._on_done()
+            self.set_result(self._value)
+        return super().wait()

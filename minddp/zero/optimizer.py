@@ -89,6 +89,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             from minddp.zero.stage2 import check_attachable
 
             check_attachable(self, self.ddp)
+        self._gradients_from_hook = False  # stage 1 on MiniDDP: its buckets' all-reduce fills the shards
         self._clipped = self._last_clip = None  # clip_grad_norm_'s arguments this step, and last step
         self.layout = self._build_layout()
         self._build_local_optimizer()
@@ -96,6 +97,10 @@ class ZeroRedundancyOptimizer(Optimizer):
             from minddp.zero.stage2 import attach  # stage 2 is a bucket communication of MiniDDP's
 
             attach(self, self.ddp)
+        elif self.ddp is not None:
+            from minddp.zero.stage1_hook import attach_allreduce
+
+            self._gradients_from_hook = attach_allreduce(self, self.ddp)
         self._ready = True
 
     # ------------------------------------------------------------ partition
@@ -178,11 +183,15 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _receive_piece(self, unit_index: int, piece: torch.Tensor) -> None:
         """Stage 2: a bucket's reduce-scattered piece, into the shards (summed over backwards)."""
-        if not self._grads_in_shards:  # the round's first bucket: the other buckets' parts start at zero too
+        self._begin_gradient_round()
+        self.layout.take_piece(unit_index, piece, self._shard_grad, accumulate=True)
+
+    def _begin_gradient_round(self) -> None:
+        """A bucket's gradients arrive: the first of a round zeroes every shard gradient (the other buckets' parts)."""
+        if not self._grads_in_shards:
             for shard in self.layout.shards:
                 self._shard_grad(shard).zero_()
             self._grads_in_shards = True
-        self.layout.take_piece(unit_index, piece, self._shard_grad, accumulate=True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model.
@@ -260,11 +269,11 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # ------------------------------------------------------------ uneven inputs
     def join_hook(self, **kwargs) -> JoinHook:
-        if self.ddp is not None and not self.shard_gradients:
+        if self.ddp is not None and not (self.shard_gradients or self._gradients_from_hook):
             raise NotImplementedError(
-                "join() with stage 1 on a DDP wrapper: a rank out of data would step its shard with stale "
-                "gradients (the wrapper's shadow all-reduce does not write .grad). Use shard_gradients=True "
-                "on MiniDDP, or no wrapper (the optimizer then averages gradients itself)")
+                "join() with stage 1 on torch's DDP (or a MiniDDP with its own comm hook): a rank out of data "
+                "would step its shard with stale gradients (the shadow all-reduce does not write .grad). Use "
+                "MiniDDP without a comm hook, or no wrapper (the optimizer then averages gradients itself)")
         return _ZeroJoinHook(self)
 
     @property

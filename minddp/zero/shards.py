@@ -63,11 +63,13 @@ class ShardLayout:
             self.shards.append(keys[key])
         # unit index -> this rank's segments of it, each with its shard and offset there.
         self.unit_segments: list[list[tuple[Segment, Shard, int]]] = []
+        self.param_segments: dict[int, list[tuple[Segment, Shard, int]]] = {}  # by id(param)
         for unit in units:
             mine = []
             for seg in unit.segments(rank):
                 shard = keys[(group_of[id(seg.param)], seg.param.dtype)]
                 mine.append((seg, shard, shard.add(seg)))
+                self.param_segments.setdefault(id(seg.param), []).append(mine[-1])
             self.unit_segments.append(mine)
         for shard in self.shards:
             shard.master = torch.empty(shard.numel, dtype=shard.master.dtype, device=shard.master.device)
@@ -90,6 +92,13 @@ class ShardLayout:
                     continue
                 values = values.reshape(-1)[seg.param_start: seg.param_start + seg.length]
                 part.add_(values) if accumulate else part.copy_(values)
+
+    def fill_param(self, param: torch.Tensor, values: torch.Tensor,
+                   shard_tensor: Callable[[Shard], torch.Tensor]) -> None:
+        """Copy this rank's elements of one parameter's ``values`` (shaped like it) into the shards."""
+        flat = values.reshape(-1)
+        for seg, shard, offset in self.param_segments.get(id(param), ()):
+            shard_tensor(shard)[offset: offset + seg.length].copy_(flat[seg.param_start: seg.param_start + seg.length])
 
     def piece(self, unit_index: int, shard_tensor: Callable[[Shard], torch.Tensor]) -> torch.Tensor:
         """This rank's piece of a unit (zero padded to ``unit.piece``), read from shard-shaped tensors."""

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from minddp.comm_hooks import GradBucket
-from minddp.zero.collectives import _reduce_scatter
+from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.partition import FlatUnit
 
 __all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "reduce_scatter_hook"]
@@ -80,7 +80,7 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     if _provisional(zero):  # as DDP: the whole average lands in .grad
         buffer.mul_(1.0 / divisor)
         if n == 1:
-            return _completed(buffer)
+            return completed(buffer)
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: buffer)
     index = bucket.index()
     check_buckets_unchanged(zero)
@@ -99,7 +99,7 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
         zero._receive_piece(index, piece)
         zero._scattered.add(index)
 
-    return _WorkFuture(work, buffer, arrived)
+    return WorkFuture(work, buffer, arrived)
 
 
 def _took(zero, bucket: GradBucket) -> bool:
@@ -125,29 +125,3 @@ def check_buckets_unchanged(zero) -> None:
     zero._build_local_optimizer()
     if zero._pending_load is not None:
         zero._load(*zero._pending_load)
-
-
-def _completed(value: torch.Tensor) -> torch.futures.Future:
-    done = torch.futures.Future()
-    done.set_result(value)
-    return done
-
-
-class _WorkFuture(torch.futures.Future):
-    """A future for an asynchronous collective whose ``Work`` has none (Gloo's reduce-scatter).
-
-    The collective runs in the background from the launch; ``wait()`` (the
-    reducer's, at the end of backward) blocks on it, then hands the piece over.
-    """
-
-    def __init__(self, work, value: torch.Tensor, on_done):
-        super().__init__()
-        self._work, self._value, self._on_done = work, value, on_done
-
-    def wait(self):
-        if not self.done():
-            if self._work is not None:
-                self._work.wait()
-            self._on_done()
-            self.set_result(self._value)
-        return super().wait()
