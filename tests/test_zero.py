@@ -264,3 +264,8 @@ def test_add_param_group_equals_torch_zero(ranks):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_clipping_equals_one_process(ranks, world_size):
     ranks(world_size).run(_stage1_vs_torch, "adamw", "greedy", True, timeout_s=120)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_greedy_partition_equals_torch_zero(ranks, opt_name):
+    ranks(3).run(_stage1_vs_torch, opt_name, "greedy", False, timeout_s=120)

@@ -117,7 +117,7 @@ def check_buckets_unchanged(zero) -> None:
     now = [[id(p) for p in b.params] for b in zero.ddp.reducer.buckets]
     if now == [[id(p) for p in u.params] for u in zero.layout.units]:
         return
-    if zero.optim.state or zero._grads_in_shards:
+    if (zero.optim.state and zero._pending_load is None) or zero._grads_in_shards:  # a loaded state is re-applied
         raise RuntimeError("ZeroRedundancyOptimizer(shard_gradients=True): MiniDDP's buckets changed after the "
                            "partition was fixed on them (the first synchronized backward must come before the "
                            "first step)")
