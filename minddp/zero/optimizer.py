@@ -23,10 +23,14 @@ Call it as torch's ``torch.distributed.optim.ZeroRedundancyOptimizer``::
 
 Options after torch's signature (popped from ``defaults``):
 
-* ``ddp``: the DDP wrapper (MiniDDP or torch's) that averages the gradients.
-  Without one, the optimizer averages them itself (a reduce-scatter at
-  ``step``); ``average_gradients=False`` says a wrapper you did not pass
-  already did (torch's assumption; it would otherwise average them twice).
+* ``ddp``: the DDP wrapper that averages the gradients. On torch's DDP the
+  optimizer reads the averaged ``.grad`` at ``step``; on MiniDDP it registers
+  a comm hook that all-reduces each bucket as MiniDDP would and copies this
+  rank's elements into the shards (:mod:`minddp.zero.stage1_hook`, what lets
+  ``join()`` work). Without a wrapper the optimizer averages the gradients
+  itself, with a reduce-scatter at ``step`` (the paper's stage-1 traffic);
+  ``average_gradients=False`` says a wrapper you did not pass already did
+  (torch's assumption; it would otherwise average them twice).
 * ``shard_gradients``: stage 2, on a MiniDDP passed as ``ddp``.
 * ``partition``: ``"flat"`` (default) or ``"greedy"`` (torch's).
 
@@ -54,6 +58,8 @@ from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
 from minddp.zero.partition import PARTITIONS, FlatUnit, flat_units, greedy_units
 from minddp.zero.shards import Shard, ShardLayout
+from minddp.zero.stage1_hook import attach_allreduce
+from minddp.zero.stage2 import attach, bucket_units, check_attachable, check_buckets_unchanged
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -69,6 +75,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         average = defaults.pop("average_gradients", None)
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if self.shard_gradients and self.partition != "flat":
+            raise ValueError("shard_gradients=True partitions MiniDDP's buckets into equal pieces: "
+                             f"partition={self.partition!r} does not apply")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got {optimizer_class!r}")
         if not dist.is_initialized():
@@ -86,20 +95,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._all_state: dict | None = None  # the consolidated state, on the rank it was sent to
         self.join_context: Join | None = None
         if self.shard_gradients:
-            from minddp.zero.stage2 import check_attachable
-
             check_attachable(self, self.ddp)
         self._gradients_from_hook = False  # stage 1 on MiniDDP: its buckets' all-reduce fills the shards
         self._clipped = self._last_clip = None  # clip_grad_norm_'s arguments this step, and last step
         self.layout = self._build_layout()
         self._build_local_optimizer()
-        if self.shard_gradients:
-            from minddp.zero.stage2 import attach  # stage 2 is a bucket communication of MiniDDP's
-
+        if self.shard_gradients:  # stage 2 is a bucket communication of MiniDDP's
             attach(self, self.ddp)
         elif self.ddp is not None:
-            from minddp.zero.stage1_hook import attach_allreduce
-
             self._gradients_from_hook = attach_allreduce(self, self.ddp)
         self._ready = True
 
@@ -114,8 +117,6 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _units(self) -> list[FlatUnit]:
         if self.shard_gradients:
-            from minddp.zero.stage2 import bucket_units
-
             return bucket_units(self.ddp, self.world_size)
         totals = [0] * self.world_size
         units: list[FlatUnit] = []
@@ -171,8 +172,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         if self._grads_in_shards:
             return
         if self.shard_gradients:  # the first backward was all-reduced: partition the final buckets now
-            from minddp.zero.stage2 import check_buckets_unchanged
-
             check_buckets_unchanged(self)
         source: Callable = (lambda p: None) if shadow else (lambda p: p.grad)
         if self.average_gradients:
