@@ -269,3 +269,26 @@ def test_clipping_equals_one_process(ranks, world_size):
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_greedy_partition_equals_torch_zero(ranks, opt_name):
     ranks(3).run(_stage1_vs_torch, opt_name, "greedy", False, timeout_s=120)
+
+
+def _closure(rank, world_size):
+    mine, theirs = MiniDDP(build(rank)), MiniDDP(build(rank))
+    my_opt = ZeroRedundancyOptimizer(mine.parameters(), torch.optim.SGD, ddp=mine, lr=0.1)
+    their_opt = TorchZero(theirs.parameters(), torch.optim.SGD, lr=0.1)
+    x, y = batch(0, PER_RANK * world_size)
+    x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+    losses = []
+    for model, opt in ((mine, my_opt), (theirs, their_opt)):
+        def closure(model=model, opt=opt):
+            opt.zero_grad()
+            loss = loss_of(model, x, y)
+            loss.backward()
+            return loss
+        losses.append(opt.step(closure).item())
+    assert losses[0] == losses[1]
+    for p, q in zip(mine.parameters(), theirs.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_step_with_a_closure(ranks):
+    ranks(2).run(_closure, timeout_s=60)
