@@ -120,28 +120,29 @@ def table(results: dict, world_sizes: list[int]) -> str:
     mib = lambda b: f"{b / 2**20:7.2f}"
     numel = next(iter(results.values()))[0]["numel"]
     lines = [f"GPT (minddp.models.GPTConfig defaults), psi = {numel:,} parameters, AdamW fp32; MiB per rank, "
-             "max over ranks [min] at 'after step'",
+             "max over ranks [min] 'before step' (everything alive: gradients and optimizer state)",
              "paper = fp32 formula: DDP (4+4+8)psi, stage 1 (4+4)psi + 8psi/N, stage 2 4psi + (4+8)psi/N",
              "model = params + grads + optimizer_state (what the formula counts); extra = ZeRO's shard copy "
-             "of its parameters + MiniDDP's bucket buffers",
+             "of its parameters + MiniDDP's bucket buffers; after step = every category, after the step "
+             "(ZeRO frees its shard gradients there)",
              "",
              f"{'N':>2} {'setup':<7} {'params':>8} {'grads':>8} {'opt state':>16} {'model':>8} {'paper':>8} "
-             f"{'extra':>8} {'before step':>12} {'wire MiB/step':>14} {'2psi(N-1)/N':>12}"]
+             f"{'extra':>8} {'after step':>12} {'wire MiB/step':>14} {'2psi(N-1)/N':>12}"]
     for n in world_sizes:
         for setup in SETUPS:
             ranks = results[(setup, n)]
-            at = [r["points"]["after step"] for r in ranks]
-            before = [r["points"]["before step"] for r in ranks]
+            at = [r["points"]["before step"] for r in ranks]
+            after = [r["points"]["after step"] for r in ranks]
             top = {c: max(a[c] for a in at) for c in CATEGORIES}
             low_state = min(a["optimizer_state"] for a in at)
             model_bytes = max(a["params"] + a["grads"] + a["optimizer_state"] for a in at)
-            before_total = max(sum(b[c] for c in CATEGORIES) for b in before)
+            after_total = max(sum(b[c] for c in CATEGORIES) for b in after)
             wire = max(sum(r["wire"].values()) for r in ranks)
             ideal = 2 * 4 * numel * (n - 1) / n
             lines.append(f"{n:>2} {setup:<7} {mib(top['params'])} {mib(top['grads'])} "
                          f"{mib(top['optimizer_state'])} [{mib(low_state)}] {mib(model_bytes)} "
                          f"{mib(paper(setup, numel, n))} {mib(top['shard_params'] + top['bucket_buffers'])} "
-                         f"{mib(before_total):>12} {mib(wire):>14} {mib(ideal):>12}")
+                         f"{mib(after_total):>12} {mib(wire):>14} {mib(ideal):>12}")
         lines.append("")
     lines.append("wire per kind (rank 0, MiB, ring): " + "; ".join(
         f"{setup} N={n}: " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(results[(setup, n)][0]["wire"].items()))

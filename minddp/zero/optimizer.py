@@ -236,6 +236,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._grads_in_shards = False
         self._pending_load = None
+        for shard in self.layout.shards:  # consumed: the next backward allocates them again (1/N of the grads)
+            shard.master.grad = None
         with torch.no_grad():
             all_gather_params(self.layout, lambda s: s.master, lambda p: p.data, self.process_group)
 
