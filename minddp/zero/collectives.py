@@ -84,7 +84,9 @@ def gather_to(layout: ShardLayout, shard_tensor: Callable[[Shard], torch.Tensor]
     for index, unit in enumerate(layout.units):
         mine = layout.piece(index, shard_tensor)
         for lo, hi in _chunks(unit.piece, mine.element_size()):
-            chunks = [torch.empty(hi - lo, dtype=mine.dtype, device=mine.device) for _ in range(n)] if me == to else None
+            chunks = None
+            if me == to:
+                chunks = [torch.empty(hi - lo, dtype=mine.dtype, device=mine.device) for _ in range(n)]
             if n > 1:
                 dist.gather(mine[lo:hi].contiguous(), chunks, dst=dist.get_global_rank(group, to), group=group)
             elif chunks is not None:

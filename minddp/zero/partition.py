@@ -31,7 +31,7 @@ __all__ = ["Segment", "FlatUnit", "flat_units", "greedy_units", "PARTITIONS"]
 PARTITIONS = ("flat", "greedy")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: it holds a tensor
 class Segment:
     """Elements ``[param_start, param_start + length)`` of ``param`` (flattened),
     at ``unit_start`` in its unit's flat space."""

@@ -58,7 +58,8 @@ class ShardLayout:
         self.shards: list[Shard] = []
         keys: dict[tuple[int, torch.dtype], Shard] = {}
         # Every (group, dtype) any rank holds gets a shard here, even an empty one.
-        for key in sorted({(group_of[id(p)], p.dtype) for u in units for p in u.params}, key=lambda k: (k[0], str(k[1]))):
+        kinds = {(group_of[id(p)], p.dtype) for u in units for p in u.params}
+        for key in sorted(kinds, key=lambda k: (k[0], str(k[1]))):
             keys[key] = Shard(key[0], key[1], units[0].device)
             self.shards.append(keys[key])
         # unit index -> this rank's segments of it, each with its shard and offset there.
