@@ -292,3 +292,18 @@ def _closure(rank, world_size):
 
 def test_step_with_a_closure(ranks):
     ranks(2).run(_closure, timeout_s=60)
+
+
+def test_partitions_without_a_process_group():
+    from minddp.zero.partition import flat_units, greedy_units
+
+    tensors = [torch.zeros(1000, 16), torch.zeros(32, 16), torch.zeros(32), torch.zeros(7)]
+    (unit,) = flat_units(tensors, 3)
+    sizes = [end - start for start, end in unit.ranges]
+    assert sum(sizes) == unit.numel == 16551 and max(sizes) - min(sizes) <= 3 - 1
+    covered = [s for r in range(3) for s in unit.segments(r)]
+    assert sum(s.length for s in covered) == unit.numel  # every element owned once
+    assert len(unit.segments(0)) == 1 and unit.segments(0)[0].param is tensors[0]  # a tensor may span ranks
+    (greedy,) = greedy_units(tensors, 3, [0, 0, 0])
+    sizes = sorted(end - start for start, end in greedy.ranges)
+    assert sizes == [32 + 7, 32 * 16, 16000]  # whole tensors: the embedding's rank holds 97%

@@ -15,10 +15,11 @@ from test_zero import PER_RANK, under_join, SMALL_CAP_MB, STEPS, assert_close_to
     optimizer_args
 
 
-def _stage2_vs_one_process(rank, world_size, opt_name, clip, micro_batches, as_view):
+def _stage2_vs_one_process(rank, world_size, opt_name, clip, micro_batches, as_view, learn_order=True):
     cls, kw = optimizer_args(opt_name)
     reference = build(0)
-    model = MiniDDP(build(rank), bucket_cap_mb=SMALL_CAP_MB, gradient_as_bucket_view=as_view)
+    model = MiniDDP(build(rank), bucket_cap_mb=SMALL_CAP_MB, gradient_as_bucket_view=as_view,
+                    learn_bucket_order=learn_order)
     ref_opt = cls(groups(reference), **kw)
     opt = ZeroRedundancyOptimizer(groups(model.module), cls, ddp=model, shard_gradients=True, **kw)
     per_micro = PER_RANK // micro_batches
@@ -35,7 +36,7 @@ def _stage2_vs_one_process(rank, world_size, opt_name, clip, micro_batches, as_v
                     (loss_of(model, xb, yb) / micro_batches).backward()
             else:
                 (loss_of(model, xb, yb) / micro_batches).backward()
-        if step > 0:  # the first backward is all-reduced (MiniDDP rebuilds its buckets after it)
+        if step > 0 or not learn_order:  # the first backward is all-reduced if MiniDDP rebuilds its buckets after it
             kept = [n for n, p in model.module.named_parameters() if p.grad is not None]
             assert not kept, f"step {step}: stage 2 left full gradients in {kept}"
         if clip:
@@ -85,3 +86,7 @@ def _misuse(rank, world_size):
         ZeroRedundancyOptimizer([model.module.fc1.weight], torch.optim.SGD, ddp=model, shard_gradients=True, lr=0.1)
     with pytest.raises(ValueError, match="partition must be one of"):
         ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition="round-robin", lr=0.1)
+
+
+def test_stage2_reduce_scatters_from_the_first_backward_with_a_fixed_bucket_order(ranks):
+    ranks(3).run(_stage2_vs_one_process, "adamw", False, 1, False, False, timeout_s=120)
