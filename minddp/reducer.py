@@ -89,6 +89,11 @@ class Reducer:
         self.backward_started = False
         self.backwards_done = 0
         self.comm_hook: tuple[Any, Callable] | None = None
+        # The one hook point for code beyond DDP (ZeRO stage 2, minddp/zero/stage2.py):
+        # called with each bucket once its communication is done, at the end of
+        # backward; returning True means "the result is taken care of" and the
+        # reducer writes no .grad for that bucket's parameters.
+        self.bucket_reduced_hook: Callable[[GradBucket], bool] | None = None
         self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
         self._locally_used = [True] * len(params)
         self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
@@ -304,6 +309,8 @@ class Reducer:
 
     def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
+            if self.bucket_reduced_hook is not None and self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
+                continue
             grads, slots = [], []  # dense same-dtype copies: one call per bucket (see _fill_bucket)
             for p, slot in zip(bucket.params, bucket.views):
                 index = self._index[p]

@@ -1,0 +1,78 @@
+"""Bytes per rank: what DDP and ZeRO keep, counted from the tensors, beside the paper's formulas.
+
+The ZeRO paper (Rajbhandari et al., 2020, section 3) counts mixed-precision
+Adam: 2 bytes per parameter of fp16 weights, 2 of fp16 gradients and K = 12
+of optimizer state (fp32 master copy, momentum, variance), so with psi
+parameters on N ranks:
+
+=========  =======================  ==========================
+DDP        (2 + 2 + K) psi
+stage 1    (2 + 2) psi + K psi / N  optimizer state sharded
+stage 2    2 psi + (2 + K) psi / N  gradients sharded too
+=========  =======================  ==========================
+
+:func:`paper_bytes` evaluates them for any byte sizes (fp32 training with
+AdamW: 4 + 4 + 8, the master copy being the parameters themselves).
+:func:`measured_bytes` counts what a rank actually holds, by category, from
+the tensors themselves (storage deduplicated: a view costs nothing). What the
+formulas leave out is counted too: MiniDDP's bucket buffers (one more copy of
+the gradients, which stage 2 does not free) and ZeRO's shard copy of the
+parameters (the local optimizer steps a flat copy, 1/N of the model).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes"]
+
+
+def paper_bytes(stage: int, numel: int, world_size: int, param_bytes: int = 2, grad_bytes: int = 2,
+                state_bytes: int = 12) -> float:
+    """Bytes per rank by the paper's formula; ``stage`` 0 is DDP."""
+    p, g, k = param_bytes * numel, grad_bytes * numel, state_bytes * numel
+    if stage == 0:
+        return p + g + k
+    if stage == 1:
+        return p + g + k / world_size
+    if stage == 2:
+        return p + (g + k) / world_size
+    raise ValueError(f"stage must be 0 (DDP), 1 or 2, got {stage}")
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor | None], seen: set) -> int:
+    total = 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.device)
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in an optimizer's state (ZeRO's: this rank's shard)."""
+    optimizer = getattr(optimizer, "optim", optimizer)  # a ZeroRedundancyOptimizer's local optimizer
+    return _unique_bytes((v for st in optimizer.state.values() for v in st.values()), set())
+
+
+def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes by category: params, grads, optimizer state, shard copy, buckets."""
+    seen: set = set()
+    module = getattr(model, "module", model)
+    out = {"params": _unique_bytes(module.parameters(), seen)}
+    layout = getattr(optimizer, "layout", None)
+    shard_grads = [s.master.grad for s in layout.shards] if layout is not None else []
+    out["grads"] = _unique_bytes([p.grad for p in module.parameters()] + shard_grads, seen)
+    out["optimizer_state"] = optimizer_state_bytes(optimizer)
+    out["shard_params"] = _unique_bytes([s.master for s in layout.shards], seen) if layout is not None else 0
+    reducer = getattr(model, "reducer", None)
+    out["bucket_buffers"] = _unique_bytes([b.buffer for b in reducer.buckets], seen) if reducer is not None else 0
+    return out

@@ -1,0 +1,307 @@
+"""``ZeroRedundancyOptimizer``: each rank keeps and steps only its shard of the optimizer state.
+
+DDP keeps a full copy of the optimizer state on every rank: for Adam, two
+more tensors the size of the model. ZeRO stage 1 (Rajbhandari et al., 2020)
+shards it. One step::
+
+    gradients averaged (by DDP; or here, by a reduce-scatter)
+      └─ each rank copies its elements of every gradient into its shard's .grad
+           └─ the local optimizer (any torch.optim class) steps the shard
+                └─ all-gather: every rank's updated shard back into every parameter
+
+The shards follow :mod:`minddp.zero.partition` (equal pieces of flat buffers,
+or torch's whole-tensor greedy assignment); :mod:`minddp.zero.shards` maps
+between shards and parameters. Stage 2 (``shard_gradients=True``) changes
+only where the gradient comes from: :mod:`minddp.zero.stage2`.
+
+Call it as torch's ``torch.distributed.optim.ZeroRedundancyOptimizer``::
+
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                                  ddp=model)                       # stage 1
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                                  ddp=model, shard_gradients=True)  # stage 2 (MiniDDP)
+
+Options after torch's signature (popped from ``defaults``):
+
+* ``ddp``: the DDP wrapper that averages the gradients. On torch's DDP the
+  optimizer reads the averaged ``.grad`` at ``step``; on MiniDDP it registers
+  a comm hook that all-reduces each bucket as MiniDDP would and copies this
+  rank's elements into the shards (:mod:`minddp.zero.stage1_hook`, what lets
+  ``join()`` work). Without a wrapper the optimizer averages the gradients
+  itself, with a reduce-scatter at ``step`` (the paper's stage-1 traffic);
+  ``average_gradients=False`` says a wrapper you did not pass already did
+  (torch's assumption; it would otherwise average them twice).
+* ``shard_gradients``: stage 2, on a MiniDDP passed as ``ddp``.
+* ``partition``: ``"flat"`` (default) or ``"greedy"`` (torch's).
+
+Gradient clipping must see every shard: call ``opt.clip_grad_norm_(max_norm)``
+between ``backward()`` and ``step()`` (the norm's squares are summed over the
+shards and all-reduced; ``torch.nn.utils.clip_grad_norm_`` on the parameters
+would see no gradient under stage 2, and only a stale one for others' shards
+without a wrapper).
+
+A step consumes the shards' gradients: the next backward starts a fresh sum,
+whether or not ``zero_grad`` was called (as DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from minddp.join import Join, JoinHook
+from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
+from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
+from minddp.zero.partition import PARTITIONS, FlatUnit, flat_units, greedy_units
+from minddp.zero.shards import Shard, ShardLayout
+from minddp.zero.stage1_hook import attach_allreduce
+from minddp.zero.stage2 import attach, bucket_units, check_attachable, check_buckets_unchanged
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """Shard ``optimizer_class``'s state over ``process_group`` (ZeRO stage 1, or 2 with ``shard_gradients``)."""
+
+    def __init__(self, params, optimizer_class: type[Optimizer], process_group: dist.ProcessGroup | None = None,
+                 **defaults: Any):
+        self.ddp = defaults.pop("ddp", None)
+        self.shard_gradients = bool(defaults.pop("shard_gradients", False))
+        self.partition = defaults.pop("partition", "flat")
+        average = defaults.pop("average_gradients", None)
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if self.shard_gradients and self.partition != "flat":
+            raise ValueError("shard_gradients=True partitions MiniDDP's buckets into equal pieces: "
+                             f"partition={self.partition!r} does not apply")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got {optimizer_class!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroRedundancyOptimizer needs an initialized process group "
+                               "(torch.distributed.init_process_group or minddp.init_distributed)")
+        self._ready = False
+        super().__init__(params, defaults)
+        self.optimizer_class, self._optim_defaults = optimizer_class, defaults
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.average_gradients = (self.ddp is None) if average is None else bool(average)
+        self._grads_in_shards = False  # set once this round's averaged gradients are in the shards
+        self._pending_load: dict | None = None  # a loaded state, kept until stage 2's layout is final
+        self._all_state: dict | None = None  # the consolidated state, on the rank it was sent to
+        self.join_context: Join | None = None
+        if self.shard_gradients:
+            check_attachable(self, self.ddp)
+        self._gradients_from_hook = False  # stage 1 on MiniDDP: its buckets' all-reduce fills the shards
+        self._clipped = self._last_clip = None  # clip_grad_norm_'s arguments this step, and last step
+        self.layout = self._build_layout()
+        self._build_local_optimizer()
+        if self.shard_gradients:  # stage 2 is a bucket communication of MiniDDP's
+            attach(self, self.ddp)
+        elif self.ddp is not None:
+            self._gradients_from_hook = attach_allreduce(self, self.ddp)
+        self._ready = True
+
+    # ------------------------------------------------------------ partition
+    def _trainable(self, group: dict) -> list[torch.Tensor]:
+        seen, out = set(), []
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:  # a tied weight is one parameter, listed once
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def _units(self) -> list[FlatUnit]:
+        if self.shard_gradients:
+            return bucket_units(self.ddp, self.world_size)
+        totals = [0] * self.world_size
+        units: list[FlatUnit] = []
+        for group in self.param_groups:
+            params = self._trainable(group)
+            if params:
+                units += flat_units(params, self.world_size) if self.partition == "flat" else \
+                    greedy_units(params, self.world_size, totals)
+        return units
+
+    def _build_layout(self) -> ShardLayout:
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in self._trainable(g)}
+        units = self._units()
+        if not units:
+            raise ValueError("ZeroRedundancyOptimizer got no parameter that requires a gradient")
+        layout = ShardLayout(units, group_of, self.rank, self.world_size)
+        layout.fill(lambda s: s.master, lambda p: p.detach())
+        old = {(s.group, s.master.dtype): s for s in self.layout.shards} if getattr(self, "layout", None) else {}
+        for shard in layout.shards:
+            before = old.get((shard.group, shard.master.dtype))
+            if before is not None and _where(before) == _where(shard):
+                shard.master = before.master  # unchanged: the local optimizer's state stays attached
+        return layout
+
+    def _local_groups(self, indices) -> list[dict]:
+        return [{**{k: v for k, v in self.param_groups[i].items() if k != "params"},
+                 "params": [s.master for s in self.layout.shards_of_group(i)]} for i in indices]
+
+    def _build_local_optimizer(self) -> None:
+        self.optim = self.optimizer_class(self._local_groups(range(len(self.param_groups))), **self._optim_defaults)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)  # the class's defaults, seen here
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (on every rank, as torch): its parameters are partitioned and join the shards."""
+        super().add_param_group(param_group)
+        if not self._ready:
+            return  # Optimizer.__init__ adding the constructor's groups
+        if self.shard_gradients:
+            raise RuntimeError("ZeroRedundancyOptimizer(shard_gradients=True) partitions MiniDDP's buckets, "
+                               "which hold every parameter from the start: pass all groups to the constructor")
+        self.layout = self._build_layout()
+        self.optim.add_param_group(self._local_groups([len(self.param_groups) - 1])[0])
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+
+    # ------------------------------------------------------------ gradients
+    def _shard_grad(self, shard: Shard) -> torch.Tensor:
+        if shard.master.grad is None:
+            shard.master.grad = torch.zeros_like(shard.master)
+        return shard.master.grad
+
+    def _collect_gradients(self, shadow: bool = False) -> None:
+        """This round's averaged gradients into the shards, unless already there (stage 2, clipping)."""
+        if self._grads_in_shards:
+            return
+        if self.shard_gradients:  # the first backward was all-reduced: partition the final buckets now
+            check_buckets_unchanged(self)
+        source: Callable = (lambda p: None) if shadow else (lambda p: p.grad)
+        if self.average_gradients:
+            reduce_scatter_grads(self.layout, source, self._shard_grad, self.process_group, self.world_size)
+        else:
+            self.layout.fill(self._shard_grad, source)
+        self._grads_in_shards = True
+
+    def _receive_piece(self, unit_index: int, piece: torch.Tensor) -> None:
+        """Stage 2: a bucket's reduce-scattered piece, into the shards (summed over backwards)."""
+        self._begin_gradient_round()
+        self.layout.take_piece(unit_index, piece, self._shard_grad, accumulate=True)
+
+    def _begin_gradient_round(self) -> None:
+        """A bucket's gradients arrive: the first of a round zeroes every shard gradient (the other buckets' parts)."""
+        if not self._grads_in_shards:
+            for shard in self.layout.shards:
+                self._shard_grad(shard).zero_()
+            self._grads_in_shards = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model.
+
+        Call after ``backward()`` and before ``step()``, on every rank (a collective).
+        The norm is summed over the shards and all-reduced; returns it.
+        """
+        self._collect_gradients()
+        self._clipped = (max_norm, norm_type)
+        grads = [self._shard_grad(s) for s in self.layout.shards]
+        device = grads[0].device
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() if g.numel() else torch.zeros((), device=device) for g in grads]).max()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = local
+        else:
+            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            dist.all_reduce(local, group=self.process_group)
+            total = local.pow(1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+        return total
+
+    # ----------------------------------------------------------------- step
+    def step(self, closure: Callable[[], float] | None = None, **kwargs) -> float | None:
+        """Step this rank's shards, then all-gather the parameters (a collective on every rank)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        Join.notify_join_context(self)
+        self._sharded_step(shadow=False, **kwargs)
+        return loss
+
+    def _sharded_step(self, shadow: bool, **kwargs) -> None:
+        self._collect_gradients(shadow)
+        if shadow and self._last_clip is not None:  # out of data: the same collectives as the others' step
+            self.clip_grad_norm_(*self._last_clip)
+        if not shadow:
+            self._last_clip, self._clipped = self._clipped, None
+        _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # an LR scheduler's changes
+        self.optim.step(**kwargs)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self._grads_in_shards = False
+        self._pending_load = None
+        for shard in self.layout.shards:  # consumed: the next backward allocates them again (1/N of the grads)
+            shard.master.grad = None
+        with torch.no_grad():
+            all_gather_params(self.layout, lambda s: s.master, lambda p: p.data, self.process_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._grads_in_shards = False
+
+    # ------------------------------------------------------------ checkpoints
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on rank ``to``, in the CPU's memory (a collective on every rank)."""
+        gather = lambda shard_tensor, dest: gather_to(self.layout, shard_tensor, dest, to, self.process_group)
+        state = consolidate(self, gather, to == self.rank)
+        self._all_state = state if to == self.rank else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer format (per parameter, indexed), after :meth:`consolidate_state_dict` to this rank."""
+        if self._all_state is None:
+            raise RuntimeError(f"optimizer state not consolidated on rank {self.rank}: call "
+                               f"consolidate_state_dict(to={self.rank}) on every rank first")
+        return self._all_state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a consolidated (torch-format) state: each rank keeps its part, for any world size."""
+        self._load(pieces_of_full(state_dict), state_dict["param_groups"])
+
+    def _load(self, pieces, param_groups: list[dict]) -> None:
+        load_pieces(self, pieces, param_groups)
+        if self.shard_gradients:  # re-applied if MiniDDP rebuilds its buckets before the first step
+            self._pending_load = (pieces, param_groups)
+
+    # ------------------------------------------------------------ uneven inputs
+    def join_hook(self, **kwargs) -> JoinHook:
+        if self.ddp is not None and not (self.shard_gradients or self._gradients_from_hook):
+            raise NotImplementedError(
+                "join() with stage 1 on torch's DDP (or a MiniDDP with its own comm hook): a rank out of data "
+                "would step its shard with stale gradients (the shadow all-reduce does not write .grad). Use "
+                "MiniDDP without a comm hook, or no wrapper (the optimizer then averages gradients itself)")
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.layout.units[0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+
+class _ZeroJoinHook(JoinHook):
+    """A rank out of data still owns a shard: it steps it (with the others' gradients) and sends it."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer):
+        self.zero = zero
+
+    def main_hook(self, active: list[bool]) -> None:
+        self.zero._sharded_step(shadow=True)
+
+
+def _where(shard: Shard) -> list[tuple]:
+    return [(id(s.param), s.param_start, s.unit_start, s.length) for s in shard.segments]
+
+
+def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
+    for src, dst in zip(source, target):
+        for key, value in src.items():
+            if key != "params":
+                dst[key] = value

@@ -1,0 +1,128 @@
+"""ZeRO stage 2 on MiniDDP: each bucket is reduce-scattered during backward, not all-reduced.
+
+An all-reduce is a reduce-scatter followed by an all-gather. Stage 1 does the
+whole all-reduce, keeps 1/N of the result and throws the rest away, then
+all-gathers the parameters. Stage 2 stops after the reduce-scatter: each rank
+receives only the averaged gradient of the elements it owns. Same bytes on
+the wire as DDP (2 psi), and a full averaged gradient never exists anywhere.
+
+So the partition follows MiniDDP's buckets: each bucket (zero padded to a
+multiple of N) is cut into N equal pieces, rank r owning piece r of every
+bucket. The reduce-scatter of a bucket then lands exactly in its owner's
+shard, and it still starts as soon as the bucket is full: the overlap of
+communication with backward stays. Two narrow contacts with MiniDDP:
+
+* a comm hook (:func:`reduce_scatter_hook`, torch's contract) that divides
+  the bucket by N, reduce-scatters it and passes this rank's piece to the
+  optimizer when it arrives;
+* the reducer's ``bucket_reduced_hook`` (:mod:`minddp.reducer`): told that
+  the optimizer took the bucket, the reducer does not write ``.grad``, and
+  the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced.
+
+The first backward is special when MiniDDP learns its bucket order
+(``learn_bucket_order=True``, the default): the buckets are rebuilt at its
+end, so a partition taken from them would not survive. That backward is
+all-reduced as in DDP; the partition is (re)taken from the final buckets at
+the first ``step()``, before any optimizer state exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minddp.comm_hooks import GradBucket
+from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
+from minddp.zero.partition import FlatUnit
+
+__all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "reduce_scatter_hook"]
+
+
+def bucket_units(ddp, world_size: int) -> list[FlatUnit]:
+    """One unit per MiniDDP bucket, in launch order, cut into N equal pieces."""
+    return [FlatUnit(list(bucket.params), world_size) for bucket in ddp.reducer.buckets]
+
+
+def check_attachable(zero, ddp) -> None:
+    """Errors that name what is wrong before anything is partitioned."""
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is None or not hasattr(reducer, "bucket_reduced_hook"):
+        raise TypeError("shard_gradients=True needs ddp=<the MiniDDP model>: stage 2 changes how MiniDDP "
+                        f"reduces its buckets (got ddp={type(ddp).__name__})")
+    if ddp.process_group is not zero.process_group and \
+            dist.get_process_group_ranks(ddp.process_group) != dist.get_process_group_ranks(zero.process_group):
+        raise ValueError("shard_gradients=True: the optimizer and MiniDDP must use the same process group")
+    mine = {id(p) for g in zero.param_groups for p in zero._trainable(g)}
+    missing = [name for bucket in reducer.buckets for p, name in zip(bucket.params, bucket.names) if id(p) not in mine]
+    if missing:
+        raise ValueError(f"shard_gradients=True: MiniDDP parameters {missing} are not in the optimizer; stage 2 "
+                         "keeps no full gradient for any bucketed parameter, so all must be optimized here")
+
+
+def attach(zero, ddp) -> None:
+    """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards."""
+    reducer = ddp.reducer
+    zero._scattered = set()  # buckets whose piece the optimizer took in this backward
+    ddp.register_comm_hook(zero, reduce_scatter_hook)
+    reducer.bucket_reduced_hook = lambda bucket: _took(zero, bucket)
+
+
+def _provisional(zero) -> bool:
+    """Will MiniDDP rebuild its buckets at the end of this backward?"""
+    reducer = zero.ddp.reducer
+    return reducer.options.learn_bucket_order and reducer.backwards_done == 0
+
+
+def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
+    """Comm hook: average the bucket, keep this rank's piece (into ``zero``'s shards)."""
+    buffer, group, n = bucket.buffer(), zero.process_group, zero.world_size
+    divisor = zero.ddp.reducer.divisor  # the world size, or the ranks still active under join()
+    if _provisional(zero):  # as DDP: the whole average lands in .grad
+        buffer.mul_(1.0 / divisor)
+        if n == 1:
+            return completed(buffer)
+        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: buffer)
+    index = bucket.index()
+    if index == 0:  # buckets launch in order: once per backward is enough
+        check_buckets_unchanged(zero)
+    unit = zero.layout.units[index]
+    if n * unit.piece == buffer.numel():
+        send = buffer.mul_(1.0 / divisor)
+    else:  # pad to N equal pieces (a copy: the bucket's buffer has no room)
+        send = torch.zeros(n * unit.piece, dtype=buffer.dtype, device=buffer.device)
+        torch.mul(buffer, 1.0 / divisor, out=send[: buffer.numel()])
+    piece = torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
+    work = _reduce_scatter(piece, send, group=group, async_op=True) if n > 1 else None
+    if work is None:
+        piece.copy_(send)
+
+    def arrived() -> None:
+        zero._receive_piece(index, piece)
+        zero._scattered.add(index)
+
+    return WorkFuture(work, buffer, arrived)
+
+
+def _took(zero, bucket: GradBucket) -> bool:
+    """The reducer's ``bucket_reduced_hook``: did the optimizer take this bucket? Then drop its ``.grad``."""
+    if bucket.index() not in zero._scattered:
+        return False  # all-reduced (the first backward): the reducer writes .grad as usual
+    zero._scattered.discard(bucket.index())
+    for p in bucket.parameters():
+        p.grad = None  # its average lives, sharded, in the optimizer; no full gradient is kept
+    return True
+
+
+def check_buckets_unchanged(zero) -> None:
+    """Retake the partition if MiniDDP rebuilt its buckets since; an error once that would lose state."""
+    now = [[id(p) for p in b.params] for b in zero.ddp.reducer.buckets]
+    if now == [[id(p) for p in u.params] for u in zero.layout.units]:
+        return
+    if (zero.optim.state and zero._pending_load is None) or zero._grads_in_shards:  # a loaded state is re-applied
+        raise RuntimeError("ZeroRedundancyOptimizer(shard_gradients=True): MiniDDP's buckets changed after the "
+                           "partition was fixed on them (the first synchronized backward must come before the "
+                           "first step)")
+    zero.layout = zero._build_layout()
+    zero._build_local_optimizer()
+    if zero._pending_load is not None:
+        zero._load(*zero._pending_load)
