@@ -28,7 +28,8 @@ def _spread(row: dict, key: str, fmt: str) -> str:
 
 def header(cfg: dict) -> str:
     """What each column runs, stated once above the tables."""
-    hook = {"none": "no comm hook (built-in all-reduce)", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
+    hook = {"none": "no comm hook (built-in all-reduce)", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",
+            "allreduce": "allreduce_hook on both wrappers (at world size 1 both then communicate)"}
     return "\n".join(
         [
             f"backend={cfg['backend']} device={cfg['device']} world_size={cfg['world_size']} "

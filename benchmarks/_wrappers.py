@@ -29,7 +29,11 @@ def return_bucket(state, bucket):  # no annotation: torch's DDP rejects any but 
 
 
 def comm_hooks(name: str):
-    """(torch's hook, MiniDDP's hook) for ``--comm-hook``; (None, None) for none."""
+    """(torch's hook, MiniDDP's hook) for ``--comm-hook``; (None, None) for none.
+
+    ``allreduce``: each wrapper's plain all-reduce as a hook. compare.py picks
+    it at world size 1 (:func:`like_for_like_hook`).
+    """
     if name == "none":
         return None, None
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
@@ -37,6 +41,7 @@ def comm_hooks(name: str):
     from minddp import comm_hooks as mh
 
     return {
+        "allreduce": (dh.allreduce_hook, mh.allreduce_hook),
         "fp16": (dh.fp16_compress_hook, mh.fp16_compress_hook),
         "bf16": (dh.bf16_compress_hook, mh.bf16_compress_hook),
     }[name]
@@ -57,3 +62,23 @@ def wrapper_names(cfg: dict) -> list[str]:
     """``torch_copy``, ``minddp_copy``, ... for every measured setting, then the ``_nocomm`` ones."""
     names = [f"{impl}_{view}" for view in cfg["bucket_views"] for impl in ("torch", "minddp")]
     return names + ([n + NOCOMM for n in names] if cfg["overhead"] else [])
+
+
+WORLD_ONE_NOTE = (
+    "note: world size 1: both wrappers get an all-reduce comm hook (torch's allreduce_hook, "
+    "minddp.comm_hooks.allreduce_hook), so both launch one real all-reduce per bucket; without it MiniDDP "
+    "skips the collective (nothing to add up) while torch's DDP still runs it, and the two figures would "
+    "not measure the same work"
+)
+
+
+def like_for_like_hook(hook: str, world_size: int) -> tuple[str, str | None]:
+    """The hook both wrappers get, and a note saying why when it was changed.
+
+    At world size 1 MiniDDP skips communication and torch's DDP does not;
+    with the same all-reduce hook both communicate, so the two columns
+    compare the same work.
+    """
+    if world_size == 1 and hook == "none":
+        return "allreduce", WORLD_ONE_NOTE
+    return hook, None

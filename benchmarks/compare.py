@@ -85,6 +85,7 @@ import _report  # noqa: E402
 import _runs  # noqa: E402
 import _spread  # noqa: E402
 from _models import ALL_MODELS, DEFAULT_MODELS  # noqa: E402
+from _wrappers import like_for_like_hook  # noqa: E402
 
 # The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
 # run's ratio moved by +-10% between runs on the shared 2-core machine; five
@@ -134,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help=f"untimed steps first (default {WARMUP}, quick 2)")
     p.add_argument("--models", type=_model_list, default=DEFAULT_MODELS, help="comma-separated, from " + ",".join(ALL_MODELS))
     p.add_argument("--threads-per-rank", type=int, default=1)
-    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16"], default="none",
+    p.add_argument("--comm-hook", choices=["none", "allreduce", "fp16", "bf16"], default="none",
                    help="both wrappers get the same hook (torch's own for torch's DDP, minddp.comm_hooks for MiniDDP)")  # fmt: skip
     p.add_argument("--bucket-view", choices=["both", "copy", "view"], default="both",
                    help="gradient_as_bucket_view settings to time, each on both wrappers: copy = False "
@@ -203,7 +204,8 @@ def check_environment(args: argparse.Namespace) -> list[str]:
                 f"measuring world size {n} instead of {args.world_size}"
             )
             args.world_size = n
-    return notes
+    args.comm_hook, note = like_for_like_hook(args.comm_hook, args.world_size)  # world size 1: both communicate
+    return notes + ([note] if note else [])
 
 
 def config(args: argparse.Namespace) -> dict:

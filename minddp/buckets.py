@@ -93,11 +93,40 @@ def assign_buckets(
     return sorted(closed, key=lambda b: b[0])
 
 
+def _slot(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param``.
+
+    A ``channels_last`` convolution weight has strides ``(27, 1, 9, 3)``, not
+    the contiguous ``(27, 9, 3, 1)``. Its ``.grad`` follows the parameter's
+    layout (autograd's rule), and so must its slot: a bucket view used as
+    ``.grad`` then has the parameter's strides (fused optimizers walk
+    parameter and gradient as flat memory, and refuse or mix up mismatched
+    ones), and a copy into the slot is a plain copy, not a permutation.
+    As torch's reducer: the parameter's strides when it is dense and
+    non-overlapping, else a contiguous slot.
+    """
+    if _dense_and_non_overlapping(param):
+        return buffer.as_strided(param.shape, param.stride(), offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)
+
+
+def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
+    """Do ``t``'s elements fill ``numel`` consecutive places, in some order of its dims?"""
+    expected = 1
+    dims = sorted(((size, stride) for size, stride in zip(t.shape, t.stride()) if size != 1), key=lambda d: d[1])
+    for size, stride in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class Bucket:
     """A flat gradient buffer for a few parameters, and its life cycle.
 
     The bucket owns ``buffer``, one contiguous tensor; each parameter's
-    gradient has a fixed slot in it (:meth:`view`). States:
+    gradient has a fixed slot in it (:meth:`view`), with the parameter's
+    own memory layout (:func:`_slot`). States:
 
     * *filling*: :meth:`mark_ready` counts parameters whose gradient has been
       copied into their slot; it returns True for the last one;
@@ -125,7 +154,7 @@ class Bucket:
         self._views: list[torch.Tensor] = []
         offset = 0
         for p in params:
-            self._views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            self._views.append(_slot(self.buffer, offset, p))
             offset += p.numel()
         self._position = {id(p): i for i, p in enumerate(params)}
         self._ready = [False] * len(params)

@@ -222,6 +222,7 @@ def make_loader(
     num_workers: int = 0,
     rank: int | None = None,
     world_size: int | None = None,
+    pin_memory: bool | None = None,
 ) -> DataLoader:
     """A ``DataLoader`` over this rank's shard; each batch holds ``global_batch_size // world_size`` samples.
 
@@ -233,9 +234,16 @@ def make_loader(
     the start of every epoch. Random numbers drawn in worker processes
     (augmentation) are reproducible: they depend on ``seed``, the rank and
     the worker only.
+
+    ``pin_memory`` (default: when the process group's backend is NCCL, whose
+    ranks train on GPUs) puts batches in page-locked memory: only from there
+    is ``batch.to("cuda", non_blocking=True)`` asynchronous; from ordinary
+    memory the copy makes the CPU wait. Pass ``True`` for Gloo with CUDA tensors.
     """
+    grouped = dist.is_available() and dist.is_initialized()
+    if pin_memory is None:
+        pin_memory = grouped and dist.get_backend() == "nccl" and torch.cuda.is_available()
     if world_size is None or rank is None:
-        grouped = dist.is_available() and dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if grouped else 1
         if rank is None:
@@ -266,4 +274,5 @@ def make_loader(
         drop_last=drop_last,
         num_workers=num_workers,
         generator=generator,
+        pin_memory=pin_memory,
     )

@@ -23,7 +23,8 @@ from torch import nn
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_replicas_in_sync, check_same_parameters
-from minddp.sync import BUFFER_POLICIES, broadcast_coalesced, check_device_ids, params_reached_from, sync_buffers
+from minddp.sync import (BUFFER_POLICIES, broadcast_coalesced, module_device, move_to_device, on_device,
+                         params_reached_from, sync_buffers)
 from minddp.trace import StepObserver, StepTimeline, Tracer
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
@@ -46,8 +47,10 @@ class MiniDDP(nn.Module):
       error at the end of backward, naming it.
     * ``gradient_as_bucket_view``: make ``p.grad`` a view into its bucket, so
       no gradient is copied and no second copy of all gradients is kept.
-    * ``device_ids``/``output_device``: accepted for drop-in compatibility;
-      MiniDDP runs on the device the module is on (place it there first).
+    * ``device_ids``: the one device the module is on (an int, a string or a
+      ``torch.device``); given, the forward's inputs are moved there, as
+      torch's DDP does. ``output_device`` is accepted and ignored. A module
+      whose parameters are on more than one device is refused.
     * ``static_graph``: promise that every iteration uses the same parameters
       the same number of times. The first backward counts each parameter's
       gradient hooks and reduces everything at its end; later ones mark a
@@ -134,17 +137,19 @@ class MiniDDP(nn.Module):
                 "MiniDDP is not needed when a module has no parameter that requires a gradient "
                 f"({type(module).__name__} has none): there is nothing to average"
             )
-        check_device_ids(device_ids, [p for _, p in named])
+        self.device = module_device(list(module.parameters()), device_ids)
+        self._input_device = self.device if device_ids is not None else None
         self._params = [p for _, p in named]
-        self.device = self._params[0].device
         self._buffers_to_sync = [b for b in module.buffers()]
 
-        # 1. Same model everywhere, then rank 0's values everywhere.
-        check_same_parameters(module, self.process_group)
-        broadcast_coalesced([p for p in module.parameters()] + self._buffers_to_sync, self.process_group)
+        # 1. Same model everywhere, then rank 0's values everywhere (on the
+        #    module's GPU, whichever is current: see minddp.sync.on_device).
+        with on_device(self.device):
+            check_same_parameters(module, self.process_group)
+            broadcast_coalesced([p for p in module.parameters()] + self._buffers_to_sync, self.process_group)
 
         # 2. The reducer: buckets, and one hook per parameter (minddp/reducer.py).
-        self._observer = StepObserver(dist.get_rank(self.process_group), trace)
+        self._observer = StepObserver(dist.get_rank(self.process_group), trace, self.device)
         options = ReducerOptions(self.bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters,
                                  static_graph, reduce_dtype, learn_bucket_order)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options, self._observer)
@@ -181,6 +186,7 @@ class MiniDDP(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
+        args, kwargs = self._inputs_on_device(args, kwargs)
         if self.reducer.backward_started:
             raise self._unfinished_backward_error()
         # The sync decision is taken here, at forward, as in torch's DDP: a
@@ -209,6 +215,12 @@ class MiniDDP(nn.Module):
                 self.reducer.unused = [p for p in self._params if id(p) not in reached]
         return output
 
+    def _inputs_on_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """With ``device_ids``, the inputs on that device (torch's DDP's ``_pre_forward`` does the same)."""
+        if self._input_device is None:
+            return args, kwargs
+        return move_to_device((args, kwargs), self._input_device)
+
     def _unfinished_backward_error(self) -> RuntimeError:
         missing = self.reducer.abandon_unfinished_backward()
         return RuntimeError(
@@ -221,14 +233,16 @@ class MiniDDP(nn.Module):
     def _before_synchronized_forward(self) -> int:
         """The collectives that open a synchronized step, identical on every rank;
         returns the rank whose buffers everyone takes."""
-        buffer_source, everyone_active = 0, True
+        buffer_source = 0
         self.reducer.divisor = self.world_size
         active = Join.notify_join_context(self)  # inside join(): who is still training?
-        if active is not None:
+        if active is not None:  # read only where used: reading waits for the GPU (minddp.join.Flags)
             self.reducer.divisor = self._join_hook.divisor(active)
-            buffer_source, everyone_active = self.join_context.last_active, all(active)
-        if self.check_sync_every and everyone_active and self._synchronized_forwards % self.check_sync_every == 0:
-            check_replicas_in_sync(self.module, self.process_group)
+            if self._buffers_to_sync and self.buffer_sync != "off":
+                buffer_source = self.join_context.last_active
+        if self.check_sync_every and self._synchronized_forwards % self.check_sync_every == 0:
+            if active is None or all(active):
+                check_replicas_in_sync(self.module, self.process_group)
         self._synchronized_forwards += 1
         return buffer_source
 

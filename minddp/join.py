@@ -15,7 +15,9 @@ and knows nothing about DDP:
 
 * at the start of every step each :class:`Joinable` calls
   :meth:`Join.notify_join_context`: one small all-reduce of a 0/1 flag per
-  rank tells everyone who is still training;
+  rank tells everyone who is still training. A training rank launches it and
+  reads the answer only if it needs it (:class:`Flags`): on a GPU, reading
+  it would stall the CPU until the GPU had caught up, every step;
 * a rank that left its loop enters :meth:`Join.__exit__` and, for every step
   the others still take, answers that all-reduce with "not me" and runs each
   joinable's :meth:`JoinHook.main_hook`, which issues the same collectives
@@ -30,12 +32,37 @@ order, then make the replicas agree) lives with the joinable, behind its
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Join", "JoinHook", "Joinable"]
+__all__ = ["Join", "JoinHook", "Joinable", "Flags"]
+
+
+class Flags(Sequence[bool]):
+    """``flags[r]``: is rank ``r`` still training? The answer of one all-reduce, read when first looked at.
+
+    Its length is known at once (the group's size); its values need the
+    all-reduce done and copied to the CPU, a wait for the device, so they
+    are read only when asked for. torch's DDP does the same: a training rank
+    hands the work to its reducer and waits for it only where the answer is
+    used.
+    """
+
+    def __init__(self, flags: torch.Tensor, work: dist.Work | None = None):
+        self._flags, self._work = flags, work
+        self._values: list[bool] | None = None
+
+    def __len__(self) -> int:
+        return self._flags.numel()
+
+    def __getitem__(self, rank):
+        if self._values is None:
+            if self._work is not None:
+                self._work.wait()
+            self._values = [bool(f) for f in self._flags.tolist()]
+        return self._values[rank]
 
 
 class JoinHook:
@@ -69,7 +96,7 @@ class Join:
         self.hooks = [j.join_hook(**kwargs) for j in self.joinables]
         self.group = self.joinables[0].join_process_group
         self.device = self.joinables[0].join_device
-        self.active: list[bool] = []
+        self.active: Sequence[bool] = []  # the last answer that had someone training
 
     def __enter__(self) -> "Join":
         if self.enable:
@@ -104,12 +131,15 @@ class Join:
             return join.active
         return join._exchange(active=True)
 
-    def _exchange(self, active: bool) -> list[bool]:
+    def _exchange(self, active: bool) -> Sequence[bool]:
         flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32, device=self.device)
         flags[dist.get_rank(self.group)] = int(active)
+        if active:  # this rank trains, so the answer has someone training: keep it, unread
+            self.active = Flags(flags, dist.all_reduce(flags, group=self.group, async_op=True))
+            return self.active
         dist.all_reduce(flags, group=self.group)
-        who = [bool(f) for f in flags.tolist()]
-        if any(who):  # keep the last answer that had someone training
+        who = Flags(flags)
+        if any(who):  # a joined rank reads at once: is there a step to shadow?
             self.active = who
         return who
 

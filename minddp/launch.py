@@ -46,6 +46,7 @@ __all__ = [
     "detect_launch",
     "parse_slurm_nodelist",
     "init_distributed",
+    "default_backend",
     "distributed",
     "find_free_port",
     "spawn",
@@ -170,9 +171,24 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     )
 
 
-def default_backend() -> str:
-    """NCCL where CUDA is available (the fast path for GPUs), else Gloo."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def ranks_on_this_machine(world_size: int, env: Mapping[str, str] | None = None) -> int:
+    """How many ranks share this machine: what the launcher says, else ``world_size`` (one machine)."""
+    env = os.environ if env is None else env
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        match = re.match(r"\d+", env.get(name, ""))  # SLURM may say "4(x2)": 4 per node on 2 nodes
+        if match:
+            return int(match.group())
+    return world_size
+
+
+def default_backend(world_size: int = 1, env: Mapping[str, str] | None = None) -> str:
+    """NCCL where every rank of this machine can have a GPU of its own, else Gloo.
+
+    NCCL is the fast path for GPUs, but refuses two ranks on one GPU; with
+    more ranks here than visible GPUs (or none) Gloo is the one that works.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if 0 < ranks_on_this_machine(world_size, env) <= gpus else "gloo"
 
 
 def init_distributed(
@@ -188,8 +204,17 @@ def init_distributed(
     With ``rank`` and ``world_size`` given (``mp.spawn``), the master is
     ``MASTER_ADDR``/``MASTER_PORT`` from the environment or
     ``localhost:29500``. Otherwise the launcher is read by
-    :func:`detect_launch`. On CUDA the current device is set to the local
-    rank *before* the group starts, so NCCL binds each rank to its own GPU.
+    :func:`detect_launch`. The backend defaults to :func:`default_backend`.
+    Where CUDA is visible, the current device is set to the local rank
+    (modulo the GPUs) *before* the group starts, for Gloo as for NCCL: NCCL
+    binds each rank to its own GPU, and ``"cuda"`` then means this rank's GPU
+    (with more ranks than GPUs, under Gloo, ranks share them).
+
+    A dead peer: under ``minddp-train --nproc`` and torchrun the supervisor
+    stops the survivors within seconds. Launched otherwise (srun, mpirun),
+    NCCL's survivors notice at ``timeout_s``, when the watchdog
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set here unless already set) tears
+    them down instead of leaving them hung; Gloo's at their next collective.
     """
     env = os.environ if env is None else env
     if (rank is None) != (world_size is None):
@@ -207,9 +232,11 @@ def init_distributed(
         )
     else:
         info = detect_launch(env)
-    backend = backend or default_backend()
-    if backend == "nccl" and torch.cuda.is_available():
+    backend = backend or default_backend(info.world_size, env)
+    if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = env.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
@@ -278,6 +305,9 @@ class RankFailed(RuntimeError):
 
 
 def _spawn_rank(rank: int, conn, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple) -> None:
+    # LocalRanks cleared the launcher's variables; what torchrun would say for one machine, for code that reads it (pick a GPU by LOCAL_RANK).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     with distributed(backend, rank=rank, world_size=world_size):

@@ -14,6 +14,9 @@ local launch (``--nproc``) and the test harness :class:`minddp.testing.RankPool`
 * a rank runs ``target(rank, conn, *args)`` and calls :func:`report` with a
   kind: ``"ok"`` (a result), ``"note"`` (news on the way, e.g. "checkpoint
   saved"; not final) or anything else (a failure, e.g. ``"error"``);
+* a rank does not see its launcher's variables (``LOCAL_RANK``,
+  ``TORCHELASTIC_*``, ``SLURM_PROCID``, ...): it was started here, not by
+  the launcher;
 * a rank that dies without a word (SIGKILL, the OOM killer, a segfault,
   ``os._exit``) is seen through its process sentinel and reported as
   ``"died"``;
@@ -30,6 +33,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import sys
 import time
@@ -92,8 +96,23 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode} without reporting an error (os._exit, or a crash in native code)"
 
 
+# What a launcher tells its processes. A rank started here must not read its
+# parent's: under torchrun every child would take the parent's LOCAL_RANK
+# (one GPU for all) and its restart count (a store it does not have).
+LAUNCHER_VARIABLES = re.compile(
+    r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|ROLE_WORLD_SIZE|GROUP_WORLD_SIZE|"
+    r"TORCHELASTIC_.*|SLURM_(PROCID|LOCALID|NTASKS|NTASKS_PER_NODE|NODEID)|OMPI_COMM_WORLD_.*)"
+)
+
+
+def _forget_launcher() -> None:
+    for name in [n for n in os.environ if LAUNCHER_VARIABLES.fullmatch(n)]:
+        del os.environ[name]
+
+
 def _rank_main(target: Callable[..., None], rank: int, conn: Connection, args: tuple) -> None:
     die_with_parent()
+    _forget_launcher()
     try:
         target(rank, conn, *args)
     except BaseException:  # noqa: BLE001 -- what the target did not report itself

@@ -37,15 +37,17 @@ class ReplicaDesyncError(RuntimeError):
 def checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Two numbers per tensor, in float64: the plain sum and a position-weighted sum.
 
-    The weighted sum catches permuted or swapped values that leave the plain
-    sum unchanged. Equal tensors give bit-identical checksums on every rank
-    (same values, same reduction order on the same kind of device).
+    The weighted sum, ``sum_i (n - i) x_i``, is the sum of the running sums,
+    and catches permuted or swapped values that leave the plain sum unchanged.
+    Both accumulate in float64 without a float64 copy of the tensor (one
+    temporary: the running sums). Equal tensors give bit-identical checksums
+    on every rank (same values, same reduction order on the same kind of
+    device). Nothing here waits for the GPU.
     """
     rows = []
     for t in tensors:
-        flat = t.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-        rows.append(torch.stack([flat.sum(), (flat * weights).sum() / max(flat.numel(), 1)]))
+        flat = t.detach().reshape(-1)
+        rows.append(torch.stack([flat.sum(dtype=torch.float64), flat.cumsum(0, dtype=torch.float64).sum()]))
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
@@ -54,22 +56,24 @@ def check_replicas_in_sync(module: nn.Module, group: dist.ProcessGroup | None = 
 
     A collective: every rank of ``group`` must call it at the same point.
     Pass the unwrapped module or the MiniDDP wrapper; names are reported as
-    ``module.named_parameters()`` / ``named_buffers()`` give them.
+    ``module.named_parameters()`` / ``named_buffers()`` give them. One wait
+    for the GPU per check (the verdict), not one per tensor.
     """
     named = list(module.named_parameters()) + list(module.named_buffers())
-    mine = checksums([t for _, t in named])
     device = named[0][1].device if named else torch.device("cpu")
-    everyone = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine.to(device), group=group)
-    reference = everyone[0]
-    for i, (name, _) in enumerate(named):
-        differing = [rank for rank, theirs in enumerate(everyone) if not torch.equal(theirs[i], reference[i])]
-        if differing:
-            raise ReplicaDesyncError(
-                f"replicas are out of sync: {name!r} on rank(s) {differing} differs from rank 0 "
-                f"(checksums {reference[i].tolist()} on rank 0, {everyone[differing[0]][i].tolist()} on "
-                f"rank {differing[0]}). Look for a step, a load or a random change that ran on some ranks only."
-            )
+    mine = checksums([t for _, t in named]).to(device)
+    everyone = torch.empty((dist.get_world_size(group), *mine.shape), dtype=mine.dtype, device=device)
+    dist.all_gather(list(everyone.unbind(0)), mine, group=group)  # each rank's rows land in its slice
+    differs = (everyone != everyone[:1]).any(dim=-1)  # [rank, tensor]
+    if not bool(differs.any()):
+        return
+    first = int(differs.any(dim=0).nonzero()[0])  # only now, on the way to an error, read the details
+    differing = differs[:, first].nonzero().flatten().tolist()
+    raise ReplicaDesyncError(
+        f"replicas are out of sync: {named[first][0]!r} on rank(s) {differing} differs from rank 0 "
+        f"(checksums {everyone[0, first].tolist()} on rank 0, {everyone[differing[0], first].tolist()} on "
+        f"rank {differing[0]}). Look for a step, a load or a random change that ran on some ranks only."
+    )
 
 
 def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:

@@ -79,7 +79,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         else:  # an empty slice contributes nothing (and var_mean would give NaN)
             mean_local = torch.zeros(channels, dtype=compute, device=x.device)
             m2_local = torch.zeros_like(mean_local)
-        count = torch.tensor([float(n_local)], dtype=torch.float64, device=x.device)
+        # torch.full writes the number on the device; torch.tensor([n]) would copy it from the host.
+        count = torch.full((1,), float(n_local), dtype=torch.float64, device=x.device)
         local = torch.cat([count, mean_local.double(), m2_local.double()])
 
         gathered = [torch.empty_like(local) for _ in range(world_size)]
@@ -89,6 +90,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         means = table[:, 1 : 1 + channels]
         m2s = table[:, 1 + channels :]
 
+        # The one wait for the GPU per layer and forward (torch's SyncBatchNorm has
+        # one too, dropping empty ranks' rows): every rank must see the same n to
+        # raise together below, rather than leave the others waiting.
         n = int(counts.sum().item())
         if n <= 1:  # the same n on every rank, so every rank raises: no hang
             raise ValueError(

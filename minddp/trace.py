@@ -16,9 +16,19 @@ observer keeps the records. Two levels:
   the all-reduce is hidden; where they stick out past the end of backward,
   that time is paid on top of compute.
 
-Timestamps come from ``time.perf_counter`` (CLOCK_MONOTONIC on Linux), which
-is shared by the processes of one machine, so ranks line up on one time axis.
-Across machines they would not: compare tracks within a rank there.
+Whose time? On CPU (Gloo) the CPU does the work, and ``time.perf_counter``
+(CLOCK_MONOTONIC on Linux, shared by the processes of one machine, so ranks
+line up on one axis) says when. On a GPU the CPU only *queues* work: a hook
+fires when the gradient's kernels are queued, and an NCCL all-reduce's
+future completes when the collective is queued, so CPU times would draw
+every all-reduce as a zero-length bar, hidden. There the tracer uses
+:class:`DeviceClock`: a CUDA event recorded on the current stream at each
+hook, at each launch, and in the all-reduce's completion callback (which
+torch runs on a stream that waits for the collective), so the bars show when
+the GPU did the work. The always-on :class:`StepTimeline` stays on the CPU
+clock: one event per hook would cost too much to keep on every step. Across
+machines (and, for device times, across ranks) clocks do not line up:
+compare tracks within a rank there.
 """
 
 from __future__ import annotations
@@ -33,7 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepObserver", "StepTimeline", "Tracer", "profiler_range"]
+from minddp.sync import on_device
+
+__all__ = ["StepObserver", "StepTimeline", "Tracer", "HostClock", "DeviceClock", "profiler_range"]
 
 BACKWARD_TRACK, COMM_TRACK = 0, 1
 
@@ -65,13 +77,57 @@ def _us(seconds: float) -> float:
     return seconds * 1e6
 
 
-class Tracer:
-    """Records hook and bucket events of every step, exports a Chrome trace."""
+class HostClock:
+    """When the CPU got there: the right clock where the CPU does the work (Gloo on CPU tensors)."""
 
-    def __init__(self, rank: int):
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, stamp: float) -> float:
+        return stamp
+
+
+class DeviceClock:
+    """When the GPU got there: a CUDA event recorded on the device's current stream.
+
+    An event's time is only known once the GPU has passed it, so stamps are
+    read (:meth:`seconds`) at export, as seconds on the ``perf_counter`` axis:
+    the origin is an event recorded right after a ``synchronize``, when the
+    two clocks agree.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        torch.cuda.synchronize(device)
+        self._origin_s = time.perf_counter()
+        self._origin = self.now()
+
+    def now(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, stamp: torch.cuda.Event) -> float:
+        stamp.synchronize()
+        return self._origin_s + self._origin.elapsed_time(stamp) / 1e3
+
+
+def clock_for(device: torch.device | None) -> HostClock | DeviceClock:
+    return DeviceClock(device) if device is not None and device.type == "cuda" else HostClock()
+
+
+class Tracer:
+    """Records hook and bucket events of every step, exports a Chrome trace.
+
+    Times are stamps of ``clock`` (:class:`HostClock`, or :class:`DeviceClock`
+    for a module on a GPU), turned into microseconds when read.
+    """
+
+    def __init__(self, rank: int, device: torch.device | None = None):
         self.rank = rank
         self.step = 0
-        self.events: list[dict[str, Any]] = []
+        self.clock = clock_for(device)
+        self._raw: list[dict[str, Any]] = []  # events whose "ts" (and "end") are still stamps
         # Completion callbacks run on the communication thread, possibly a
         # moment after backward's wait returned: count them, so an export can
         # wait until the last one has written its event.
@@ -82,7 +138,21 @@ class Tracer:
         step = self.step if step is None else step
         event.update(pid=self.rank, args={**event.get("args", {}), "step": step})
         with self._changed:
-            self.events.append(event)
+            self._raw.append(event)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The events so far, in Chrome's form (``ts`` and ``dur`` in microseconds)."""
+        with self._changed:
+            raw = list(self._raw)
+        return [self._resolved(e) for e in raw]
+
+    def _resolved(self, event: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in event.items() if k != "end"}
+        out["ts"] = _us(self.clock.seconds(event["ts"]))
+        if "end" in event:
+            out["dur"] = _us(self.clock.seconds(event["end"])) - out["ts"]
+        return out
 
     def _wait_for_pending(self) -> None:
         if not self._changed.wait_for(lambda: self._pending == 0, timeout=30.0):
@@ -92,24 +162,24 @@ class Tracer:
         """Forget the events so far (e.g. warm-up steps), once their callbacks have landed."""
         with self._changed:
             self._wait_for_pending()
-            self.events.clear()
+            self._raw.clear()
 
-    def forward_done(self, started: float, ended: float) -> None:
-        """The wrapped module's forward (of a step that will synchronize)."""
-        self._add({"name": "forward", "ph": "X", "ts": _us(started), "dur": _us(ended - started),
-                   "tid": BACKWARD_TRACK})
+    def forward_done(self, started: Any, ended: Any) -> None:
+        """The wrapped module's forward (of a step that will synchronize); stamps of :attr:`clock`."""
+        self._add({"name": "forward", "ph": "X", "ts": started, "end": ended, "tid": BACKWARD_TRACK})
 
-    def gradient_ready(self, name: str, when: float, grad: torch.Tensor | None = None) -> None:
+    def gradient_ready(self, name: str, when: Any, grad: torch.Tensor | None = None) -> None:
         args = {} if grad is None else {"bytes": grad.numel() * grad.element_size(), "dtype": str(grad.dtype)}
-        self._add({"name": f"grad {name}", "ph": "i", "s": "t", "ts": _us(when), "tid": BACKWARD_TRACK,
-                   "args": args})
+        self._add({"name": f"grad {name}", "ph": "i", "s": "t", "ts": when, "tid": BACKWARD_TRACK, "args": args})
 
-    def bucket_launched(self, index: int, nbytes: int, when: float, future: torch.futures.Future) -> None:
+    def bucket_launched(self, index: int, nbytes: int, when: Any, future: torch.futures.Future) -> None:
         step = self.step  # the step it was launched in, not the one running when it ends
 
         def done(_: torch.futures.Future) -> None:
-            end = time.perf_counter()
-            self._add({"name": f"all_reduce bucket {index}", "ph": "X", "ts": _us(when), "dur": _us(end - when),
+            # On a GPU torch runs this callback with a current stream that
+            # waits for the collective: the event marks its end on the device.
+            end = self.clock.now()
+            self._add({"name": f"all_reduce bucket {index}", "ph": "X", "ts": when, "end": end,
                        "tid": COMM_TRACK, "args": {"bytes": nbytes}}, step)
             with self._changed:
                 self._pending -= 1
@@ -119,10 +189,13 @@ class Tracer:
             self._pending += 1
         future.add_done_callback(done)
 
-    def backward_done(self, timeline: StepTimeline) -> None:
-        if timeline.first_hook is not None and timeline.finished is not None:
-            self._add({"name": "backward (first hook .. grads written)", "ph": "X", "ts": _us(timeline.first_hook),
-                       "dur": _us(timeline.finished - timeline.first_hook), "tid": BACKWARD_TRACK})
+    def backward_done(self, timeline: StepTimeline, started: Any = None, ended: Any = None) -> None:
+        """End of a step's backward: ``started``/``ended`` stamps, or else ``timeline``'s CPU times."""
+        if started is None or ended is None:
+            started, ended = timeline.first_hook, timeline.finished
+        if started is not None and ended is not None:
+            self._add({"name": "backward (first hook .. grads written)", "ph": "X", "ts": started, "end": ended,
+                       "tid": BACKWARD_TRACK})
         self.step += 1
 
     def chrome_trace(self, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
@@ -133,8 +206,9 @@ class Tracer:
         everyone: list[Any] = [None] * dist.get_world_size(group)
         with self._changed:
             self._wait_for_pending()
-            mine = list(self.events)
-        dist.all_gather_object(everyone, mine, group=group)
+        mine = self.events
+        with on_device(self.clock.device) if isinstance(self.clock, DeviceClock) else contextlib.nullcontext():
+            dist.all_gather_object(everyone, mine, group=group)
         if dist.get_rank(group) != 0:
             return None
         events = [e for rank_events in everyone for e in rank_events]
@@ -142,7 +216,8 @@ class Tracer:
             events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
             for tid, label in ((BACKWARD_TRACK, "backward"), (COMM_TRACK, "communication")):
                 events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": label}})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        clock = "cuda events" if isinstance(self.clock, DeviceClock) else "perf_counter"
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"clock": clock}}
 
     def export_chrome_trace(self, path: str, group: dist.ProcessGroup | None = None) -> None:
         """Write :meth:`chrome_trace` to ``path`` on rank 0 (a collective)."""
@@ -157,35 +232,41 @@ class StepObserver:
 
     The gradient path stays free of instrumentation: it tells the observer
     what happened, and the observer keeps the always-on :class:`StepTimeline`
-    (one clock read per event) and, only when tracing, the :class:`Tracer`.
+    (one CPU clock read per event) and, only when tracing, the :class:`Tracer`
+    (stamps of its own clock: CUDA events for a module on a GPU).
     """
 
-    def __init__(self, rank: int, trace: bool):
+    def __init__(self, rank: int, trace: bool, device: torch.device | None = None):
         self.timeline = StepTimeline()
-        self.tracer = Tracer(rank) if trace else None
+        self.tracer = Tracer(rank, device) if trace else None
+        self._backward_stamp: Any = None
 
-    def forward_started(self) -> float | None:
-        return time.perf_counter() if self.tracer is not None else None
+    def forward_started(self) -> Any:
+        return self.tracer.clock.now() if self.tracer is not None else None
 
-    def forward_done(self, started: float | None) -> None:
+    def forward_done(self, started: Any) -> None:
         if self.tracer is not None and started is not None:
-            self.tracer.forward_done(started, time.perf_counter())
+            self.tracer.forward_done(started, self.tracer.clock.now())
 
     def backward_started(self) -> None:
         self.timeline.clear()
         self.timeline.first_hook = time.perf_counter()
+        if self.tracer is not None:
+            self._backward_stamp = self.tracer.clock.now()
 
     def gradient_ready(self, name: str, grad: torch.Tensor | None) -> None:
-        now = self.timeline.last_hook = time.perf_counter()
+        self.timeline.last_hook = time.perf_counter()
         if self.tracer is not None:
-            self.tracer.gradient_ready(name, now, grad)
+            self.tracer.gradient_ready(name, self.tracer.clock.now(), grad)
 
     def bucket_launched(self, index: int, nbytes: int, launched: float, future: torch.futures.Future) -> None:
+        """``launched``: CPU time, for the timeline; the tracer stamps its own clock (the all-reduce is queued)."""
         self.timeline.launches.append(launched)
         if self.tracer is not None:
-            self.tracer.bucket_launched(index, nbytes, launched, future)
+            clock = self.tracer.clock
+            self.tracer.bucket_launched(index, nbytes, launched if isinstance(clock, HostClock) else clock.now(), future)
 
     def backward_done(self) -> None:
         self.timeline.finished = time.perf_counter()
         if self.tracer is not None:
-            self.tracer.backward_done(self.timeline)
+            self.tracer.backward_done(self.timeline, self._backward_stamp, self.tracer.clock.now())

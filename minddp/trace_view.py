@@ -16,6 +16,10 @@ Chrome trace events. Per rank (``pid``) there are two tracks (``tid``):
 Every event carries the ``step`` it belongs to (a bucket's bar: the step it
 was launched in).
 
+A trace of a module on a GPU holds device times (CUDA events; its
+``otherData.clock`` says ``"cuda events"``), one on CPU ``perf_counter``
+times; the picture's axis says which.
+
 Used by ``benchmarks/compare.py --trace`` and by lesson 16. matplotlib is
 imported only inside :func:`draw_overlap` (it is the optional ``plot`` extra).
 """
@@ -138,7 +142,9 @@ def draw_overlap(trace: dict, path: str, title: str = "", step_position: int = -
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the first gradient hook of the step")
+    clock = trace.get("otherData", {}).get("clock", "perf_counter")
+    where = "GPU time, CUDA events" if clock == "cuda events" else "CPU time"
+    ax.set_xlabel(f"ms since the first gradient hook of the step ({where})")
     step_no = next(iter(steps.values())).step
     ax.set_title(
         (title + "\n" if title else "")

@@ -23,13 +23,24 @@ class UsageError(Exception):
 
 _COMM_PATTERN = re.compile(
     r"gloo|nccl|connection (closed|reset|refused)|broken pipe|timed out|timeout|peer|socket|"
-    r"process group|ProcessGroup|store",
+    r"process group|ProcessGroup|store|abort",
+    re.IGNORECASE,
+)
+# Raised through NCCL (as a DistBackendError), yet this rank's own failure:
+# NCCL's own error codes for a bad call or a failed CUDA call here, and CUDA's
+# errors. A peer's death reads otherwise (ncclRemoteError, ncclSystemError,
+# "aborted", the watchdog's timeout).
+_OWN_ERROR_PATTERN = re.compile(
+    r"ncclUnhandledCudaError|ncclInvalidUsage|ncclInvalidArgument|ncclInternalError|CUDA error|"
+    r"CUDA out of memory|illegal memory access|device-side assert",
     re.IGNORECASE,
 )
 
 
 def is_communication_error(exc: BaseException) -> bool:
     """Does ``exc`` look like the consequence of another rank failing (not a bug on this rank)?"""
+    if _OWN_ERROR_PATTERN.search(str(exc)):
+        return False
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(exc, dist_error):
         return True
