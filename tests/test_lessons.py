@@ -37,6 +37,7 @@ FLAGS = {
     "16": [["--link", "none"]],
     "18": [["--timeout-s", "1"]],
     "19": [["--gradient-as-bucket-view"], ["--optimizer", "sgd"]],
+    "20": [["--bucket-cap-mb", "25"]],
 }
 
 
