@@ -156,7 +156,8 @@ def main(rank: int, world_size: int, args) -> None:
     assert all(c == counted for c in everyone), "DDP replicates: every rank holds the same bytes"
     model_bytes = counted["params"] + counted["grads"] + counted["optimizer_state"]
     print0(f"  params + grads + optimizer state = {model_bytes / numel:.2f} bytes per parameter on each of the "
-           f"{world_size} ranks (fp32: 4 + 4 + {per_element}); the buckets add {counted['bucket_buffers'] / numel:.0f} more")
+           f"{world_size} ranks (fp32: 4 + 4 + {per_element}); "
+           f"the buckets add {counted['bucket_buffers'] / numel:.0f} more")
     assert abs(model_bytes / numel - (8 + per_element)) < 0.01, "4 + 4 + the state's bytes, whatever N"
 
     # Part 2: the optimizer state sharded by hand, checked against the unsharded optimizer.
@@ -181,7 +182,8 @@ def main(rank: int, world_size: int, args) -> None:
         elements = sum(s.numel for s in zero.layout.shards)
         shares[partition] = _gather(elements)
     largest = max(ddp.parameters(), key=lambda p: p.numel())
-    print0(f"\npart 3: elements each rank steps (and keeps the optimizer state of), {world_size} ranks; the largest tensor "
+    print0(f"\npart 3: elements each rank steps (and keeps the optimizer state of), {world_size} ranks; "
+           f"the largest tensor "
            f"(token embedding, {tuple(largest.shape)}) is {largest.numel() / numel:.0%} of the parameters:")
     print0(f"  {'rank':>4} {'flat':>10} {'greedy':>10}")
     for r in range(world_size):
