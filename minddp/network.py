@@ -22,6 +22,17 @@ pays ``2 log2(p)`` latencies but sends the whole message at each level.
 A **hierarchical** all-reduce (:class:`Hierarchy`) runs a ring inside each
 node on fast links and only ``1/g`` of the bytes per rank between nodes.
 
+ZeRO uses the two halves of the ring on their own: a **reduce-scatter**
+(each rank ends with the sum of its ``1/p`` of the bytes) and an
+**all-gather** (each rank's ``1/p`` to everyone), each ``p - 1`` steps of
+``n / p`` bytes::
+
+    t_rs(n, p) = t_ag(n, p) = (p - 1) alpha + (p - 1) / p * n / bandwidth
+
+so ``t_rs + t_ag = t_ring``: sharding gradients moves no extra bytes
+(:func:`reduce_scatter_time`, :func:`all_gather_time`; ring only, as NCCL
+runs them).
+
 Every preset's figures and their source are in its ``source`` field (and the
 comment above :data:`PRESETS`). What the model leaves out: congestion and
 topology of the switch fabric, NCCL's pipelining of chunks and several
@@ -41,6 +52,7 @@ from dataclasses import dataclass
 __all__ = [
     "Link", "Hierarchy", "PRESETS", "HIERARCHIES", "ring_allreduce_time", "tree_allreduce_time",
     "hierarchical_allreduce_time", "allreduce_time", "ring_bytes_sent_per_rank", "fit_link", "get_link", "get_network",
+    "ring_half_time", "reduce_scatter_time", "all_gather_time", "collective_time", "bytes_sent_per_rank",
 ]
 
 
@@ -79,6 +91,55 @@ def tree_allreduce_time(nbytes: float, world_size: int, link: Link) -> float:
 
 
 ALGORITHMS = {"ring": ring_allreduce_time, "tree": tree_allreduce_time}
+
+
+def ring_half_time(nbytes: float, world_size: int, link: Link) -> float:
+    """Seconds for a ring reduce-scatter, or a ring all-gather, of ``nbytes`` (the whole buffer) over ``world_size``.
+
+    Half a ring all-reduce: ``p - 1`` steps, each sending ``nbytes / p``.
+    """
+    if world_size <= 1:
+        return 0.0
+    steps = world_size - 1
+    return steps * link.alpha_s + steps / world_size * nbytes / link.bandwidth_Bps
+
+
+def _half_time(nbytes: float, world_size: int, link: "Link | Hierarchy") -> float:
+    if isinstance(link, Hierarchy):
+        # Inside the node over its g ranks, then each rank's n/g between the
+        # nodes (for an all-gather the other way round; the same cost): the
+        # two halves add up to hierarchical_allreduce_time's ring.
+        g = min(link.ranks_per_node, world_size)
+        return ring_half_time(nbytes, g, link.intra) + ring_half_time(nbytes / g, math.ceil(world_size / g), link.inter)
+    return ring_half_time(nbytes, world_size, link)
+
+
+def reduce_scatter_time(nbytes: float, world_size: int, link: "Link | Hierarchy") -> float:
+    """Seconds for a ring reduce-scatter of an ``nbytes`` buffer: each rank keeps the sum of ``1/p`` of it."""
+    return _half_time(nbytes, world_size, link)
+
+
+def all_gather_time(nbytes: float, world_size: int, link: "Link | Hierarchy") -> float:
+    """Seconds for a ring all-gather that assembles an ``nbytes`` buffer from ``1/p`` pieces on every rank."""
+    return _half_time(nbytes, world_size, link)
+
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def collective_time(kind: str, nbytes: float, world_size: int, link: "Link | Hierarchy",
+                    algorithm: str = "ring") -> float:
+    """Seconds for one collective of :data:`COLLECTIVES` over an ``nbytes`` buffer.
+
+    ``algorithm`` applies to the all-reduce; reduce-scatter and all-gather are rings.
+    """
+    if kind == "all_reduce":
+        return allreduce_time(nbytes, world_size, link, algorithm)
+    if kind == "reduce_scatter":
+        return reduce_scatter_time(nbytes, world_size, link)
+    if kind == "all_gather":
+        return all_gather_time(nbytes, world_size, link)
+    raise ValueError(f"unknown collective {kind!r}; choose one of {', '.join(COLLECTIVES)}")
 
 
 def allreduce_time(nbytes: float, world_size: int, link: "Link | Hierarchy", algorithm: str = "ring") -> float:
@@ -189,6 +250,15 @@ HIERARCHIES: dict[str, Hierarchy] = {
 def ring_bytes_sent_per_rank(nbytes: float, world_size: int) -> float:
     """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (p - 1) / p * nbytes`` (< 2 nbytes)."""
     return 2 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
+
+
+def bytes_sent_per_rank(kind: str, nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in a ring ``kind`` over an ``nbytes`` buffer: ``2 (p-1)/p n`` for an
+    all-reduce, ``(p-1)/p n`` for a reduce-scatter or an all-gather."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; choose one of {', '.join(COLLECTIVES)}")
+    half = (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
+    return 2 * half if kind == "all_reduce" else half
 
 
 def fit_link(sizes: list[float], seconds: list[float], world_size: int, name: str = "fitted") -> Link:

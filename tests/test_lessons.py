@@ -36,6 +36,8 @@ FLAGS = {
     "13": [["--no-scaler"]],
     "16": [["--link", "none"]],
     "18": [["--timeout-s", "1"]],
+    "19": [["--gradient-as-bucket-view"], ["--optimizer", "sgd"]],
+    "20": [["--bucket-cap-mb", "25"]],
 }
 
 

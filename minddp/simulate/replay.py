@@ -11,7 +11,9 @@ replay walks the buckets in order, as MiniDDP and torch's DDP launch them:
 3. it starts when it is ready *and* the one before it has finished: strict
    bucket order, one collective on the wire at a time (NCCL and Gloo run a
    process group's collectives one after another);
-4. it lasts ``allreduce_time(wire bytes)``, plus two casts with compression.
+4. it lasts ``allreduce_time(wire bytes)``, plus two casts with compression
+   (with ``collective="reduce_scatter"``, ZeRO stage 2's way, a ring
+   reduce-scatter of the bucket instead: half the time on the wire).
 
 The step ends when backward has produced its last gradient and the last
 all-reduce is over, plus ``after_backward_ms``. With ``overlap=False``
@@ -28,7 +30,7 @@ import torch
 
 from minddp.buckets import MiB, TensorSpec, assign_buckets
 from minddp.ddp import FIRST_BUCKET_CAP_MB
-from minddp.network import Hierarchy, Link, allreduce_time
+from minddp.network import COLLECTIVES, Hierarchy, Link, collective_time
 from minddp.simulate.profile import ComputeProfile, Gradient
 
 __all__ = ["DDPPolicy", "SimulatedBucket", "SimulatedStep", "simulate_step"]
@@ -49,8 +51,12 @@ class DDPPolicy:
     accumulation_steps: int = 1  # k: k-1 steps under no_sync(), then one that communicates
     algorithm: str = "ring"  # or "tree"; with a Hierarchy network, the one between nodes
     overlap: bool = True  # False: communication and compute share the cores (see module doc)
+    collective: str = "all_reduce"  # what each bucket does: "reduce_scatter" is ZeRO stage 2's
 
     def __post_init__(self) -> None:
+        if self.collective not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"collective must be 'all_reduce' or 'reduce_scatter' (a bucket's reduction), "
+                             f"got {self.collective!r}; the known collectives are {', '.join(COLLECTIVES)}")
         if self.compression not in (None, "fp16", "bf16"):
             raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {self.compression!r}")
         if self.accumulation_steps < 1:
@@ -62,7 +68,7 @@ class SimulatedBucket:
     index: int
     names: list[str]
     nbytes: int  # in its gradients' dtype
-    wire_bytes: int  # what the all-reduce moves per rank (halved by compression)
+    wire_bytes: int  # the buffer the collective reduces (halved by compression)
     ready_ms: float  # since backward began
     start_ms: float
     end_ms: float
@@ -145,7 +151,7 @@ def simulate_step(profile: ComputeProfile, network: Link | Hierarchy, world_size
         ready = wall(max(g.ready_ms for g in members))
         start = max(ready, wire_free)
         wire = _wire_bytes(members, policy)
-        seconds = allreduce_time(wire, world_size, network, policy.algorithm)
+        seconds = collective_time(policy.collective, wire, world_size, network, policy.algorithm)
         if wire < sum(g.nbytes for g in members):  # compressed: cast down before, back up after
             seconds += 2 * sum(g.nbytes for g in members) / policy.cast_Bps
         end = start + seconds * 1e3

@@ -1,0 +1,193 @@
+"""The simulator's ZeRO: the paper's memory per rank, reduce-scatter and all-gather in the alpha-beta model,
+stage 2's reduce-scatters overlapped with backward, and ``python -m minddp.simulate zero``.
+
+Hand-computed values: the ZeRO paper's (Rajbhandari et al. 2020, section 3.1) for 7.5 B parameters on
+64 ranks, and replays on a link of 1 ms per ring step and 1 GB/s. No process group.
+"""
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minddp.network import (
+    PRESETS,
+    Hierarchy,
+    Link,
+    all_gather_time,
+    allreduce_time,
+    bytes_sent_per_rank,
+    get_network,
+    reduce_scatter_time,
+)
+from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
+from minddp.simulate.zero import MODELS, memory_per_rank, predict, zero_step
+from minddp.simulate.zero_report import main as zero_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MB = 1_000_000
+LINK = Link("hand", alpha_s=1e-3, bandwidth_Bps=1e9)  # 1 ms per ring step, 1 GB/s
+NO_FIRST_CAP = DDPPolicy(bucket_cap_mb=1, first_bucket_cap_mb=1)  # 1 MiB: each 1 MB gradient its own bucket
+
+
+# ----------------------------------------------------------------------------- memory, the paper's formula
+
+def test_paper_example_7_5b_on_64_ranks():
+    # Section 3.1: 16 x 7.5e9 = 120 GB; 4 x 7.5e9 + 12 x 7.5e9 / 64 = 31.4 GB; 2 x 7.5e9 + 14 x 7.5e9 / 64 = 16.6 GB.
+    psi = MODELS["7.5b"].params
+    assert memory_per_rank("ddp", psi, 64) == pytest.approx(120e9)
+    assert memory_per_rank("stage1", psi, 64) == pytest.approx(31.40625e9)
+    assert memory_per_rank("stage2", psi, 64) == pytest.approx(16.640625e9)
+
+
+@pytest.mark.parametrize("n", [1, 8, 64, 1024])
+def test_ddp_keeps_16_bytes_per_parameter_whatever_the_world_size(n):
+    assert memory_per_rank("ddp", 7.5e9, n) == pytest.approx(120e9)
+
+
+def test_one_rank_shards_nothing_and_many_ranks_approach_the_replicated_part():
+    for setup in ("stage1", "stage2"):
+        assert memory_per_rank(setup, 1e9, 1) == memory_per_rank("ddp", 1e9, 1)
+    assert memory_per_rank("stage1", 1e9, 10**9) == pytest.approx(4e9, rel=1e-6)  # fp16 weights + gradients
+    assert memory_per_rank("stage2", 1e9, 10**9) == pytest.approx(2e9, rel=1e-6)  # fp16 weights only
+
+
+def test_fp32_variant_matches_the_package_measurement_table():
+    # docs/zero_memory.txt, "paper" column: psi = 950,208, AdamW in fp32, N = 4: 14.50, 9.06, 6.34 MiB.
+    psi, mib = 950_208, 2**20
+    assert memory_per_rank("ddp", psi, 4, "fp32") / mib == pytest.approx(14.50, abs=0.005)
+    assert memory_per_rank("stage1", psi, 4, "fp32") / mib == pytest.approx(9.06, abs=0.005)
+    assert memory_per_rank("stage2", psi, 4, "fp32") / mib == pytest.approx(6.34, abs=0.005)
+
+
+def test_unknown_setup_and_precision_are_named():
+    with pytest.raises(ValueError, match="stage3"):
+        memory_per_rank("stage3", 1e9, 8)
+    with pytest.raises(ValueError, match="bf16"):
+        memory_per_rank("ddp", 1e9, 8, "bf16")
+
+
+# ----------------------------------------------------------------------------- the collectives
+
+def test_reduce_scatter_and_all_gather_by_hand():
+    # 4 ranks, 4 MB: 3 steps of 1 ms + 3 steps of 1 MB at 1 GB/s = 6 ms each.
+    assert reduce_scatter_time(4 * MB, 4, LINK) == pytest.approx(6e-3)
+    assert all_gather_time(4 * MB, 4, LINK) == pytest.approx(6e-3)
+    assert reduce_scatter_time(4 * MB, 1, LINK) == 0.0
+
+
+@pytest.mark.parametrize("network", [LINK, PRESETS["ib400"], PRESETS["eth25"], get_network("dgx-h100"),
+                                     Hierarchy("odd", LINK, PRESETS["eth25"], 3)])
+@pytest.mark.parametrize("n", [2, 3, 8, 64, 1000, 1024])
+@pytest.mark.parametrize("nbytes", [1, 4 * MB, 3e9])
+def test_reduce_scatter_plus_all_gather_is_the_ring_all_reduce(network, n, nbytes):
+    both = reduce_scatter_time(nbytes, n, network) + all_gather_time(nbytes, n, network)
+    assert both == pytest.approx(allreduce_time(nbytes, n, network, "ring"), rel=1e-12)
+    sent = bytes_sent_per_rank("reduce_scatter", nbytes, n) + bytes_sent_per_rank("all_gather", nbytes, n)
+    assert sent == pytest.approx(bytes_sent_per_rank("all_reduce", nbytes, n), rel=1e-12)
+
+
+def test_a_bucket_collective_other_than_a_reduction_is_refused():
+    with pytest.raises(ValueError, match="all_gather"):
+        DDPPolicy(collective="all_gather")
+
+
+# ----------------------------------------------------------------------------- the step
+
+def _profile(optimizer_ms=4.0):
+    # Gradients c then a, 1 MB each, ready at 1 and 10 ms of backward; forward 2 ms.
+    return ComputeProfile(2.0, [Gradient("c", 1.0, MB), Gradient("a", 10.0, MB)], optimizer_ms)
+
+
+def test_ddp_step_by_hand():
+    s = zero_step(_profile(), LINK, 2, "ddp", NO_FIRST_CAP)
+    # all-reduce 2 x 1 ms + 1 MB / 1 GB/s = 3 ms: c 1..4, a 10..13; forward 2 + 13 + optimizer 4
+    assert [t for b in s.replay.buckets for t in (b.start_ms, b.end_ms)] == pytest.approx([1, 4, 10, 13])
+    assert (s.gather_ms, s.step_ms) == pytest.approx((0.0, 19.0))
+    assert s.wire_bytes == pytest.approx(2 * MB)  # 2 (N-1)/N x 2 MB
+
+
+def test_stage2_reduce_scatters_each_bucket_under_backward_as_ddp_all_reduces_it():
+    ddp = zero_step(_profile(), LINK, 2, "ddp", NO_FIRST_CAP)
+    s2 = zero_step(_profile(), LINK, 2, "stage2", NO_FIRST_CAP)
+    # The same buckets leave at the same moments (when ready, during backward) ...
+    assert [b.start_ms for b in s2.replay.buckets] == [b.start_ms for b in ddp.replay.buckets] == [1.0, 10.0]
+    assert s2.replay.buckets[0].end_ms < s2.replay.backward_end_ms  # the first one hides under backward
+    # ... each a reduce-scatter: 1 ms + 0.5 MB / 1 GB/s = 1.5 ms, half the all-reduce.
+    assert [t for b in s2.replay.buckets for t in (b.start_ms, b.end_ms)] == pytest.approx([1, 2.5, 10, 11.5])
+    # after backward: optimizer on 1/2 of the state (2 ms), then two all-gathers of 1.5 ms
+    assert s2.gather_ms == pytest.approx(3.0)
+    assert s2.step_ms == pytest.approx(2 + 11.5 + 2 + 3)
+    assert s2.wire_bytes == pytest.approx(ddp.wire_bytes)  # reduce-scatter + all-gather = all-reduce
+
+
+def test_stage1_all_reduces_then_all_gathers_three_halves_of_ddp_traffic():
+    ddp = zero_step(_profile(), LINK, 4, "ddp", NO_FIRST_CAP)
+    s1 = zero_step(_profile(), LINK, 4, "stage1", NO_FIRST_CAP)
+    assert [(b.start_ms, b.end_ms) for b in s1.replay.buckets] == [(b.start_ms, b.end_ms) for b in ddp.replay.buckets]
+    # 4 ranks: all-reduce 6 x 1 ms + 1.5 MB / 1 GB/s = 7.5 ms: a ends at 17.5; the optimizer steps 1/4: 1 ms
+    assert s1.replay.step_ms == pytest.approx(2 + 17.5 + 1)
+    # 4 ranks: all-gather of 1 MB = 3 x 1 ms + 0.75 ms, twice; optimizer 4 / 4 ms instead of 4
+    assert s1.gather_ms == pytest.approx(2 * 3.75)
+    assert s1.step_ms == pytest.approx(ddp.step_ms - 4 + 1 + 7.5)
+    assert s1.wire_bytes == pytest.approx(1.5 * ddp.wire_bytes)
+
+
+def test_predicted_wire_bytes_of_the_7_5b_model_at_1024_ranks():
+    # fp16 gradients: 2 psi = 15 GB per all-reduce buffer; a ring sends 2 (N-1)/N of it.
+    model, net = MODELS["7.5b"], get_network("ib400")
+    expected = 2 * 1023 / 1024 * 15e9
+    memory, ddp = predict(model, net, 1024, "ddp")
+    assert memory == pytest.approx(120e9)
+    assert ddp.wire_bytes == pytest.approx(expected, rel=1e-6)
+    assert predict(model, net, 1024, "stage2")[1].wire_bytes == pytest.approx(expected, rel=1e-6)
+    assert predict(model, net, 1024, "stage1")[1].wire_bytes == pytest.approx(1.5 * expected, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def _run_main(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = zero_main(argv)
+    return code, out.getvalue()
+
+
+def _table(text):
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and re.fullmatch(r"[\d,]+", cells[0]):
+            rows[int(cells[0].replace(",", ""))] = [float(c.replace(",", "")) for c in cells[1:]]
+    return rows
+
+
+def test_command_shows_120_gb_for_ddp_at_every_world_size_and_the_paper_figures_at_64():
+    code, text = _run_main(["--model", "7.5b", "--world", "8,64,1024"])
+    assert code == 0
+    rows = _table(text)
+    assert sorted(rows) == [8, 64, 1024], text
+    assert all(r[0] == 120.0 for r in rows.values()), text  # DDP GB/rank
+    assert (rows[64][3], rows[64][6]) == (31.4, 16.6), text  # stage 1, stage 2 GB/rank
+
+
+def test_command_through_python_dash_m_and_its_errors():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    ok = subprocess.run([sys.executable, "-m", "minddp.simulate", "zero", "--model", "gpt2-xl", "--world", "8"],
+                        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+    assert _table(ok.stdout)[8][0] == 24.0  # 16 x 1.5 B
+    bad = subprocess.run([sys.executable, "-m", "minddp.simulate", "zero", "--model", "gpt5"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown model 'gpt5'" in bad.stderr
+
+
+def test_docs_simulate_zero_is_the_default_commands_output():
+    with open(os.path.join(ROOT, "docs", "simulate_zero.txt")) as f:
+        first, saved = f.readline(), f.read()
+    assert first.strip() == "$ python -m minddp.simulate zero"
+    assert saved == _run_main([])[1], "docs/simulate_zero.txt is stale: regenerate it with the command on its first line"
