@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from minddp.train.checkpoint import CheckpointError, load_checkpoint, move_optimizer_state, save_checkpoint
+from minddp.train.optimizer import optimizer_state
 
 __all__ = ["Parts", "Position", "restore_from", "save_for_resume", "epoch_batches"]
 
@@ -36,7 +37,10 @@ log = logging.getLogger("minddp.train")
 # Arguments that change what a resumed run computes; a difference is warned about.
 _RESUME_SENSITIVE = (
     "data", "synthetic_size", "batch_size", "grad_accum", "clip_grad", "lr", "lr_scaling", "seed", "amp", "sync_bn", "ddp",
+    "zero",
 )
+# What a checkpoint written before an argument existed ran with.
+_ARG_DEFAULTS = {"zero": 0}
 
 
 @dataclass
@@ -99,7 +103,7 @@ def restore_from(path: str, args: argparse.Namespace, parts: Parts, lr: float, r
     if state.get("scaler") and parts.scaler.is_enabled():
         parts.scaler.load_state_dict(state["scaler"])
     position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
-    changed = [k for k in _RESUME_SENSITIVE if state["args"].get(k) != getattr(args, k)]
+    changed = [k for k in _RESUME_SENSITIVE if state["args"].get(k, _ARG_DEFAULTS.get(k)) != getattr(args, k)]
     if changed:
         log.warning("warning: resuming with different %s than the checkpoint: not exact", ", ".join(changed))
     if state["world_size"] == world_size:
@@ -141,7 +145,7 @@ def save_for_resume(
     dist.all_gather_object(rngs, mine)
     state = {
         "model": parts.model.state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
+        "optimizer": optimizer_state(parts.optimizer, dist.get_rank()),  # whole, even when sharded
         "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
         "step": position.step,
         "epoch": epoch,
