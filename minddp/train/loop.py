@@ -29,7 +29,7 @@ from minddp.train.errors import UsageError
 from minddp.train.evaluate import Evaluation, evaluate, held_out_loader
 from minddp.train.metrics import MetricsLog
 from minddp.train.optimizer import build_optimizer, describe_zero
-from minddp.train.resume import Parts, Position, epoch_batches, restore_from, save_for_resume
+from minddp.train.resume import Parts, Position, epoch_batches, load_weights, restore_from, save_for_resume
 from minddp.train.setup import convert_sync_bn, failure_hook, held_out_set, pick_device, training_set, wrap
 from minddp.train.step import accumulated_step
 
@@ -116,8 +116,11 @@ def train(
         model = convert_sync_bn(model, args, device)
     model.to(device)
     lr = args.lr * (world_size if args.lr_scaling == "linear" else 1)
-    # The wrapper before the optimizer: ZeRO hooks into it. (Its broadcast of
-    # rank 0's weights comes before a resume loads the same weights on every rank.)
+    ckpt_path = os.path.join(args.checkpoint_dir, LAST) if args.checkpoint_dir else None
+    resuming = _resume_wanted(args, ckpt_path, device)
+    # Order matters: the weights first, then the wrapper (ZeRO hooks into it),
+    # then the optimizer (ZeRO copies its piece of the weights when built).
+    saved = load_weights(ckpt_path, args, model, device) if resuming else None
     ddp_model = wrap(model, args, device)
     optimizer = build_optimizer(model, ddp_model, args, lr)
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
@@ -130,9 +133,7 @@ def train(
     random.seed(args.seed + 7919 * (rank + 1))
 
     parts = Parts(model, optimizer, scaler, loader, device)
-    ckpt_path = os.path.join(args.checkpoint_dir, LAST) if args.checkpoint_dir else None
-    resuming = _resume_wanted(args, ckpt_path, device)
-    pos = restore_from(ckpt_path, args, parts, lr, rank, world_size) if resuming else Position()
+    pos = restore_from(saved, ckpt_path, args, parts, lr, rank, world_size) if saved is not None else Position()
     metrics = MetricsLog(args.checkpoint_dir, rank, pos.step if resuming else None)
 
     total_steps = args.epochs * steps_per_epoch

@@ -14,6 +14,11 @@ Since the batch size is global, the number of batches consumed in an epoch
 does not depend on the world size: a run can resume on a different number of
 ranks and read the same samples in the same steps (only the RNG states then
 cannot be restored, and a warning says so).
+
+The optimizer's state is saved whole, in torch's format, even under ZeRO
+(gathered to rank 0 by :func:`minddp.train.optimizer.optimizer_state`): a
+run can resume on another number of ranks, or with another ``--zero``, and
+each rank's optimizer keeps the elements it owns.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch.distributed as dist
 from minddp.train.checkpoint import CheckpointError, load_checkpoint, move_optimizer_state, save_checkpoint
 from minddp.train.optimizer import optimizer_state
 
-__all__ = ["Parts", "Position", "restore_from", "save_for_resume", "epoch_batches"]
+__all__ = ["Parts", "Position", "load_weights", "restore_from", "save_for_resume", "epoch_batches"]
 
 log = logging.getLogger("minddp.train")
 
@@ -85,17 +90,30 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def restore_from(path: str, args: argparse.Namespace, parts: Parts, lr: float, rank: int, world_size: int) -> Position:
-    """Load ``path`` into ``parts`` (this run's ``lr`` wins); return where the saved run stood."""
-    state = load_checkpoint(path, parts.device, expect={"model_name": args.model})
+def load_weights(path: str, args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
+    """Read the checkpoint at ``path`` and load its weights into ``model``; return the rest for :func:`restore_from`.
+
+    Before the optimizer exists: a ZeRO optimizer copies its piece of the
+    weights when it is built, and would step (and all-gather) stale ones if
+    the weights changed under it.
+    """
+    state = load_checkpoint(path, device, expect={"model_name": args.model})
     try:
-        parts.model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise CheckpointError(f"{path} does not fit this model: {str(exc).splitlines()[0]}") from None
     needed = ("optimizer", "step", "epoch", "batch_in_epoch", "world_size", "rng", "args")
     missing = [k for k in needed if k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: not written by minddp-train")
+    return state
+
+
+def restore_from(
+    state: dict[str, Any], path: str, args: argparse.Namespace, parts: Parts, lr: float, rank: int, world_size: int
+) -> Position:
+    """Load the rest of ``state`` (read by :func:`load_weights`) into ``parts`` (this run's ``lr`` wins);
+    return where the saved run stood."""
     parts.optimizer.load_state_dict(state["optimizer"])
     for group in parts.optimizer.param_groups:  # load_state_dict brought the saved lr back; this run's --lr rules
         group["lr"] = lr
