@@ -141,3 +141,30 @@ def test_combinations_zero_cannot_run_get_one_clear_line(capsys, monkeypatch, ar
     with pytest.raises(SystemExit):  # an unknown stage: argparse names the flag
         build_parser().parse_args(["--zero", "3"])
     assert "argument --zero: invalid choice: 3" in capsys.readouterr().err
+
+
+def _weights_loaded_after_the_optimizer_was_built(rank, world_size, stage):
+    from minddp.ddp import MiniDDP
+    from minddp.zero import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    ddp_model = MiniDDP(model)
+    opt = ZeroRedundancyOptimizer(ddp_model.parameters(), torch.optim.SGD, ddp=ddp_model,
+                                  shard_gradients=stage == 2, lr=0.1, momentum=0.9)
+    loaded = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+    for lr in (0.1, 0.0):  # a real step first (stage 2 fixes its partition there), then a step that changes nothing
+        ddp_model(torch.rand(4, 5)).sum().backward()
+        if lr == 0.0:
+            model.load_state_dict(loaded)  # what a resume does, after the optimizer exists
+            opt.param_groups[0]["lr"] = 0.0
+        opt.step()
+    return {k: torch.equal(v, loaded[k]) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_steps_the_weights_loaded_after_it_was_built(ranks, stage):
+    # The usual resume order (build model and optimizer, then load both) must
+    # not step a copy of the weights taken before the load.
+    for kept in ranks(2).run(_weights_loaded_after_the_optimizer_was_built, stage):
+        assert all(kept.values()), kept
