@@ -95,7 +95,8 @@ def test_zero_resume_equals_an_uninterrupted_run(ranks, tmp_path, stage):
     pool, common = ranks(2), ["--epochs", "2", "--max-steps", "6", *CLIPPED, "--zero", str(stage)]
     _run(pool, tmp_path / "once", *common)
     _run(pool, tmp_path / "twice", *common, "--max-steps", "3")
-    (log, _), _ = _run(pool, tmp_path / "twice", *common, "--resume")
+    (log, held), _ = _run(pool, tmp_path / "twice", *common, "--resume")
+    assert held[:2] == ("zero" if stage else "plain", stage)
     assert "resumed from" in log and "at step 3" in log and "warning" not in log, log
     once, twice = load_checkpoint(str(tmp_path / "once")), load_checkpoint(str(tmp_path / "twice"))
     assert once["step"] == twice["step"] == 6
