@@ -78,15 +78,17 @@ def test_zero_stages_train_like_plain_sgd_with_accumulation_and_clipping(ranks, 
     numel = plain[0][1][2]
     assert [held for _, held in plain] == [("plain", 0, numel)] * 2  # every rank keeps all of the momentum
     assert "ZeRO" not in plain[0][0]
-    for stage, what in ((1, "optimizer state"), (2, "optimizer state and gradients")):
-        runs = _run(pool, tmp_path / f"z{stage}", "--max-steps", "4", *CLIPPED, "--zero", str(stage))
-        assert f"ZeRO stage {stage} ({what} sharded over 2 ranks)" in runs[0][0], runs[0][0]
+    # Stage 1 also on torch's DDP (the optimizer then reads the averaged .grad at its step).
+    for stage, ddp in ((1, "mini"), (2, "mini"), (1, "torch")):
+        runs = _run(pool, tmp_path / f"z{stage}{ddp}", "--max-steps", "4", *CLIPPED, "--zero", str(stage), "--ddp", ddp)
+        what = "optimizer state" if stage == 1 else "optimizer state and gradients"
+        assert f"({ddp}, gloo)" in runs[0][0] and f"ZeRO stage {stage} ({what} sharded over 2 ranks)" in runs[0][0]
         # Each rank keeps about half of the momentum (the cnn's buckets are cut into 2 equal pieces).
         kept = [held[2] for _, held in runs]
         assert [held[:2] for _, held in runs] == [("zero", stage)] * 2
         assert numel <= sum(kept) <= numel + 2 * 8 and max(kept) <= numel // 2 + 8, (kept, numel)
-        _assert_same_parameters(load_checkpoint(str(tmp_path / "z0")), load_checkpoint(str(tmp_path / f"z{stage}")),
-                                **TOLERANCE)
+        _assert_same_parameters(load_checkpoint(str(tmp_path / "z0")),
+                                load_checkpoint(str(tmp_path / f"z{stage}{ddp}")), **TOLERANCE)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
