@@ -42,9 +42,13 @@ def _train_here(rank, world_size, argv):
 
     args = build_parser().parse_args(argv)
     check_args(args, world_size)
-    built = []
-    real_build = loop.build_optimizer
-    loop.build_optimizer = lambda *a, **kw: built.append(real_build(*a, **kw)) or built[-1]
+    built, real_build = [], loop.build_optimizer
+
+    def build_and_keep(*a, **kw):  # a spy: the optimizer the trainer built, to look into afterwards
+        built.append(real_build(*a, **kw))
+        return built[-1]
+
+    loop.build_optimizer = build_and_keep
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
@@ -66,7 +70,8 @@ def _run(pool, directory, *argv):
 
 def _assert_same_parameters(a, b, **exact_or_tolerance):
     for name in a["model"]:
-        torch.testing.assert_close(a["model"][name], b["model"][name], msg=lambda m, name=name: f"{name}: {m}", **exact_or_tolerance)
+        torch.testing.assert_close(a["model"][name], b["model"][name], msg=lambda m, n=name: f"{n}: {m}",
+                                   **exact_or_tolerance)
     for index, state in a["optimizer"]["state"].items():  # the momentum, consolidated into last.pt
         torch.testing.assert_close(state["momentum_buffer"], b["optimizer"]["state"][index]["momentum_buffer"],
                                    msg=lambda m, i=index: f"momentum of parameter {i}: {m}", **exact_or_tolerance)

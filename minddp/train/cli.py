@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="ZeRO: shard what every rank would otherwise keep whole. 0: off (every rank keeps all of the "
            "optimizer state); 1: each rank keeps and updates 1/N of the optimizer state (SGD's momentum), "
            "then the parameters are all-gathered; 2: also 1/N of the gradients, which MiniDDP "
-           "reduce-scatters bucket by bucket during backward instead of all-reducing (needs --ddp mini). Checkpoints hold the whole optimizer state (gathered "
-           "on rank 0), so a run resumes on any number of ranks and with any --zero")
+           "reduce-scatters bucket by bucket during backward instead of all-reducing (needs --ddp mini). "
+           "Checkpoints hold the whole optimizer state (gathered on rank 0), so a run resumes on any number "
+           "of ranks and with any --zero")
     a("--clip-grad", type=float, default=None, metavar="NORM",
       help="scale the gradients down whenever their total norm exceeds NORM (gradient clipping; off by default)")
     a("--amp", action="store_true", help="mixed precision: bfloat16 on CPU, float16 with loss scaling on CUDA")
