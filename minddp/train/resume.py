@@ -93,9 +93,10 @@ def _as_tuple(value):
 def load_weights(path: str, args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
     """Read the checkpoint at ``path`` and load its weights into ``model``; return the rest for :func:`restore_from`.
 
-    Before the optimizer exists: a ZeRO optimizer copies its piece of the
-    weights when it is built, and would step (and all-gather) stale ones if
-    the weights changed under it.
+    Called before the optimizer is built, so that it is built from the
+    weights it will step: a ZeRO optimizer copies its piece of them when
+    built (minddp.zero refreshes that copy at every step too, but nothing
+    should rely on a copy that was stale for a while).
     """
     state = load_checkpoint(path, device, expect={"model_name": args.model})
     try:
