@@ -4,14 +4,18 @@ The runs are the trainer's own ``train()`` on the live rank pool (a
 subprocess per run would spend most of its time importing torch): tiny
 synthetic data, a few steps, accumulation and clipping on.
 
-Tolerance of the stage-versus-plain comparisons. With clipping on, the
-only arithmetic that differs is the clipping norm: torch's
+Tolerance of the stage-versus-plain comparisons. Without clipping, on two
+ranks, the stages equal ``--zero 0`` bit for bit (tested): the momentum and
+the SGD update are the same element-wise operations on a flat shard as on
+the tensors, each gradient is multiplied by 1/2 before the sum in both, and a
+sum of two floats does not depend on its order (an all-reduce in DDP, a
+reduce-scatter in stage 2). With clipping on, the only arithmetic that
+differs is the clipping norm: torch's
 ``clip_grad_norm_`` takes one norm per tensor and then the norm of those,
 ZeRO sums the squares of each rank's shard and all-reduces the partial sums.
 Same terms, another order of float32 additions: the coefficient differs by
 a few units in the last place (float32's eps is 1.2e-7), and so does each
-clipped update (the momentum, the all-reduce and the SGD update are the same
-element-wise operations in both). After a few steps of updates of size
+clipped update. After a few steps of updates of size
 ``lr * clip`` that leaves the parameters equal to ~1e-9 (measured: at most
 1.9e-9 after 4 steps); ``rtol=1e-6, atol=1e-7`` is a few float32 ulps of a
 parameter of size ~1, a thousand times below what a missing clip, a lost
@@ -95,6 +99,12 @@ def test_zero_stages_train_like_plain_sgd_with_accumulation_and_clipping(ranks, 
         assert numel % 2 == 0 and kept == [numel // 2] * 2, (kept, numel)
         _assert_same_parameters(load_checkpoint(str(tmp_path / "z0")),
                                 load_checkpoint(str(tmp_path / f"z{stage}{ddp}")), **TOLERANCE)
+
+
+def test_without_clipping_two_ranks_of_stage_2_equal_plain_sgd_bit_for_bit(ranks, tmp_path):
+    _run(ranks(2), tmp_path / "z0", "--max-steps", "4", "--zero", "0")
+    _run(ranks(2), tmp_path / "z2", "--max-steps", "4", "--zero", "2")
+    _assert_same_parameters(load_checkpoint(str(tmp_path / "z0")), load_checkpoint(str(tmp_path / "z2")), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
