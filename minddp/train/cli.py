@@ -30,8 +30,8 @@ from minddp.launch import detect_launch, find_free_port, init_distributed, shutd
 from minddp.train.checkpoint import LAST, CheckpointError
 from minddp.train.errors import UsageError, describe_exception, is_communication_error
 from minddp.train.local import run_local
-from minddp.train.optimizer import ZERO_STAGES
 from minddp.train.loop import train
+from minddp.train.optimizer import ZERO_STAGES
 
 __all__ = ["main", "build_parser", "UsageError", "check_args"]
 
