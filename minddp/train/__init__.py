@@ -7,6 +7,7 @@ Built on the core of the package, never the other way round:
 * :mod:`~minddp.train.loop`: one rank's training (the step loop, logging, when to evaluate and save);
 * :mod:`~minddp.train.setup`: the parts built from the command line (data splits, device, wrapper);
 * :mod:`~minddp.train.step`: one optimizer step (gradient accumulation on ``no_sync``, clipping);
+* :mod:`~minddp.train.optimizer`: SGD, whole or sharded by ZeRO (``--zero 1|2``), its clipping and checkpoint state;
 * :mod:`~minddp.train.evaluate`: exact held-out evaluation shared over the ranks;
 * :mod:`~minddp.train.resume`: what an exact resume needs, saved and restored;
 * :mod:`~minddp.train.metrics`: ``metrics.jsonl``, without rows a resume redoes;

@@ -31,6 +31,7 @@ from minddp.train.checkpoint import LAST, CheckpointError
 from minddp.train.errors import UsageError, describe_exception, is_communication_error
 from minddp.train.local import run_local
 from minddp.train.loop import train
+from minddp.train.optimizer import ZERO_STAGES
 
 __all__ = ["main", "build_parser", "UsageError", "check_args"]
 
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lr", type=float, default=0.01, help="learning rate of the SGD optimizer (momentum 0.9)")
     a("--lr-scaling", choices=["none", "linear"], default="none",
       help="linear: multiply --lr by the number of processes (the linear scaling rule, taking --lr as tuned for one)")
+    a("--zero", type=int, choices=ZERO_STAGES, default=0, metavar="{0,1,2}",
+      help="ZeRO: shard what every rank would otherwise keep whole. 0: off (every rank keeps all of the "
+           "optimizer state); 1: each rank keeps and updates 1/N of the optimizer state (SGD's momentum), "
+           "then the parameters are all-gathered; 2: also 1/N of the gradients, which MiniDDP "
+           "reduce-scatters bucket by bucket during backward instead of all-reducing (needs --ddp mini). "
+           "Checkpoints hold the whole optimizer state (gathered on rank 0), so a run resumes on any number "
+           "of ranks and with any --zero")
     a("--clip-grad", type=float, default=None, metavar="NORM",
       help="scale the gradients down whenever their total norm exceeds NORM (gradient clipping; off by default)")
     a("--amp", action="store_true", help="mixed precision: bfloat16 on CPU, float16 with loss scaling on CUDA")
@@ -147,6 +155,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             f"--resume: no checkpoint to resume from at {os.path.join(args.checkpoint_dir, LAST)} "
             "(--resume auto starts fresh when there is none)"
         )
+    _check_zero(args)
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             raise UsageError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo on CPU")
@@ -155,6 +164,23 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                 f"--nproc {args.nproc} with --backend nccl needs one GPU per rank; "
                 f"{torch.cuda.device_count()} visible"
             )
+
+
+def _check_zero(args: argparse.Namespace) -> None:
+    """The combinations ``--zero`` cannot work with."""
+    if args.zero == 2 and args.ddp != "mini":
+        raise UsageError(
+            f"--zero 2 shards the gradients by making MiniDDP reduce-scatter its buckets; --ddp {args.ddp} has "
+            "no such hook: use --ddp mini, or --zero 1 (optimizer state only)"
+        )
+    if args.zero and args.amp and args.backend == "nccl":
+        # On CUDA, --amp means float16 with a GradScaler, which unscales and checks each
+        # parameter's .grad; the sharded optimizer steps from its own copy of the gradients.
+        raise UsageError(
+            f"--zero {args.zero} with --amp on CUDA (float16 with loss scaling) is not supported: the loss "
+            "scaler unscales .grad, but ZeRO steps from its sharded copy of the gradients; "
+            "use --zero 0 with --amp, or --zero without --amp"
+        )
 
 
 def _say(message: str) -> None:

@@ -28,7 +28,8 @@ from minddp.train.checkpoint import LAST
 from minddp.train.errors import UsageError
 from minddp.train.evaluate import Evaluation, evaluate, held_out_loader
 from minddp.train.metrics import MetricsLog
-from minddp.train.resume import Parts, Position, epoch_batches, restore_from, save_for_resume
+from minddp.train.optimizer import build_optimizer, describe_zero
+from minddp.train.resume import Parts, Position, epoch_batches, load_weights, restore_from, save_for_resume
 from minddp.train.setup import convert_sync_bn, failure_hook, held_out_set, pick_device, training_set, wrap
 from minddp.train.step import accumulated_step
 
@@ -73,7 +74,7 @@ def _header(args: argparse.Namespace, world_size: int, amp_dtype: torch.dtype, s
     clip = f", gradients clipped to norm {args.clip_grad:g}" if args.clip_grad else ""
     return (
         f"{args.model} on {args.data}, {ranks} ({args.ddp}, {args.backend}{amp}), {batch}, "
-        f"{steps_per_epoch} steps/epoch, lr {lr:g}{clip}"
+        f"{steps_per_epoch} steps/epoch, lr {lr:g}{clip}{describe_zero(args.zero, world_size)}"
     )
 
 
@@ -115,7 +116,13 @@ def train(
         model = convert_sync_bn(model, args, device)
     model.to(device)
     lr = args.lr * (world_size if args.lr_scaling == "linear" else 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    ckpt_path = os.path.join(args.checkpoint_dir, LAST) if args.checkpoint_dir else None
+    resuming = _resume_wanted(args, ckpt_path, device)
+    # Order matters: the weights first, then the wrapper (ZeRO hooks into it),
+    # then the optimizer (ZeRO copies its piece of the weights when built).
+    saved = load_weights(ckpt_path, args, model, device) if resuming else None
+    ddp_model = wrap(model, args, device)
+    optimizer = build_optimizer(model, ddp_model, args, lr)
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     autocast_dtype = amp_dtype if args.amp else None
     # Loss scaling exists for float16's narrow range; bfloat16 has float32's range and needs none.
@@ -126,12 +133,9 @@ def train(
     random.seed(args.seed + 7919 * (rank + 1))
 
     parts = Parts(model, optimizer, scaler, loader, device)
-    ckpt_path = os.path.join(args.checkpoint_dir, LAST) if args.checkpoint_dir else None
-    resuming = _resume_wanted(args, ckpt_path, device)
-    pos = restore_from(ckpt_path, args, parts, lr, rank, world_size) if resuming else Position()
+    pos = restore_from(saved, ckpt_path, args, parts, lr, rank, world_size) if saved is not None else Position()
     metrics = MetricsLog(args.checkpoint_dir, rank, pos.step if resuming else None)
 
-    ddp_model = wrap(model, args, device)
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)

@@ -14,6 +14,11 @@ Since the batch size is global, the number of batches consumed in an epoch
 does not depend on the world size: a run can resume on a different number of
 ranks and read the same samples in the same steps (only the RNG states then
 cannot be restored, and a warning says so).
+
+The optimizer's state is saved whole, in torch's format, even under ZeRO
+(gathered to rank 0 by :func:`minddp.train.optimizer.optimizer_state`): a
+run can resume on another number of ranks, or with another ``--zero``, and
+each rank's optimizer keeps the elements it owns.
 """
 
 from __future__ import annotations
@@ -28,15 +33,19 @@ import torch
 import torch.distributed as dist
 
 from minddp.train.checkpoint import CheckpointError, load_checkpoint, move_optimizer_state, save_checkpoint
+from minddp.train.optimizer import optimizer_state
 
-__all__ = ["Parts", "Position", "restore_from", "save_for_resume", "epoch_batches"]
+__all__ = ["Parts", "Position", "load_weights", "restore_from", "save_for_resume", "epoch_batches"]
 
 log = logging.getLogger("minddp.train")
 
 # Arguments that change what a resumed run computes; a difference is warned about.
 _RESUME_SENSITIVE = (
     "data", "synthetic_size", "batch_size", "grad_accum", "clip_grad", "lr", "lr_scaling", "seed", "amp", "sync_bn", "ddp",
+    "zero",
 )
+# What a checkpoint written before an argument existed ran with.
+_ARG_DEFAULTS = {"zero": 0}
 
 
 @dataclass
@@ -81,17 +90,31 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def restore_from(path: str, args: argparse.Namespace, parts: Parts, lr: float, rank: int, world_size: int) -> Position:
-    """Load ``path`` into ``parts`` (this run's ``lr`` wins); return where the saved run stood."""
-    state = load_checkpoint(path, parts.device, expect={"model_name": args.model})
+def load_weights(path: str, args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
+    """Read the checkpoint at ``path`` and load its weights into ``model``; return the rest for :func:`restore_from`.
+
+    Called before the optimizer is built, so that it is built from the
+    weights it will step: a ZeRO optimizer copies its piece of them when
+    built (minddp.zero refreshes that copy at every step too, but nothing
+    should rely on a copy that was stale for a while).
+    """
+    state = load_checkpoint(path, device, expect={"model_name": args.model})
     try:
-        parts.model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise CheckpointError(f"{path} does not fit this model: {str(exc).splitlines()[0]}") from None
     needed = ("optimizer", "step", "epoch", "batch_in_epoch", "world_size", "rng", "args")
     missing = [k for k in needed if k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: not written by minddp-train")
+    return state
+
+
+def restore_from(
+    state: dict[str, Any], path: str, args: argparse.Namespace, parts: Parts, lr: float, rank: int, world_size: int
+) -> Position:
+    """Load the rest of ``state`` (read by :func:`load_weights`) into ``parts`` (this run's ``lr`` wins);
+    return where the saved run stood."""
     parts.optimizer.load_state_dict(state["optimizer"])
     for group in parts.optimizer.param_groups:  # load_state_dict brought the saved lr back; this run's --lr rules
         group["lr"] = lr
@@ -99,7 +122,7 @@ def restore_from(path: str, args: argparse.Namespace, parts: Parts, lr: float, r
     if state.get("scaler") and parts.scaler.is_enabled():
         parts.scaler.load_state_dict(state["scaler"])
     position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
-    changed = [k for k in _RESUME_SENSITIVE if state["args"].get(k) != getattr(args, k)]
+    changed = [k for k in _RESUME_SENSITIVE if state["args"].get(k, _ARG_DEFAULTS.get(k)) != getattr(args, k)]
     if changed:
         log.warning("warning: resuming with different %s than the checkpoint: not exact", ", ".join(changed))
     if state["world_size"] == world_size:
@@ -141,7 +164,7 @@ def save_for_resume(
     dist.all_gather_object(rngs, mine)
     state = {
         "model": parts.model.state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
+        "optimizer": optimizer_state(parts.optimizer, dist.get_rank()),  # whole, even when sharded
         "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
         "step": position.step,
         "epoch": epoch,

@@ -10,7 +10,10 @@ same as a big batch": its statistics are over each micro-batch.)
 
 Clipping comes after the last backward, on the all-reduced gradients (the
 same on every rank, so every rank clips alike), and after the GradScaler
-has unscaled them, so ``NORM`` is in the gradients' true units.
+has unscaled them, so ``NORM`` is in the gradients' true units. Under ZeRO
+(``--zero 1|2``) each rank holds only its shard of the averaged gradients:
+the optimizer computes the global norm over the shards
+(:func:`minddp.train.optimizer.clip_gradients`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import contextlib
 from typing import Callable, Sequence
 
 import torch
+
+from minddp.train.optimizer import clip_gradients
 
 __all__ = ["accumulated_step"]
 
@@ -55,9 +60,7 @@ def accumulated_step(
         step_loss += loss.detach().float() / k
     if clip_grad is not None:
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(
-            [p for group in optimizer.param_groups for p in group["params"]], clip_grad
-        )
+        clip_gradients(optimizer, clip_grad)
     scaler.step(optimizer)
     scaler.update()
     return step_loss

@@ -232,6 +232,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         if not shadow:
             self._last_clip, self._clipped = self._clipped, None
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # an LR scheduler's changes
+        with torch.no_grad():  # weights changed since the last all-gather (a model.load_state_dict) count:
+            self.layout.fill(lambda s: s.master, lambda p: p.detach())  # a copy of 1/N of them
         self.optim.step(**kwargs)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._grads_in_shards = False
