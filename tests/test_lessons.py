@@ -31,7 +31,7 @@ FLAGS = {
     "07": [["--cap", "200"]],
     "07b": [["--keep-order"]],
     "08": [["--bucket-cap-mb", "25"]],
-    "09": [["--forget-set-epoch"]],
+    "09": [["--forget-set-epoch"], ["--lr", "0.05"]],
     "10": [["--plain-batchnorm-only"]],
     "11": [["--forward-outside"]],
     "13": [["--no-scaler"]],
