@@ -32,7 +32,7 @@ FLAGS = {
     "07b": [["--keep-order"]],
     "08": [["--bucket-cap-mb", "25"]],
     "09": [["--forget-set-epoch"], ["--lr", "0.05"]],
-    "10": [["--plain-batchnorm-only"]],
+    "10": [["--plain-batchnorm-only"], ["--shift", "0"], ["--torch-syncbn"]],
     "11": [["--forward-outside"]],
     "13": [["--no-scaler"]],
     "16": [["--link", "none"]],
