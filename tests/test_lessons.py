@@ -36,7 +36,7 @@ FLAGS = {
     "11": [["--forward-outside"]],
     "13": [["--no-scaler"]],
     "16": [["--link", "none"]],
-    "18": [["--timeout-s", "1"]],
+    "18": [["--timeout-s", "1"], ["--extra-first"]],
 }
 
 
