@@ -25,6 +25,9 @@ What you will learn
 What to run
     python lessons/10_batchnorm.py [--world-size 4] [--plain-batchnorm-only] [--shift 0] [--torch-syncbn]
 
+    It compares ranks' statistics, so it needs two at least: given
+    ``--world-size 1`` it says so in one line and exits.
+
 What to look at
     For plain BatchNorm and for SyncBatchNorm: how far outputs, gradients
     and running means are from one process on the whole batch.

@@ -96,6 +96,16 @@ def test_a_lesson_that_needs_two_ranks_says_so_in_one_line():
     ]
 
 
+@pytest.mark.parametrize("name", ["03_ring_all_reduce", "10_batchnorm", "18_failure_modes"])
+def test_lessons_that_compare_ranks_refuse_one_rank_in_one_line_and_say_so(name):
+    lesson = LESSONS_DIR / f"{name}.py"
+    result = run_lesson([sys.executable, str(lesson), "--world-size", "1"])
+    assert (result.returncode, result.stderr.strip().splitlines()) == (
+        2, ["this lesson compares ranks with each other: run it with --world-size 2 or more"]), result.stderr
+    what_to_run = ast.get_docstring(ast.parse(lesson.read_text())).split("What to run")[1].split("What to look at")[0]
+    assert "--world-size 1" in what_to_run, f"{name}: its 'What to run' does not say it refuses one rank"
+
+
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_launching_lesson_runs_under_torchrun():
     lesson = LESSONS_DIR / "15_launching.py"
