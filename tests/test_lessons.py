@@ -34,6 +34,7 @@ FLAGS = {
     "09": [["--forget-set-epoch"], ["--lr", "0.05"]],
     "10": [["--plain-batchnorm-only"], ["--shift", "0"], ["--torch-syncbn"]],
     "11": [["--forward-outside"]],
+    "12": [["--save-ddp-state-dict"], ["--no-barrier"]],
     "13": [["--no-scaler"]],
     "16": [["--link", "none"]],
     "18": [["--timeout-s", "1"], ["--extra-first"]],
