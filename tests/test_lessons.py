@@ -36,6 +36,7 @@ FLAGS = {
     "11": [["--forward-outside"]],
     "12": [["--save-ddp-state-dict"], ["--no-barrier"]],
     "13": [["--no-scaler"]],
+    "14": [["--lr", "1e-3", "--epochs", "3"]],
     "16": [["--link", "none"]],
     "18": [["--timeout-s", "1"], ["--extra-first"]],
 }
