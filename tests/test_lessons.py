@@ -35,7 +35,7 @@ FLAGS = {
     "10": [["--plain-batchnorm-only"], ["--shift", "0"], ["--torch-syncbn"]],
     "11": [["--forward-outside"]],
     "12": [["--save-ddp-state-dict"], ["--no-barrier"]],
-    "13": [["--no-scaler"]],
+    "13": [["--no-scaler"], ["--bf16-hook"]],
     "14": [["--lr", "1e-3", "--epochs", "3"]],
     "16": [["--link", "none"]],
     "18": [["--timeout-s", "1"], ["--extra-first"]],
