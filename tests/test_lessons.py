@@ -37,6 +37,7 @@ FLAGS = {
     "12": [["--save-ddp-state-dict"], ["--no-barrier"]],
     "13": [["--no-scaler"], ["--bf16-hook"]],
     "14": [["--lr", "1e-3", "--epochs", "3"]],
+    "15": [["--slurm-nodelist", "node[1,3-4]"], ["--mpi-without-master-addr"]],
     "16": [["--link", "none"]],
     "18": [["--timeout-s", "1"], ["--extra-first"]],
 }
