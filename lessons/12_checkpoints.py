@@ -184,8 +184,8 @@ def rounded(losses: list[float]) -> list[float]:
 
 def save_ddp_state_dict(rank: int, world_size: int, path: str) -> None:
     """Exercise 2: the wrapper's state dict, loaded into the plain model."""
-    run_ = Training(rank, world_size)
-    save_checkpoint(path, run_.state(0, ddp_keys=True))
+    training = Training(rank, world_size)
+    save_checkpoint(path, training.state(0, ddp_keys=True))
     try:
         Training(rank, world_size, seed=123).model.load_state_dict(torch.load(path)["model"])
         outcome = "loaded"
@@ -218,7 +218,8 @@ def main(rank: int, world_size: int, folder: str, exercise: str = "") -> None:
         return no_barrier(rank, world_size, path)
 
     # Run A: all the steps straight.
-    straight = Training(rank, world_size).train(range(STEPS))
+    run_a = Training(rank, world_size)
+    straight = run_a.train(range(STEPS))
 
     # Run B: some steps, a checkpoint, and then -- as if the job had been
     # killed -- everything rebuilt from scratch with a different seed.
@@ -235,9 +236,7 @@ def main(rank: int, world_size: int, folder: str, exercise: str = "") -> None:
     assert all(s["exp_avg"].device == device for s in run_c.opt.state.values())
     resumed += run_c.train(range(start, STEPS))
 
-    weights_a = Training(rank, world_size)  # run A again, to keep its weights
-    weights_a.train(range(STEPS))
-    diff = max((a - c).abs().max().item() for a, c in zip(weights_a.model.parameters(), run_c.model.parameters()))
+    diff = max((a - c).abs().max().item() for a, c in zip(run_a.model.parameters(), run_c.model.parameters()))
     print0(f"rank 0 saved {path} (keys: {', '.join(checkpoint)}); every rank loaded it after the barrier")
     print0(f"losses per step, {STEPS} straight steps vs {SAVE_AT} + checkpoint + {STEPS - SAVE_AT} (3 batches per epoch):")
     print_ranks(f"straight {rounded(straight)}\n           resumed  {rounded(resumed)}   max |weight diff| {diff:.1e}")
