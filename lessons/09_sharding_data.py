@@ -108,7 +108,8 @@ def main(rank: int, world_size: int, forget_set_epoch: bool = False, lr: float =
         forgetful = DistributedSampler(dataset, shuffle=True, seed=0)
         epochs_read = []
         for epoch in range(3):  # the training loop, without forgetful.set_epoch(epoch)
-            epochs_read.append([i for batch in torch.utils.data.DataLoader(dataset, batch_size=4, sampler=forgetful) for i in batch.tolist()])
+            loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=forgetful)
+            epochs_read.append([i for batch in loader for i in batch.tolist()])
         print0(f"--forget-set-epoch: three epochs of a loop that never calls set_epoch, rank {rank} of {p} read:")
         for epoch, order in enumerate(epochs_read):
             print0(f"  epoch {epoch}: {order}")

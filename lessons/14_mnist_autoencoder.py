@@ -191,7 +191,8 @@ def main(rank: int, world_size: int, args) -> None:
         assert learned, (f"expected a loss below 0.8 x the mean image's ({0.8 * mean_image_loss:.4f}) and reconstructions "
                          f"spread over 0.25 x the images' ({0.25 * image_spread:.4f}); saw {loss:.4f} and {spread:.4f}")
     elif args.lr <= 1e-3 and args.epochs <= 3:  # exercise 2's old settings: the plateau, predicted
-        assert not learned, f"expected the mean-image plateau at lr {args.lr} and {args.epochs} epochs; saw loss {loss:.4f}, spread {spread:.4f}"
+        assert not learned, (f"expected the mean-image plateau at lr {args.lr} and {args.epochs} epochs; "
+                             f"saw loss {loss:.4f}, spread {spread:.4f}")
     print0(f"checked: the two wrappers' losses agree to 1e-05 relative in the first epochs and to {tolerance:g} in every")
     print0(f"         epoch (worst {worst:.0e}); the loss fell,")
     print0("         and " + ("it fell below the mean image's, with reconstructions that differ from each other"
@@ -209,7 +210,8 @@ def options(parser) -> None:
     parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam's learning rate (default %(default)s)")
     parser.add_argument("--samples", type=int, default=1024, help="training images used per epoch")
-    parser.add_argument("--batch-size", type=int, default=None, help="global batch size, split over the ranks (default 64, rounded down to a multiple of the world size)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="global batch size, split over the ranks (default 64, rounded down to a multiple of the world size)")
 
 
 if __name__ == "__main__":

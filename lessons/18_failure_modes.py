@@ -166,8 +166,9 @@ def unused_parameter(rank: int, timeout_s: float) -> None:
     print0(f"   divided by {p} (rank 1 counted as zero), not the mean over the {users} rank(s) that used it; torch's DDP")
     print0(f"   the same: |MiniDDP - formula| {(mine - over_all).abs().max():.1e}, |torch - formula| "
            f"{(torchs - over_all).abs().max():.1e}, |formula - mean over users| {(over_all - over_users).abs().max():.1e}")
-    assert close(mine, over_all), f"MiniDDP: expected sum over all ranks / {p} = {over_all.flatten()[:4].tolist()}, saw {mine.flatten()[:4].tolist()}"
-    assert close(torchs, over_all), f"torch's DDP: expected sum over all ranks / {p} = {over_all.flatten()[:4].tolist()}, saw {torchs.flatten()[:4].tolist()}"
+    expected = f"sum over all ranks / {p} = {over_all.flatten()[:4].tolist()}"
+    assert close(mine, over_all), f"MiniDDP: expected {expected}, saw {mine.flatten()[:4].tolist()}"
+    assert close(torchs, over_all), f"torch's DDP: expected {expected}, saw {torchs.flatten()[:4].tolist()}"
     assert not close(over_all, over_users), "the two averages should differ"
 
 
