@@ -69,14 +69,15 @@ Try this
        ``model.state_dict()`` and load it into the plain model: predict the
        error. (Missing and unexpected keys: every name carries ``module.``.)
     3. ``--no-barrier``: ``save_checkpoint`` without ``dist.barrier()``,
-       with rank 0's write made slow (two seconds, a busy disk). Predict what
-       the other ranks read. (Nothing: they look before rank 0 has written,
-       and find no file.)
+       and rank 0's write made slow -- so slow that it finishes only after
+       the others have looked, the unlucky order a busy disk makes likely
+       (the lesson makes it certain, so the outcome does not depend on the
+       load). Predict what the other ranks read. (Nothing: they find no
+       file.)
 """
 
 import os
 import tempfile
-import time
 from itertools import islice
 
 import torch
@@ -160,12 +161,13 @@ class Training:
         return 0 if leave_out == "data position" else checkpoint["step"]
 
 
-def save_checkpoint(path: str, state: dict, barrier: bool = True, slow_write_s: float = 0.0) -> None:
+def save_checkpoint(path: str, state: dict, barrier: bool = True, before_rename=None) -> None:
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp"
         torch.save(state, tmp)
-        time.sleep(slow_write_s)  # --no-barrier: a busy disk
+        if before_rename is not None:  # --no-barrier: the write is still going on
+            before_rename()
         os.replace(tmp, path)
     if barrier:
         dist.barrier()
@@ -199,8 +201,12 @@ def save_ddp_state_dict(rank: int, world_size: int, path: str) -> None:
 
 def no_barrier(rank: int, world_size: int, path: str) -> None:
     """Exercise 3: rank 0 writes slowly, nobody waits for it."""
-    save_checkpoint(path, Training(rank, world_size).state(0), barrier=False, slow_write_s=2.0)
+    # The slow write, made certain: rank 0 renames its file into place only
+    # once every other rank has looked for it (one barrier on each side).
+    save_checkpoint(path, Training(rank, world_size).state(0), barrier=False, before_rename=dist.barrier)
     outcome = "the file is there" if os.path.exists(path) else "found no file"
+    if rank != 0:
+        dist.barrier()  # "I have looked": lets rank 0 finish its write
     everyone = [None] * world_size
     dist.all_gather_object(everyone, outcome)
     print_ranks(f"right after save_checkpoint without the barrier: {outcome}")
