@@ -38,7 +38,8 @@ Try this
        (2 pretend nodes x 3: node 1, local rank 1.)
     2. Start only the first of the two ``--child`` commands above and
        predict what it does. (It waits in init_process_group for the second;
-       after torch's default timeout, 30 minutes, it gives up.)
+       after the timeout, torch's default for Gloo of 30 minutes -- 10 for
+       NCCL, see ``torch.distributed.constants`` -- it gives up.)
     3. Start the two children with ``WORLD_SIZE=3`` and predict. (Both wait:
        the group is complete only when rank 2 has arrived too.)
 """

@@ -18,6 +18,9 @@ What you will learn
 What to run
     python lessons/03_ring_all_reduce.py [--world-size 4] [--blocking-send]
 
+    A ring needs two ranks at least: given ``--world-size 1`` the lesson
+    says so in one line and exits.
+
 What to look at
     The ring step by step (3 ranks by default): which chunk each rank sends
     and which it receives, and who owns which finished sum after the

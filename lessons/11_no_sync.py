@@ -108,8 +108,10 @@ def main(rank: int, world_size: int, forward_outside: bool = False) -> None:
     print0(f"  no_sync() for the first {k - 1}           {calls_once:>3}   max |grad - full batch| {err_once:.1e}")
     if forward_outside:
         print0(f"  forward outside no_sync (the trap)  {calls_wrong:>3}   max |grad - full batch| {err_wrong:.1e}")
-    assert calls_every == k * buckets and calls_once == buckets and calls_wrong == k * buckets
-    assert err_every < 1e-5 and err_once < 1e-5 and err_wrong < 1e-5
+    counts = (calls_every, calls_once, calls_wrong)
+    assert counts == (k * buckets, buckets, k * buckets), f"expected all-reduces {(k * buckets, buckets, k * buckets)}, saw {counts}"
+    errors = (err_every, err_once, err_wrong)
+    assert max(errors) < 1e-5, f"expected every variant within 1e-5 of the full-batch gradients, saw {errors}"
     print0(f"checked: all give the full-batch gradients; no_sync cut communication {k}-fold"
            + (";\n         with the forward outside the block, no_sync did nothing." if forward_outside else "."))
 

@@ -10,16 +10,26 @@ What you will learn
 
     The same script trains it twice -- once wrapped in ``minddp.MiniDDP``,
     once in ``torch.nn.parallel.DistributedDataParallel`` -- from the same
-    start on the same batches, and the two loss curves agree.
+    start on the same batches, and the two loss curves agree (exactly on 2
+    ranks; on 3 or more, up to float32 sums taken in another order).
+
+    A falling loss is not yet learning. This autoencoder's first plateau is
+    the *mean image*: one blurry blob returned for every input, whose loss
+    is the data's variance. Only below that loss, and with reconstructions
+    that differ from each other, has it learned to tell images apart; the
+    lesson measures both (with Adam at lr 1e-3 and 3 epochs it stays on the
+    plateau; at lr 1e-2 and 15 epochs it leaves it).
 
 What to run
     python lessons/14_mnist_autoencoder.py                    # synthetic MNIST, offline
     python lessons/14_mnist_autoencoder.py --data-dir ./data  # real MNIST in ./data/MNIST/raw
     python lessons/14_mnist_autoencoder.py --world-size 4 --epochs 3 --samples 4096
+    python lessons/14_mnist_autoencoder.py --lr 1e-3 --epochs 3   # stuck on the mean image: the lesson says so
 
 What to look at
     The loss per epoch for both wrappers (equal), falling from epoch to
-    epoch; the training throughput in samples per second on 1 rank and on
+    epoch, against the loss of the mean image; the spread of the
+    reconstructions against the images'; the training throughput in samples per second on 1 rank and on
     all of them (measured, not asserted: on a shared 2-core laptop the gain
     is far from 2x); with matplotlib installed, a PNG of a few images and
     their reconstructions. Then ``python -m minddp.train --help`` for the
@@ -29,8 +39,11 @@ Try this
     1. Predict the samples/s at 2 ranks against 1 on your machine before
        running. (On a laptop with 2 free cores, somewhat under 2x: every step
        also all-reduces the gradients; with 1 free core, no gain at all.)
-    2. ``--epochs 6``: predict whether the two wrappers still agree.
-       (Yes: same start, same batches, same averages.)
+    2. ``--epochs 20``: predict whether the two wrappers still agree.
+       (Yes: same start, same batches, same averages.) Then ``--lr 1e-3
+       --epochs 3``, the settings this lesson once had: predict the
+       reconstructions. (All the same blob: the loss stays at the mean
+       image's and the lesson reports that nothing was learned.)
     3. ``--batch-size 16`` at ``--world-size 2``: each rank's batch is 8;
        predict what happens to the loss curve and why. (More, noisier steps:
        the global batch, not the per-rank one, is what the optimizer sees.)
@@ -55,7 +68,7 @@ def train(wrapper, args, rank: int, world_size: int):
     torch.manual_seed(0)  # the same start for both wrappers (and rank 0 broadcasts it anyway)
     model = minddp.models.build_model("ae")
     ddp = wrapper(model)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
 
     if args.data_dir:
         dataset = minddp.data.load_mnist(args.data_dir, train=True)
@@ -79,6 +92,17 @@ def train(wrapper, args, rank: int, world_size: int):
         dist.all_reduce(total)
         epoch_losses.append((total[0] / total[1]).item())
     return epoch_losses, model, dataset
+
+
+def mean_image_check(model, dataset) -> tuple[float, float, float, float]:
+    """(loss of the model, loss of the mean image, spread of the reconstructions, spread of the images),
+    over the whole training set; a spread is the mean squared distance from the average picture."""
+    images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    with torch.no_grad():
+        rebuilt = model(images)
+    spread = lambda batch: ((batch - batch.mean(0)) ** 2).mean().item()  # noqa: E731
+    loss = ((rebuilt - images) ** 2).mean().item()
+    return loss, spread(images), spread(rebuilt), spread(images)  # the mean image's loss is the images' spread
 
 
 def samples_per_second(group, rank: int, steps: int = 8, per_rank: int = 32) -> float:
@@ -131,7 +155,9 @@ def save_reconstructions(model, dataset, path: str) -> None:
 
 
 def main(rank: int, world_size: int, args) -> None:
-    args.batch_size = args.batch_size or 32 * world_size
+    # 64 whatever the world size (rounded down to a multiple of it): the same
+    # number of steps per epoch, so the same training on 1, 2 or 3 ranks.
+    args.batch_size = args.batch_size or 64 // world_size * world_size
     source = f"MNIST from {args.data_dir}" if args.data_dir else "synthetic MNIST"
     steps = args.samples // args.batch_size
     print0(f"autoencoder on {args.samples} images of {source}, {world_size} ranks,")
@@ -142,20 +168,50 @@ def main(rank: int, world_size: int, args) -> None:
     print0("  epoch | MiniDDP loss | torch DDP loss")
     for epoch, (a, b) in enumerate(zip(ours, theirs)):
         print0(f"  {epoch:>5} | {a:>12.6f} | {b:>14.6f}")
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, theirs)), (ours, theirs)
-    assert ours[-1] < ours[0], "the autoencoder learned something"
-    print0("checked: the two wrappers' losses agree to 1e-5 relative in every epoch,")
-    print0("         and the loss fell from the first epoch to the last.")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+    # Two ranks' gradients sum to the same float32 in any order: equal
+    # losses. From three on, Gloo adds them in an order that depends on how
+    # each wrapper lays out its buckets; the last bits differ, and training
+    # amplifies that once the model leaves the mean-image plateau (seen at 3
+    # ranks: 3e-5 by epoch 9, 5e-3 by epoch 14). The first epochs stay tight.
+    tolerance = 1e-5 if world_size <= 2 else 5e-2
+    first = max(abs(a - b) / abs(b) for a, b in zip(ours[:3], theirs[:3]))
+    assert first <= 1e-5, f"expected the first epochs' losses within 1e-5 relative, saw {first:.1e}: {ours[:3]} against {theirs[:3]}"
+    assert worst <= tolerance, f"expected the wrappers' losses within {tolerance:g} relative, saw {worst:.1e}: {ours} against {theirs}"
+    assert ours[-1] < ours[0], f"expected the loss to fall, saw {ours[0]:.4f} -> {ours[-1]:.4f}"
+    loss, mean_image_loss, spread, image_spread = mean_image_check(model, dataset)
+    print0(f"\nafter training, over the {len(dataset)} training images: loss {loss:.4f}, against {mean_image_loss:.4f} for")
+    print0(f"returning the mean image for every input; reconstructions spread {spread:.4f} around their average,")
+    print0(f"the images {image_spread:.4f}")
+    learned = loss < 0.8 * mean_image_loss and spread > 0.25 * image_spread
+    if not learned:
+        print0("not learned: the model is still on the mean-image plateau (every reconstruction about")
+        print0("the same blob); train longer or with a larger rate (the defaults: --lr 1e-2 --epochs 15)")
+    if args.lr == DEFAULT_LR and args.epochs >= DEFAULT_EPOCHS:
+        assert learned, (f"expected a loss below 0.8 x the mean image's ({0.8 * mean_image_loss:.4f}) and reconstructions "
+                         f"spread over 0.25 x the images' ({0.25 * image_spread:.4f}); saw {loss:.4f} and {spread:.4f}")
+    elif args.lr <= 1e-3 and args.epochs <= 3:  # exercise 2's old settings: the plateau, predicted
+        assert not learned, (f"expected the mean-image plateau at lr {args.lr} and {args.epochs} epochs; "
+                             f"saw loss {loss:.4f}, spread {spread:.4f}")
+    print0(f"checked: the two wrappers' losses agree to 1e-05 relative in the first epochs and to {tolerance:g} in every")
+    print0(f"         epoch (worst {worst:.0e}); the loss fell,")
+    print0("         and " + ("it fell below the mean image's, with reconstructions that differ from each other"
+                              if learned else "the model above is on the mean-image plateau, as reported"))
     throughput(rank, world_size)
     if rank == 0:
         save_reconstructions(model, dataset, os.path.join(tempfile.gettempdir(), "minddp_lesson14_reconstructions.png"))
 
 
+DEFAULT_LR, DEFAULT_EPOCHS = 1e-2, 15
+
+
 def options(parser) -> None:
     parser.add_argument("--data-dir", default=None, help="folder holding MNIST/raw (default: synthetic data)")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam's learning rate (default %(default)s)")
     parser.add_argument("--samples", type=int, default=1024, help="training images used per epoch")
-    parser.add_argument("--batch-size", type=int, default=None, help="global batch size, split over the ranks (default 32 per rank)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="global batch size, split over the ranks (default 64, rounded down to a multiple of the world size)")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ What you will learn
     why torch's documentation recommends DDP even on a single machine.
 
 What to run
-    python lessons/15_launching.py [--world-size 4]
+    python lessons/15_launching.py [--world-size 4] [--slurm-nodelist "node[1,3-4]"] [--mpi-without-master-addr]
     torchrun --nproc-per-node 2 lessons/15_launching.py
 
 What to look at
@@ -45,16 +45,18 @@ What to look at
 
 Try this
     1. For SLURM with ``SLURM_JOB_NODELIST=gpu[07-08]`` predict the master
-       address, then change it to ``node[1,3-4]`` in FAKE_ENVIRONMENTS and
-       predict again. (gpu07; node1.)
+       address, then run with ``--slurm-nodelist "node[1,3-4]"`` and
+       predict again. (gpu07; node1: the first host of the list.)
     2. Run it under torchrun with ``--nproc-per-node 3`` and predict each
-       rank's MASTER_ADDR line. (The same address for all: torchrun's.)
-    3. Remove ``MASTER_ADDR`` from the openmpi entry and predict what
-       detect_launch says. (An error naming the missing variable: MPI
-       itself has no master address.)
+       rank's MASTER_ADDR line. (The same address for all: torchrun's. The
+       lesson checks that every rank saw the same one.)
+    3. ``--mpi-without-master-addr`` removes ``MASTER_ADDR`` from the
+       openmpi entry: predict what detect_launch says. (An error naming the
+       missing variable: MPI itself has no master address.)
 """
 
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -75,21 +77,41 @@ FAKE_ENVIRONMENTS = {
 EXPECTED_MASTER = {"torchrun": "node0", "slurm": "gpu07", "openmpi": "node0"}
 
 
-def show_detection() -> None:
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list, worked out by hand for the simple
+    shapes of exercise 1 (``gpu[07-08]``, ``node[1,3-4]``, ``a,b``)."""
+    prefix, first = re.match(r"([^\[,]+)(?:\[(\d+))?", nodelist).groups()
+    return prefix + (first or "")
+
+
+def show_detection(slurm_nodelist: str = "gpu[07-08]", mpi_without_master_addr: bool = False) -> None:
     print("what detect_launch reads from each launcher's environment (faked, no process started):")
     print("  launcher  | rank | world | local | master")
-    for launcher, env in FAKE_ENVIRONMENTS.items():
+    environments = {name: dict(env) for name, env in FAKE_ENVIRONMENTS.items()}
+    environments["slurm"]["SLURM_JOB_NODELIST"] = slurm_nodelist
+    expected_master = dict(EXPECTED_MASTER, slurm=first_host(slurm_nodelist))
+    if mpi_without_master_addr:
+        del environments["openmpi"]["MASTER_ADDR"]
+        try:
+            detect_launch(environments.pop("openmpi"))
+            raise AssertionError("expected detect_launch to refuse an OpenMPI launch without MASTER_ADDR; it accepted it")
+        except RuntimeError as error:
+            print(f"  openmpi without MASTER_ADDR -> RuntimeError: {error}")
+            assert "MASTER_ADDR" in str(error), f"expected the error to name MASTER_ADDR, saw: {error}"
+            print("checked: the error names the missing variable.")
+    for launcher, env in environments.items():
         info = detect_launch(env)
         print(f"  {launcher:<9} | {info.rank:>4} | {info.world_size:>5} | {info.local_rank:>5} | {info.master_addr}:{info.master_port}")
-        assert (info.launcher, info.rank, info.world_size, info.local_rank) == (launcher, 5, 8, 1)
-        assert info.master_addr == EXPECTED_MASTER[launcher]
+        seen = (info.launcher, info.rank, info.world_size, info.local_rank)
+        assert seen == (launcher, 5, 8, 1), f"expected ({launcher!r}, 5, 8, 1), saw {seen}"
+        assert info.master_addr == expected_master[launcher], f"expected master {expected_master[launcher]}, saw {info.master_addr}"
     try:
         detect_launch({})
         raise AssertionError("an empty environment must not look like a launch")
     except RuntimeError as error:
         print(f"  (nothing)  -> RuntimeError: {str(error)[:60]}...")
     print("checked: every launcher's variables give rank 5 of 8, local rank 1; SLURM's master")
-    print("         is the first host of gpu[07-08]; an empty environment is an error.\n")
+    print(f"         is the first host of {slurm_nodelist}, {expected_master['slurm']}; an empty environment is an error.\n")
 
 
 def show_data_parallel() -> None:
@@ -111,8 +133,13 @@ def report(rank: int, world_size: int, launcher: str) -> None:
     dist.all_reduce(t)
     assert t.item() == world_size * (world_size - 1) / 2
     print0(f"a real launch through {launcher}: {world_size} ranks, backend {dist.get_backend()}")
-    print_ranks(f"rank {rank} of {world_size}, pid {os.getpid()}, MASTER_ADDR={os.environ.get('MASTER_ADDR')}")
-    print0("checked: the ranks met and an all_reduce over them gave 0 + 1 + ... + (world_size-1).")
+    master = os.environ.get("MASTER_ADDR")
+    print_ranks(f"rank {rank} of {world_size}, pid {os.getpid()}, MASTER_ADDR={master}")
+    masters = [None] * world_size
+    dist.all_gather_object(masters, master)
+    assert len(set(masters)) == 1, f"expected one MASTER_ADDR for all ranks, saw {masters}"
+    print0("checked: the ranks met, all with the same MASTER_ADDR, and an all_reduce over them gave")
+    print0("         0 + 1 + ... + (world_size-1).")
 
 
 def spawned(rank: int, world_size: int) -> None:
@@ -128,7 +155,10 @@ if __name__ == "__main__":
                 show_detection()
             report(info.rank, info.world_size, info.launcher)
     else:
-        args = parse_args(__doc__)
-        show_detection()
+        def options(parser):
+            parser.add_argument("--slurm-nodelist", default="gpu[07-08]", help="exercise 1: SLURM_JOB_NODELIST to detect")
+            parser.add_argument("--mpi-without-master-addr", action="store_true", help="exercise 3")
+        args = parse_args(__doc__, extra=options)
+        show_detection(args.slurm_nodelist, args.mpi_without_master_addr)
         show_data_parallel()
         run(spawned, args.world_size)

@@ -5,9 +5,11 @@ What you will learn
     raise an error where the mistake is: a rank waits in a collective that
     its partners will never join, and the job just stops. This lesson makes
     each failure happen, on a process group with a short timeout (here a few
-    seconds; torch's default is 30 minutes, and ``minddp.init_distributed``'s
-    10 -- which is why a real hang looks like a frozen job, not an error), prints what you
-    would see, and then the fix.
+    seconds; torch's default is 30 minutes for Gloo and 10 for NCCL --
+    ``torch.distributed.constants.default_pg_timeout`` and
+    ``default_pg_nccl_timeout`` -- and ``minddp.init_distributed``'s is 10,
+    which is why a real hang looks like a frozen job, not an error), prints
+    what you would see, and then the fix.
 
     1. Uneven inputs. Rank 0 has 3 batches, rank 1 has 2. Rank 0's third
        backward all-reduces a bucket that rank 1 never sends: it hangs until
@@ -19,7 +21,11 @@ What you will learn
        MiniDDP raises on rank 1, naming the parameter; rank 0, which did send
        that bucket, waits for it until the timeout. Fix:
        ``MiniDDP(..., find_unused_parameters=True)`` -- missing gradients
-       count as zero -- or make every rank use every parameter.
+       count as zero -- or make every rank use every parameter. Mind what
+       the fix averages: the layer gets the sum of its gradients over *all*
+       p ranks divided by p (rank 1 counted as a zero), not the mean over
+       the ranks that used it. torch's DDP does the same; the lesson checks
+       both against that formula.
     3. A replica that drifts. One rank changes its weights outside the
        synchronized step (a step skipped or repeated, a ``load_state_dict``
        on rank 0 only). Nothing fails; the replicas just train apart.
@@ -28,11 +34,14 @@ What you will learn
        the tensor. Fix: find the code that ran on some ranks only.
 
 What to run
-    python lessons/18_failure_modes.py [--world-size 3] [--timeout-s 1]
+    python lessons/18_failure_modes.py [--world-size 3] [--timeout-s 1] [--extra-first]
+
+    It needs two ranks at least (one to fail, one to wait) and says so in
+    one line when given ``--world-size 1``.
 
 What to look at
-    For each failure: the error each rank saw (first line), how long it
-    took to appear, and the fixed run.
+    For each failure: the error each rank saw (its first line, whole), how
+    long it took to appear, and the fixed run.
 
 Try this
     1. Before running, predict for failure 1 which rank raises, and after
@@ -40,18 +49,22 @@ Try this
        finished its loop without noticing anything.)
     2. ``--timeout-s 1``: predict what changes. (Only the waits: each hang
        now ends after about one second.)
-    3. In failure 2, predict the error if the *unused* layer came first in
-       the model, i.e. its bucket would leave last. (The same: MiniDDP checks
-       every bucket at the end of backward.)
+    3. ``--extra-first`` registers the *unused* layer first in the model,
+       so its gradients would come last in the bucket order: predict the
+       error of failure 2. (The same: MiniDDP checks every bucket at the
+       end of backward, wherever the missing gradient sits.)
 """
 
 import datetime
 import re
+import textwrap
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
 
 from minddp import MiniDDP
 from minddp.replicas import ReplicaDesyncError
@@ -59,10 +72,15 @@ from _common import parse_args, print0, print_ranks, run
 
 
 class TwoHeads(nn.Module):
+    extra_first = False  # --extra-first: register 'extra' before the others
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.body, self.head, self.extra = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+        if self.extra_first:
+            self.extra, self.body, self.head = nn.Linear(8, 2), nn.Linear(8, 8), nn.Linear(8, 2)
+        else:
+            self.body, self.head, self.extra = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 2)
 
     def forward(self, x, use_extra: bool = True):
         h = torch.relu(self.body(x))
@@ -82,7 +100,8 @@ def attempt(fn) -> str:
         return "finished, no error"
     except RuntimeError as error:
         first_line = re.sub(r"^\[[^\]]*\.cc:\d+\] ", "", str(error).strip().splitlines()[0])  # Gloo's source location
-        return f"after {time.perf_counter() - start:4.1f} s: {type(error).__name__}: {first_line[:120]}"
+        said = f"after {time.perf_counter() - start:4.1f} s: {type(error).__name__}: {first_line}"
+        return textwrap.fill(said, width=100, subsequent_indent=" " * 11)  # the whole line, wrapped
 
 
 def batches(n: int):
@@ -126,12 +145,31 @@ def unused_parameter(rank: int, timeout_s: float) -> None:
     assert "extra.weight" in everyone[1] and "received no gradient" in everyone[1], everyone[1]
     assert "time" in everyone[0].lower(), everyone[0]
 
+    used = rank != 1
     model = MiniDDP(TwoHeads(), find_unused_parameters=True)
-    model(x, use_extra=rank != 1).sum().backward()
-    grad = torch.tensor(model.module.extra.weight.grad.abs().sum().item())
-    dist.all_reduce(grad, op=dist.ReduceOp.MAX)
-    print0(f"   with find_unused_parameters=True: no error; 'extra' got the average over the ranks that used it")
-    assert grad.item() > 0
+    model(x, use_extra=used).sum().backward()
+    # torch warns on the ranks that used every parameter ("did not find any
+    # unused parameters"): its flag is per run, the unused layer per rank.
+    theirs = DistributedDataParallel(TwoHeads(), find_unused_parameters=True)
+    theirs(x, use_extra=used).sum().backward()
+    # The formula, from each rank's own gradient (zero where 'extra' was unused).
+    alone = TwoHeads()
+    alone(x, use_extra=used).sum().backward()
+    total = alone.extra.weight.grad if used else torch.zeros_like(alone.extra.weight)
+    dist.all_reduce(total)
+    p, users = dist.get_world_size(), dist.get_world_size() - 1
+    over_all, over_users = total / p, total / users
+    mine, torchs = model.module.extra.weight.grad, theirs.module.extra.weight.grad
+    # float32 sums of a few numbers in another order: equal to rounding.
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
+    print0(f"   with find_unused_parameters=True: no error; 'extra' got the sum of its gradients over all {p} ranks")
+    print0(f"   divided by {p} (rank 1 counted as zero), not the mean over the {users} rank(s) that used it; torch's DDP")
+    print0(f"   the same: |MiniDDP - formula| {(mine - over_all).abs().max():.1e}, |torch - formula| "
+           f"{(torchs - over_all).abs().max():.1e}, |formula - mean over users| {(over_all - over_users).abs().max():.1e}")
+    expected = f"sum over all ranks / {p} = {over_all.flatten()[:4].tolist()}"
+    assert close(mine, over_all), f"MiniDDP: expected {expected}, saw {mine.flatten()[:4].tolist()}"
+    assert close(torchs, over_all), f"torch's DDP: expected {expected}, saw {torchs.flatten()[:4].tolist()}"
+    assert not close(over_all, over_users), "the two averages should differ"
 
 
 def drifting_replica(rank: int) -> None:
@@ -151,8 +189,12 @@ def drifting_replica(rank: int) -> None:
     print0("   every rank raised at the next forward, naming the tensor: nothing trained on apart")
 
 
-def main(rank: int, world_size: int, timeout_s: float) -> None:
+def main(rank: int, world_size: int, timeout_s: float, extra_first: bool = False) -> None:
+    TwoHeads.extra_first = extra_first
     print0(f"{world_size} ranks; the broken runs use a process group with a {timeout_s:g} s timeout")
+    print0(f"(torch's defaults: {default_pg_timeout} for Gloo, {default_pg_nccl_timeout} for NCCL)")
+    assert default_pg_timeout == datetime.timedelta(minutes=30), f"expected Gloo's 30 min, saw {default_pg_timeout}"
+    assert default_pg_nccl_timeout in (None, datetime.timedelta(minutes=10)), f"expected NCCL's 10 min, saw {default_pg_nccl_timeout}"
     uneven_inputs(rank, timeout_s)
     unused_parameter(rank, timeout_s)
     drifting_replica(rank)
@@ -162,6 +204,8 @@ def main(rank: int, world_size: int, timeout_s: float) -> None:
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__, min_world_size=2, extra=lambda p: p.add_argument(
-        "--timeout-s", type=float, default=3.0, help="timeout of the broken runs' process group"))
-    run(main, args.world_size, args.timeout_s)
+    def options(parser):
+        parser.add_argument("--timeout-s", type=float, default=3.0, help="timeout of the broken runs' process group")
+        parser.add_argument("--extra-first", action="store_true", help="register the unused layer first")
+    args = parse_args(__doc__, min_world_size=2, extra=options)
+    run(main, args.world_size, args.timeout_s, args.extra_first)

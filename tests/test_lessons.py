@@ -23,6 +23,7 @@ TIMEOUT_S = 150
 
 # The exercise flags, per lesson number: each is run once, and must end with "checked:".
 FLAGS = {
+    "02": [["--src", "1"], ["--rank-1-skips-all-gather"]],
     "03": [["--blocking-send"]],
     "04": [["--no-broadcast"]],
     "05": [["--micro-batches", "3"]],
@@ -30,12 +31,15 @@ FLAGS = {
     "07": [["--cap", "200"]],
     "07b": [["--keep-order"]],
     "08": [["--bucket-cap-mb", "25"]],
-    "09": [["--forget-set-epoch"]],
-    "10": [["--plain-batchnorm-only"]],
+    "09": [["--forget-set-epoch"], ["--lr", "0.05"]],
+    "10": [["--plain-batchnorm-only"], ["--shift", "0"], ["--torch-syncbn"]],
     "11": [["--forward-outside"]],
-    "13": [["--no-scaler"]],
+    "12": [["--save-ddp-state-dict"], ["--no-barrier"]],
+    "13": [["--no-scaler"], ["--bf16-hook"]],
+    "14": [["--lr", "1e-3", "--epochs", "3"]],
+    "15": [["--slurm-nodelist", "node[1,3-4]"], ["--mpi-without-master-addr"]],
     "16": [["--link", "none"]],
-    "18": [["--timeout-s", "1"]],
+    "18": [["--timeout-s", "1"], ["--extra-first"]],
     "19": [["--gradient-as-bucket-view"], ["--optimizer", "sgd"]],
     "20": [["--bucket-cap-mb", "25"]],
 }
@@ -95,6 +99,16 @@ def test_a_lesson_that_needs_two_ranks_says_so_in_one_line():
     assert result.stderr.strip().splitlines() == [
         "this lesson compares ranks with each other: run it with --world-size 2 or more"
     ]
+
+
+@pytest.mark.parametrize("name", ["03_ring_all_reduce", "10_batchnorm", "18_failure_modes"])
+def test_lessons_that_compare_ranks_refuse_one_rank_in_one_line_and_say_so(name):
+    lesson = LESSONS_DIR / f"{name}.py"
+    result = run_lesson([sys.executable, str(lesson), "--world-size", "1"])
+    assert (result.returncode, result.stderr.strip().splitlines()) == (
+        2, ["this lesson compares ranks with each other: run it with --world-size 2 or more"]), result.stderr
+    what_to_run = ast.get_docstring(ast.parse(lesson.read_text())).split("What to run")[1].split("What to look at")[0]
+    assert "--world-size 1" in what_to_run, f"{name}: its 'What to run' does not say it refuses one rank"
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
