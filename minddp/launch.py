@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import random
 import re
 import socket
 import sys
@@ -294,7 +295,24 @@ def distributed(backend: str | None = None, **kwargs) -> Iterator[LaunchInfo]:
 
 
 def find_free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago, chosen below the OS's ephemeral range.
+
+    Rank 0 binds the port a moment later, and in between anything may take
+    it. A port the OS hands out (``bind(0)``) comes from the ephemeral range,
+    the very range Gloo's own connections draw from, so on a busy machine it
+    was taken now and then (``EADDRINUSE``). Linux's ephemeral range starts at
+    32768; a random free port below it is only taken by someone who asks for
+    it by number.
+    """
+    pick = random.SystemRandom()  # not the global generator: a seeded script would pick the same port every time
+    for _ in range(50):
+        port = pick.randrange(20000, 32768)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -119,3 +119,18 @@ def test_spawn_reports_the_rank_that_failed_first():
     with pytest.raises(RankFailed, match="rank 1 failed first") as info:
         spawn(_rank1_fails_rank0_waits, 2, backend="gloo")
     assert "ValueError: the real cause, on rank 1" in str(info.value)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_ignore_the_global_seed():
+    """Gloo's own connections take ephemeral ports (32768 and up on Linux); a
+    meeting port picked there was now and then taken before rank 0 bound it
+    (EADDRINUSE under load). A seeded script must not pin the choice either:
+    two runs seeded alike would then meet on the same port."""
+    import random
+
+    ports = set()
+    for _ in range(5):
+        random.seed(0)
+        ports.add(find_free_port())
+    assert all(1024 < p < 32768 for p in ports), ports
+    assert len(ports) > 1, f"the global seed decided the port: {ports}"
