@@ -26,7 +26,9 @@ What you will learn
        order is broadcast and every rank rebuilds the same buckets from it.
 
 What to run
-    python lessons/07b_flat_buckets.py [--world-size 4] [--keep-order]
+    python lessons/07b_flat_buckets.py [--world-size 3] [--keep-order]
+    It compares ranks, so it needs two or more: ``--world-size 1`` stops
+    with one line saying so.
 
 What to look at
     The buckets of a model that registers its head first, before and after
@@ -156,24 +158,29 @@ class HeadFirst(nn.Module):
 
 
 def main(rank: int, world_size: int, args) -> None:
-    cap = 20 * 1024  # small, to get several buckets out of a small model
+    cap = 2 * 1024  # HeadFirst has 6,416 bytes of gradients: 2 KB makes several buckets of them
     ddp = FlatDDP(HeadFirst(), cap, learn_order=not args.keep_order)
     guess = ddp.bucket_names()
     ddp(torch.randn(8, 20)).sum().backward()
     print0(f"HeadFirst registers head, then body; buckets of at most {cap // 1024} KB, in launch order:")
     print0(f"  first guess, reverse registration: {guess}")
     print0(f"  after the first backward:          {ddp.bucket_names()}")
+    print0("  (buckets leave in order: under the guess the first holds body gradients, which come last,")
+    print0("   so nothing can leave before backward ends" + (")" if args.keep_order else "; after the rebuild the head's bucket leaves first)"))
 
     results = [train_and_compare(f"FlatDDP, {k} micro-batch(es)", lambda m: FlatDDP(m, cap, learn_order=not args.keep_order),
                                  rank, world_size, micro_batches=k)[0] for k in (1, 2)]
     print0(f"\n{world_size} ranks on the test bench:")
     print_results(results)
 
-    assert all(is_exact(r) for r in results), results
+    assert all(is_exact(r) for r in results), f"every row exact expected, got {results}"
+    assert len(guess) > 1, f"a cap of {cap} bytes should split HeadFirst into several buckets, got {guess}"
+    assert guess[0][0].startswith("body"), f"reverse registration puts the body first; got {guess}"
     if args.keep_order:
-        assert ddp.bucket_names() == guess
+        assert ddp.bucket_names() == guess, f"--keep-order keeps the first guess {guess}; got {ddp.bucket_names()}"
     else:
-        assert [n for b in ddp.bucket_names() for n in b] == ["head.bias", "head.weight", "body.bias", "body.weight"]
+        order = [n for b in ddp.bucket_names() for n in b]
+        assert order == ["head.bias", "head.weight", "body.bias", "body.weight"], f"the arrival order expected, got {order}"
     print0("checked: exact with and without accumulation, with no call after backward;")
     print0("         " + ("the buckets kept the first guess." if args.keep_order else
                          "the rebuilt buckets follow the real order: each layer's bias, then its weight."))

@@ -34,7 +34,7 @@ FLAGS = {
     "10": [["--plain-batchnorm-only"]],
     "11": [["--forward-outside"]],
     "13": [["--no-scaler"]],
-    "16": [["--link", "none"]],
+    "16": [["--link", "none"], ["--bucket-cap-mb", "25"]],
     "17": [["--compute-scale", "50"], ["--network", "dgx-h100"], ["--algorithm", "tree"]],
     "18": [["--timeout-s", "1"]],
 }
