@@ -24,11 +24,11 @@ TIMEOUT_S = 150
 # The exercise flags, per lesson number: each is run once, and must end with "checked:".
 FLAGS = {
     "03": [["--blocking-send"]],
-    "04": [["--no-broadcast"]],
-    "05": [["--micro-batches", "3"]],
+    "04": [["--no-broadcast"], ["--forget-divide"]],
+    "05": [["--micro-batches", "3"], ["--sync-every-micro-batch"]],
     "06": [["--wait-in-hook"], ["--link", "none"], ["--world-size", "3"]],
     "07": [["--cap", "200"], ["--link", "none"], ["--world-size", "3"]],
-    "07b": [["--keep-order"]],
+    "07b": [["--keep-order"], ["--sum-not-average"]],
     "08": [["--bucket-cap-mb", "25"]],
     "09": [["--forget-set-epoch"]],
     "10": [["--plain-batchnorm-only"]],
