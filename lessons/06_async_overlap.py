@@ -10,6 +10,8 @@ What you will learn
 
     The difference from lesson 05: the hook launches instead of waiting, and
     ``finish_gradient_synchronization()`` comes back to wait and divide.
+    That is all of ``AsyncDDP``; the notes this lesson takes for its picture
+    and its timing live in a subclass, ``WatchedAsyncDDP``.
     (Torch's DDP and MiniDDP call that for you at the end of backward, lesson
     07b; here it is explicit so you can see it.)
 
@@ -64,56 +66,76 @@ from _common import FEATURES, add_link_option, is_exact, make_link, parse_args, 
 class AsyncDDP(nn.Module):
     """Lesson 05's HookDDP, launching all_reduce without waiting for it."""
 
-    def __init__(self, module: nn.Module, link=None, wait_in_hook: bool = False, broadcast: bool = True):
+    def __init__(self, module: nn.Module, link=None, broadcast: bool = True):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
         self.require_sync = True  # False while accumulating micro-batches
-        self.link, self.wait_in_hook = link, wait_in_hook
-        self.pending = []  # (param, future, timeline entry) launched during this backward
-        self.timeline = []  # (name, launched at, finished at) for the picture
-        self.backward_and_sync_ms = []  # per step, from the end of forward to every sum in
-        names = {p: n for n, p in module.named_parameters()}
+        self.link = link
+        self.pending = []  # (param, future) launched during this backward
         for p in self.module.parameters():
             if broadcast:
                 dist.broadcast(p.data, src=0)
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda param, name=names[p]: self._average_grad(param, name))
+                p.register_post_accumulate_grad_hook(self._average_grad)
 
     def forward(self, *args, **kwargs):
-        self.timeline.clear()
-        self.forward_done = None
-        output = self.module(*args, **kwargs)
-        self.forward_done = time.perf_counter()
-        return output
+        return self.module(*args, **kwargs)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         if self.link is not None:  # the same sum, at the simulated network's pace
             return self.link.all_reduce(tensor)
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
-    def _average_grad(self, param: torch.Tensor, name: str) -> None:
+    def _average_grad(self, param: torch.Tensor) -> None:
+        if self.require_sync:
+            self.pending.append((param, self._all_reduce(param.grad)))  # launch, and go on
+
+    def finish_gradient_synchronization(self) -> None:
+        # Called after backward, before optimizer.step().
+        for param, future in self.pending:
+            future.wait()
+            param.grad /= self.world_size
+        self.pending.clear()
+
+
+class WatchedAsyncDDP(AsyncDDP):
+    """AsyncDDP taking notes for the picture and the timing: when forward ended,
+    when each hook launched and each sum arrived, when backward returned. With
+    ``wait_in_hook`` each hook waits for its sum: lesson 05's behaviour."""
+
+    def __init__(self, module: nn.Module, link=None, wait_in_hook: bool = False, broadcast: bool = True):
+        super().__init__(module, link, broadcast)
+        self.wait_in_hook = wait_in_hook
+        self.names = {p: n for n, p in module.named_parameters()}
+        self.timeline = []  # [name, launched at, finished at, link message or None] per hook
+        self.backward_and_sync_ms = []  # per step, from the end of forward to every sum in
+
+    def forward(self, *args, **kwargs):
+        self.timeline.clear()
+        output = super().forward(*args, **kwargs)
+        self.forward_done = time.perf_counter()
+        return output
+
+    def _average_grad(self, param: torch.Tensor) -> None:
         if not self.require_sync:
             return
-        entry = [name, time.perf_counter(), None, None]  # launched before the call, so bars are whole
-        future = self._all_reduce(param.grad)
+        entry = [self.names[param], time.perf_counter(), None, None]  # stamped before the launch
+        super()._average_grad(param)
+        future = self.pending[-1][1]
         if self.link is not None:
             entry[3] = self.link.messages[-1]  # when the wire took it, and the model's duration
-        self.pending.append((param, future, entry))
         self.timeline.append(entry)
-        future.then(lambda _, entry=entry: note_finish(entry))  # for the picture
-        if self.wait_in_hook:  # lesson 05's behaviour: backward stands still
+        future.then(lambda _, entry=entry: note_finish(entry))
+        if self.wait_in_hook:  # backward stands still until the sum is in
             future.wait()
             note_finish(entry)
 
     def finish_gradient_synchronization(self) -> None:
-        # Called after backward, before optimizer.step().
         self.backward_done = time.perf_counter()
-        for param, future, entry in self.pending:
-            future.wait()
-            note_finish(entry)
-            param.grad /= self.world_size
-        self.pending.clear()
+        super().finish_gradient_synchronization()
+        for entry in self.timeline:
+            note_finish(entry)  # a callback may not have run yet: the sum is in by now
         self.all_done = time.perf_counter()
         if self.timeline:
             self.backward_and_sync_ms.append(1e3 * (self.all_done - self.forward_done))
@@ -124,7 +146,7 @@ def note_finish(entry: list) -> None:
         entry[2] = time.perf_counter()
 
 
-def modelled(ddp: AsyncDDP) -> dict:
+def modelled(ddp: WatchedAsyncDDP) -> dict:
     """The last backward replayed in the link model's time: compute as it ran
     here (when each hook fired, when backward returned), communication as the
     model says (each message on the wire for its modelled time, one at a
@@ -141,7 +163,7 @@ def modelled(ddp: AsyncDDP) -> dict:
                 overlap=max(backward, wire_free), hidden=sum(d < backward for d in done))
 
 
-def draw(ddp: AsyncDDP, width: int = 56) -> None:
+def draw(ddp: WatchedAsyncDDP, width: int = 56) -> None:
     t0 = ddp.forward_done
     scale = width / (ddp.all_done - t0)
     col = lambda t: min(width - 1, int((t - t0) * scale))  # noqa: E731
@@ -182,8 +204,8 @@ def main(rank: int, world_size: int, args) -> None:
     # 2048 samples per rank: a backward about as long as the wire is busy,
     # so that overlap has the most to hide. The table and the timing use it.
     bench = dict(width=256, depth=4, per_rank=2048, steps=3)
-    waiting, ddp_waiting = train_and_compare("waits in the hook (05)", lambda m: AsyncDDP(m, make_link(args.link), True), rank, world_size, **bench)
-    overlap, ddp_overlap = train_and_compare("async, waits at the end (06)", lambda m: AsyncDDP(m, make_link(args.link)), rank, world_size, **bench)
+    waiting, ddp_waiting = train_and_compare("waits in the hook (05)", lambda m: WatchedAsyncDDP(m, make_link(args.link), True), rank, world_size, **bench)
+    overlap, ddp_overlap = train_and_compare("async, waits at the end (06)", lambda m: WatchedAsyncDDP(m, make_link(args.link)), rank, world_size, **bench)
     print0(f"{world_size} ranks, link {args.link}, {bench['per_rank']} samples per rank; the same wrapper, waiting in the hook or at the end:")
     print_results([waiting, overlap])
     print0("  (step: median of 2 steps, one wrapper after the other; the fairer timing follows)")
