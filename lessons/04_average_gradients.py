@@ -21,7 +21,9 @@ What you will learn
     batch. Only the wrapper changes from lesson to lesson.
 
 What to run
-    python lessons/04_average_gradients.py [--world-size 4] [--no-broadcast]
+    python lessons/04_average_gradients.py [--world-size 3] [--no-broadcast] [--forget-divide]
+    It compares ranks, so it needs two or more: ``--world-size 1`` stops
+    with one line saying so.
 
 What to look at
     The table: "start spread" is how far each rank's weights were from rank
@@ -35,17 +37,20 @@ Try this
        by the lesson: the spread stays, the weights never meet -- the same
        averaged update applied to different starting points keeps them
        apart forever.)
-    2. In ``finish_gradient_synchronization`` forget ``/= self.world_size``.
-       Predict the grad error. (The gradient is p times too large: a p-times
-       larger learning rate in disguise.)
-    3. ``--world-size 4``: the errors stay at rounding level; why does the
+    2. In ``finish_gradient_synchronization`` forget ``/= self.world_size``
+       (``--forget-divide`` adds that wrapper, ``ForgotToDivide``, to the
+       table). Predict the grad error. (The gradient is p times too large:
+       a p-times larger learning rate in disguise; the lesson compares one
+       backward with and without the division.)
+    3. ``--world-size 3``: the errors stay at rounding level; why does the
        step time grow?
 """
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _common import is_exact, parse_args, print0, print_results, run, train_and_compare
+from _common import FEATURES, is_exact, make_model, parse_args, print0, print_results, run, train_and_compare
 
 
 class HandDDP(nn.Module):
@@ -82,30 +87,66 @@ class NoAveraging(HandDDP):
         pass
 
 
+class ForgotToDivide(HandDDP):
+    """Exercise 2: the all-reduce's sum, never divided by the world size."""
+
+    def finish_gradient_synchronization(self) -> None:
+        for p in self.module.parameters():
+            if self.require_sync and p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
 def main(rank: int, world_size: int, args) -> None:
     broadcast = not args.no_broadcast
     variants = [
         ("no averaging (each rank alone)", lambda m: NoAveraging(m, broadcast)),
         ("HandDDP" + ("" if broadcast else " without broadcast"), lambda m: HandDDP(m, broadcast)),
     ]
+    if args.forget_divide:
+        variants.append(("HandDDP, forgot /= world_size", lambda m: ForgotToDivide(m, broadcast)))
     results = [train_and_compare(name, wrap, rank, world_size)[0] for name, wrap in variants]
     print0(f"{world_size} ranks, 8 samples each, 3 SGD steps; one process on all {8 * world_size} samples as reference:")
     print_results(results)
 
-    alone, hand = results
-    assert alone.grad_error > 1e-3 and not alone.ranks_agree, "a slice's gradient is not the full batch's"
+    alone, hand = results[:2]
+    assert alone.grad_error > 1e-3 and not alone.ranks_agree, (
+        f"a slice's gradient is not the full batch's: grad error above 1e-3 and ranks apart expected, "
+        f"got {alone.grad_error:.1e}, ranks agree: {alone.ranks_agree}")
     if broadcast:
-        assert is_exact(hand), hand
+        assert is_exact(hand), f"HandDDP matches one process to float rounding (1e-5); got {hand}"
         print0("checked: the broadcast aligned the models; each slice's gradient differs from the")
         print0("         full batch's; averaged, they match it, and the trained models match.")
     else:
-        assert hand.start_spread > 1e-3 and hand.weight_error > 1e-3 and not hand.ranks_agree, hand
+        assert hand.start_spread > 1e-3 and hand.weight_error > 1e-3 and not hand.ranks_agree, (
+            f"without the broadcast the ranks start apart and stay apart; got {hand}")
         print0("checked (--no-broadcast): the ranks started apart and stayed apart: averaged")
         print0("         gradients applied to different weights never make them meet.")
+    if args.forget_divide:
+        show_forgotten_division(rank, world_size, broadcast)
+
+
+def show_forgotten_division(rank: int, world_size: int, broadcast: bool) -> None:
+    """One backward on the same data, with and without the division: a factor p, exactly."""
+    x = torch.randn(8, FEATURES, generator=torch.Generator().manual_seed(rank))  # each rank its slice
+    grads = []
+    for wrapper in (HandDDP, ForgotToDivide):
+        ddp = wrapper(make_model(seed=0), broadcast)
+        ddp(x).sum().backward()
+        ddp.finish_gradient_synchronization()
+        grads.append(ddp.module[0].weight.grad)
+    averaged, summed = grads
+    ratio = (summed.norm() / averaged.norm()).item()
+    print0(f"\n--forget-divide: the first layer's gradient, one backward: norm {averaged.norm():.4f} averaged, "
+           f"{summed.norm():.4f} summed: {ratio:.4f} times, and world size is {world_size}")
+    assert torch.allclose(summed, world_size * averaged, rtol=1e-5, atol=1e-7), (
+        f"the sum is world size ({world_size}) times the average; the norms' ratio was {ratio:.6f}")
+    print0(f"checked (--forget-divide): the gradient came out {world_size} times the average: SGD with a "
+           f"{world_size}x learning rate in disguise.")
 
 
 def options(parser) -> None:
     parser.add_argument("--no-broadcast", action="store_true", help="skip the broadcast of rank 0's weights")
+    parser.add_argument("--forget-divide", action="store_true", help="exercise 2: add a wrapper that never divides by p")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ What you will learn
        the weights; the gradients are never averaged.
 
 What to run
-    python lessons/05_gradient_hooks.py [--world-size 4] [--micro-batches 4]
+    python lessons/05_gradient_hooks.py [--world-size 3] [--micro-batches 4] [--sync-every-micro-batch]
+    It compares ranks, so it needs two or more: ``--world-size 1`` stops
+    with one line saying so.
 
 What to look at
     The table, once with one backward per step and once with two
@@ -36,10 +38,11 @@ Try this
     2. ``--micro-batches 4``: mistake A now averages 1 micro-batch of 4
        instead of 1 of 2. Predict whether its ranks end up agreeing. (They do
        not: the 3 earlier micro-batches stay each rank's own.)
-    3. In ``HookDDP._average_grad`` remove the ``require_sync`` test and
+    3. In ``HookDDP._average_grad`` remove the ``require_sync`` test
+       (``--sync-every-micro-batch`` adds that hook to the tables) and
        predict the grad error with accumulation. (Still exact: averaging is
        linear, so averaging after every micro-batch gives the same sum --
-       just k times the messages. Lesson 11 counts them.)
+       just k times the messages; the lesson counts them.)
 """
 
 import torch
@@ -75,6 +78,17 @@ class HookDDP(nn.Module):
         if self.require_sync:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
             param.grad /= self.world_size
+
+
+class SyncEveryMicroBatch(HookDDP):
+    """Exercise 3: the require_sync test removed -- every backward averages."""
+
+    calls = 0  # all-reduces this process made, to count the price
+
+    def _average_grad(self, param: torch.Tensor) -> None:
+        SyncEveryMicroBatch.calls += 1
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad /= self.world_size
 
 
 class TensorHookDDP(HookDDP):
@@ -125,6 +139,8 @@ def main(rank: int, world_size: int, args) -> None:
         ("A: Tensor.register_hook", TensorHookDDP),
         ("B: hook(grad) that gets the param", ParamAsGradDDP),
     ]
+    if args.sync_every_micro_batch:
+        variants.append(("hook without the require_sync test", SyncEveryMicroBatch))
     tables = {}
     for k in (1, args.micro_batches):
         tables[k] = [train_and_compare(name, wrap, rank, world_size, micro_batches=k)[0] for name, wrap in variants]
@@ -132,7 +148,7 @@ def main(rank: int, world_size: int, args) -> None:
         print_results(tables[k])
     show_mistake_b(rank)
 
-    (right_1, a_1, b_1), (right_k, a_k, b_k) = tables[1], tables[args.micro_batches]
+    (right_1, a_1, b_1, *_), (right_k, a_k, b_k, *_) = tables[1], tables[args.micro_batches]
     assert is_exact(right_1) and is_exact(right_k), "the post-accumulate hook is right with and without accumulation"
     assert is_exact(a_1), "mistake A passes a test without accumulation..."
     assert a_k.grad_error > 1e-3, "...and silently breaks accumulation"
@@ -140,10 +156,22 @@ def main(rank: int, world_size: int, args) -> None:
     print0("checked: only the post-accumulate hook is exact in both tables; mistake A is right")
     print0("         without accumulation and wrong with it; mistake B is wrong always: its")
     print0("         hook averaged the weights (shown above) and left the gradients alone.")
+    if args.sync_every_micro_batch:
+        every_k, steps, n_params = tables[args.micro_batches][-1], 3, len(list(make_model(seed=0).parameters()))  # 3: the bench's steps
+        expected = n_params * steps * (1 + args.micro_batches)  # both tables: 1, then k backward passes per step
+        assert is_exact(every_k), f"averaging every micro-batch is still exact (averaging is linear); got {every_k}"
+        assert SyncEveryMicroBatch.calls == expected, (
+            f"{n_params} parameters x {steps} steps x (1 + {args.micro_batches}) backward passes = {expected} "
+            f"all-reduces expected, {SyncEveryMicroBatch.calls} counted")
+        print0(f"checked (--sync-every-micro-batch): without the require_sync test the result stays exact,")
+        print0(f"         but with {args.micro_batches} micro-batches each step made {args.micro_batches} x "
+               f"{n_params} all-reduces instead of {n_params}.")
 
 
 def options(parser) -> None:
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step in the second table")
+    parser.add_argument("--sync-every-micro-batch", action="store_true",
+                        help="exercise 3: add a hook that averages after every micro-batch")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ What you will learn
        order is broadcast and every rank rebuilds the same buckets from it.
 
 What to run
-    python lessons/07b_flat_buckets.py [--world-size 4] [--keep-order]
+    python lessons/07b_flat_buckets.py [--world-size 3] [--keep-order] [--sum-not-average]
+    It compares ranks, so it needs two or more: ``--world-size 1`` stops
+    with one line saying so.
 
 What to look at
     The buckets of a model that registers its head first, before and after
@@ -42,15 +44,16 @@ Try this
     2. ``--keep-order`` skips step 5: predict what changes in the table.
        (Nothing: the order of slots inside buckets changes when buckets
        leave, never what they sum.)
-    3. Remove the ``1 / self.world_size`` in ``_average_grad`` (step 2) and
-       predict the grad error. (A factor p: every rank adds full gradients.)
+    3. Remove the ``1 / self.world_size`` of step 2 (``--sum-not-average``
+       adds that wrapper, ``SumsInstead``, to the table) and predict the
+       grad error. (A factor p: every rank adds full gradients.)
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _common import is_exact, parse_args, print0, print_results, run, train_and_compare
+from _common import FEATURES, is_exact, make_model, parse_args, print0, print_results, run, train_and_compare
 
 
 class FlatDDP(nn.Module):
@@ -61,6 +64,7 @@ class FlatDDP(nn.Module):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
+        self.factor = 1 / self.world_size  # 2. what each gradient is multiplied by before the sum
         self.require_sync = True  # False while accumulating micro-batches
         self.link = link
         self.bucket_cap_bytes, self.learn_order = bucket_cap_bytes, learn_order
@@ -116,7 +120,7 @@ class FlatDDP(nn.Module):
             self.backward_running = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self.arrival.append(param)
-        torch.mul(param.grad, 1 / self.world_size, out=self.slot[param])  # 2. divide, then sum
+        torch.mul(param.grad, self.factor, out=self.slot[param])  # 2. divide, then sum
         self.ready[self.bucket_of[param]] += 1
         while self.next_bucket < len(self.buckets) and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket]):
             self.futures.append(self._all_reduce(self.buffers_[self.next_bucket]))
@@ -142,6 +146,14 @@ class FlatDDP(nn.Module):
         self.arrival = []
 
 
+class SumsInstead(FlatDDP):
+    """Exercise 3: step 2 forgotten -- every rank adds its full gradient."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.factor = 1.0
+
+
 class HeadFirst(nn.Module):
     """A model whose registration order is not its execution order: the head is
     registered first but computed last, so its gradients arrive first."""
@@ -156,31 +168,58 @@ class HeadFirst(nn.Module):
 
 
 def main(rank: int, world_size: int, args) -> None:
-    cap = 20 * 1024  # small, to get several buckets out of a small model
+    cap = 2 * 1024  # HeadFirst has 6,416 bytes of gradients: 2 KB makes several buckets of them
     ddp = FlatDDP(HeadFirst(), cap, learn_order=not args.keep_order)
     guess = ddp.bucket_names()
     ddp(torch.randn(8, 20)).sum().backward()
     print0(f"HeadFirst registers head, then body; buckets of at most {cap // 1024} KB, in launch order:")
     print0(f"  first guess, reverse registration: {guess}")
     print0(f"  after the first backward:          {ddp.bucket_names()}")
+    print0("  (buckets leave in order: under the guess the first holds body gradients, which come last,")
+    print0("   so nothing can leave before backward ends" + (")" if args.keep_order else "; after the rebuild the head's bucket leaves first)"))
 
     results = [train_and_compare(f"FlatDDP, {k} micro-batch(es)", lambda m: FlatDDP(m, cap, learn_order=not args.keep_order),
                                  rank, world_size, micro_batches=k)[0] for k in (1, 2)]
+    if args.sum_not_average:
+        summed = train_and_compare("SumsInstead (no 1/p)", lambda m: SumsInstead(m, cap), rank, world_size)[0]
     print0(f"\n{world_size} ranks on the test bench:")
-    print_results(results)
+    print_results(results + ([summed] if args.sum_not_average else []))
 
-    assert all(is_exact(r) for r in results), results
+    assert all(is_exact(r) for r in results), f"every row exact expected, got {results}"
+    assert len(guess) > 1, f"a cap of {cap} bytes should split HeadFirst into several buckets, got {guess}"
+    assert guess[0][0].startswith("body"), f"reverse registration puts the body first; got {guess}"
     if args.keep_order:
-        assert ddp.bucket_names() == guess
+        assert ddp.bucket_names() == guess, f"--keep-order keeps the first guess {guess}; got {ddp.bucket_names()}"
     else:
-        assert [n for b in ddp.bucket_names() for n in b] == ["head.bias", "head.weight", "body.bias", "body.weight"]
+        order = [n for b in ddp.bucket_names() for n in b]
+        assert order == ["head.bias", "head.weight", "body.bias", "body.weight"], f"the arrival order expected, got {order}"
+    if args.sum_not_average:
+        show_sum(rank, world_size, cap)
     print0("checked: exact with and without accumulation, with no call after backward;")
     print0("         " + ("the buckets kept the first guess." if args.keep_order else
                          "the rebuilt buckets follow the real order: each layer's bias, then its weight."))
 
 
+def show_sum(rank: int, world_size: int, cap: float) -> None:
+    """One backward on the same data, with and without the 1/p: a factor p."""
+    x = torch.randn(8, FEATURES, generator=torch.Generator().manual_seed(rank))  # each rank its slice
+    grads = []
+    for wrapper in (FlatDDP, SumsInstead):
+        ddp = wrapper(make_model(seed=0), cap)
+        ddp(x).sum().backward()  # the end-of-backward callback writes .grad
+        grads.append(ddp.module[0].weight.grad)
+    want, got = grads
+    ratio = (got.norm() / want.norm()).item()
+    print0(f"\n--sum-not-average: the first layer's gradient norm {got.norm():.4f} against the average's "
+           f"{want.norm():.4f}: {ratio:.4f} times, with {world_size} ranks")
+    assert torch.allclose(got, world_size * want, rtol=1e-5, atol=1e-7), (
+        f"without 1/p each rank adds full gradients: {world_size} times the average expected, {ratio:.6f} times seen")
+    print0(f"checked (--sum-not-average): the buckets held the sum, {world_size} times the average.")
+
+
 def options(parser) -> None:
     parser.add_argument("--keep-order", action="store_true", help="skip rebuilding the buckets in arrival order")
+    parser.add_argument("--sum-not-average", action="store_true", help="exercise 3: add a FlatDDP without the 1/p")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ What you will learn
     both on the same test bench as lessons 04-07b.
 
 What to run
-    python lessons/08_minddp.py [--world-size 4] [--bucket-cap-mb 25]
+    python lessons/08_minddp.py [--world-size 3] [--bucket-cap-mb 25]
+    It compares ranks, so it needs two or more: ``--world-size 1`` stops
+    with one line saying so.
 
 What to look at
     The test bench's table for MiniDDP and torch's DDP (both exact, with
@@ -82,8 +84,9 @@ def main(rank: int, world_size: int, args) -> None:
            f"last hook at {(tl.last_hook - tl.first_hook) * 1e3:.2f} ms")
     show_buffers(rank)
 
-    assert all(is_exact(r) for r in results), results
-    assert ours.bucket_names[0][:2] == ["4.bias", "4.weight"]
+    assert all(is_exact(r) for r in results), f"every row exact expected, got {results}"
+    assert ours.bucket_names[0][:2] == ["4.bias", "4.weight"], (
+        f"the learned order starts with the last layer's bias, then its weight; bucket 0 is {ours.bucket_names[0]}")
     several = len(ours.bucket_names) > 1
     assert several == (tl.launches[0] < tl.last_hook), "a first bucket leaves early exactly when there are several"
     print0("\nchecked: MiniDDP and torch's DDP are both exact on the bench, with and without")

@@ -10,10 +10,13 @@ What you will learn
     with a start ``ts`` and a length ``dur`` in microseconds, ``pid`` the
     rank, ``tid`` the track (0 backward, 1 communication).
 
-    How to read it: a bucket's bar starts when its last gradient arrived
-    (buckets leave strictly in order, so a bar can also wait for the one
-    before it). The part of a bar before the *last* gradient hook ran under
-    backward: hidden. The part after it is paid on top of backward.
+    How to read it: a bucket's bar starts when the bucket was launched,
+    i.e. when its last gradient arrived. Over a link that carries one
+    message at a time it may first *wait* for the buckets launched before
+    it (drawn ``.``), then travel (``=``). Only travel that lies before the
+    *last* gradient hook ran under backward and was hidden; waiting hides
+    nothing, and whatever travels after the last hook is paid on top of
+    backward. The lesson adds up both parts for rank 0's last step.
 
     By default the buckets travel over the simulated ``laptop`` link
     (``minddp.simulated_link``, 2 ms per message, 200 MB/s), which carries
@@ -29,7 +32,7 @@ What you will learn
     is.
 
 What to run
-    python lessons/16_overlap_trace.py [--world-size 4] [--link none] [--out overlap.json]
+    python lessons/16_overlap_trace.py [--world-size 1-3] [--link none] [--bucket-cap-mb 25] [--out overlap.json]
     then open the JSON in https://ui.perfetto.dev (or chrome://tracing).
 
 What to look at
@@ -45,8 +48,13 @@ Try this
        Then compare with the drawing.
     2. ``--link none``: predict whether the bars still end in launch order.
        (Not always -- see above; run it a few times.)
-    3. Change ``bucket_cap_mb=0.3`` to ``25`` and predict the picture. (One
-       bar, launched at the last gradient hook: nothing hidden.)
+    3. ``--bucket-cap-mb 25`` (torch's default) in place of 0.3: predict
+       the picture. (Two bars, not one: the model's 2 MiB would fit one
+       25 MiB bucket, but torch's DDP and MiniDDP cap the *first* bucket
+       at 1 MiB, ``first_bucket_cap_mb``, so that something leaves early.
+       That first bar, three layers and the head, is launched partway
+       through backward; the second holds the rest and leaves at the last
+       gradient hook.)
 """
 
 import json
@@ -64,17 +72,28 @@ from _common import add_link_option, make_link, parse_args, print0, run
 
 STEPS = 4
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "minddp_lesson16_trace.json")
+BATCH = 1024  # samples per rank: a backward about as long as the laptop link's 8 messages
 
 
 def make_model() -> nn.Sequential:
-    # Eight 256x256 layers (256 KiB of gradient each) and a small head.
+    # Eight 256x256 layers (256 KiB of gradient each, 2 MiB in all) and a small head.
     layers = []
     for _ in range(8):
         layers += [nn.Linear(256, 256), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(256, 10))
 
 
-def draw(view: StepView, width: int = 60) -> None:
+def on_the_wire(view: StepView, one_wire: bool) -> list[float]:
+    """When each bar's all-reduce got the wire: at launch, or -- one message
+    at a time -- when the bar before it was over, whichever came later."""
+    starts, free = [], float("-inf")
+    for bar in view.buckets:
+        starts.append(max(bar.launched_ms, free) if one_wire else bar.launched_ms)
+        free = bar.finished_ms
+    return starts
+
+
+def draw(view: StepView, one_wire: bool, width: int = 60) -> None:
     """One text row for backward, one per bucket; time 0 = the first gradient hook."""
     t0, span = view.start_ms, max(view.end_ms, *(b.finished_ms for b in view.buckets)) - view.start_ms
     col = lambda t: min(width - 1, int((t - t0) / span * width))  # noqa: E731
@@ -84,16 +103,24 @@ def draw(view: StepView, width: int = 60) -> None:
         backward[col(t)] = "g"
     print0(f"  {'':<9} 0 ms{' ' * (width - 8)}{span:6.1f} ms")
     print0(f"  {'backward':<9} {''.join(backward)}")
-    for bar in view.buckets:
+    for bar, wire in zip(view.buckets, on_the_wire(view, one_wire)):
         row = [" "] * width
         for c in range(col(bar.launched_ms), col(bar.finished_ms) + 1):
-            row[c] = "="
+            row[c] = "." if c < col(wire) else "="
         row[col(bar.launched_ms)] = "^"
         if row[last] != "^":  # left of it the bar ran under backward, right of it after
             row[last] = "|"
         print0(f"  bucket {bar.index:<2} {''.join(row)}")
     print0("  g gradient hook   # computing gradients   . waiting for the all-reduces")
-    print0("  ^ bucket launched   = until its all-reduce completed   | the last gradient hook")
+    print0("  ^ bucket launched   . waiting for the wire   = on the wire (or waiting for a slower rank)")
+    print0("  | the last gradient hook")
+
+
+def hidden_ms(view: StepView, one_wire: bool) -> tuple[float, float]:
+    """(time on the wire before the last gradient hook, time on the wire in all)."""
+    starts = on_the_wire(view, one_wire)
+    under = sum(max(0.0, min(b.finished_ms, view.last_hook_ms) - s) for b, s in zip(view.buckets, starts))
+    return under, sum(b.finished_ms - s for b, s in zip(view.buckets, starts))
 
 
 def check_and_show(trace: dict, n_buckets: int, one_wire: bool) -> None:
@@ -112,7 +139,10 @@ def check_and_show(trace: dict, n_buckets: int, one_wire: bool) -> None:
 
     last = steps[0][-1]
     print0(f"\nrank 0, step {last.step} ({len(last.hooks)} gradient hooks, {len(last.buckets)} buckets):")
-    draw(last)
+    draw(last, one_wire)
+    under, total = hidden_ms(last, one_wire)
+    print0(f"  on the wire: {total:.1f} ms, of which {under:.1f} ms before the last gradient hook (hidden under backward)"
+           + ("" if one_wire else ";\n  with plain Gloo a bar's start is its launch: it may still wait in Gloo's queue"))
     print0("\nevery rank's last step:")
     for views in steps.values():
         print0(f"  {views[-1].summary()}")
@@ -122,27 +152,30 @@ def check_and_show(trace: dict, n_buckets: int, one_wire: bool) -> None:
            + (";\n         over the simulated link the bars ended in launch order, one at a time." if one_wire else "."))
 
 
-def main(rank: int, world_size: int, out: str, link_name: str) -> None:
+def main(rank: int, world_size: int, out: str, link_name: str, bucket_cap_mb: float) -> None:
     torch.manual_seed(0)
-    # 0.3 MiB buckets: about one layer each. The default 25 MiB would make
-    # this 0.5 MiB model a single bucket that can only leave at the end.
-    ddp = MiniDDP(make_model(), bucket_cap_mb=0.3, trace=True)
+    # 0.3 MiB buckets: about one layer each. The default 25 MiB would pack
+    # this 2 MiB model into two buckets (exercise 3).
+    ddp = MiniDDP(make_model(), bucket_cap_mb=bucket_cap_mb, trace=True)
     link = make_link(link_name)
     if link is not None:
         ddp.register_comm_hook(link, simulated_allreduce_hook)  # the same average, at the link's pace
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(100 + rank)
     for _ in range(STEPS):
-        x, y = torch.randn(64, 256, generator=data), torch.randint(0, 10, (64,), generator=data)
+        x, y = torch.randn(BATCH, 256, generator=data), torch.randint(0, 10, (BATCH,), generator=data)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
-    ddp.tracer.export_chrome_trace(out)  # every rank calls it; rank 0 writes
-    print0(f"wrote {out}: {STEPS} steps x {world_size} ranks; open it in https://ui.perfetto.dev")
+    # ddp.tracer.export_chrome_trace(out) in two steps, keeping the dict: the
+    # checks below read what this run recorded, even if another run side by
+    # side overwrites the file.
+    trace = ddp.tracer.chrome_trace()  # a collective: every rank's events, on rank 0
     if rank != 0:
         return
-    with open(out) as f:
-        trace = json.load(f)
+    with open(out, "w") as f:
+        json.dump(trace, f)
+    print(f"wrote {out}: {STEPS} steps x {world_size} ranks; open it in https://ui.perfetto.dev")
     check_and_show(trace, len(ddp.bucket_names), one_wire=link is not None)
     try:
         import matplotlib  # noqa: F401
@@ -150,15 +183,16 @@ def main(rank: int, world_size: int, out: str, link_name: str) -> None:
         print("\n(no matplotlib: pip install '.[plot]' to get the same picture as a PNG)")
         return
     png = os.path.splitext(out)[0] + ".png"
-    draw_overlap(trace, png, title=f"lesson 16: {world_size} ranks, 0.3 MiB buckets")
+    draw_overlap(trace, png, title=f"lesson 16: {world_size} ranks, {bucket_cap_mb:g} MiB buckets")
     print(f"\nwrote {png}")
 
 
 def options(parser) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help="trace file (JSON)")
     add_link_option(parser)
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.3, help="MiniDDP's bucket cap (default %(default)s)")
 
 
 if __name__ == "__main__":
     args = parse_args(__doc__, extra=options)
-    run(main, args.world_size, os.path.abspath(args.out), args.link)
+    run(main, args.world_size, os.path.abspath(args.out), args.link, args.bucket_cap_mb)

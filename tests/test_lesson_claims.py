@@ -1,0 +1,96 @@
+"""The lessons' time claims rest on models and counts, never on the clock.
+
+Lessons 06, 16 and 17 check what they claim about time with small pure
+functions: 06 replays a backward in the link model's time, 16 splits a bar
+into waiting and travelling, 17 states for which compute speeds, networks
+and algorithms each comparison goes which way. Those functions are tested
+here on hand-made inputs, without a process group, so that a busy machine
+cannot move them. (The lessons themselves run in tests/test_lessons.py.)
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
+from minddp.simulated_link import Message
+from minddp.trace_view import BucketBar, StepView
+
+LESSONS = Path(__file__).resolve().parent.parent / "lessons"
+
+
+def lesson(stem: str):
+    """Import lessons/<stem>.py as a module (its name starts with a digit)."""
+    sys.path.insert(0, str(LESSONS))  # for its `from _common import ...`
+    try:
+        spec = importlib.util.spec_from_file_location(f"lesson_{stem}", LESSONS / f"{stem}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(LESSONS))
+
+
+def fake_backward(backward_s: float, launches: list[tuple[float, float]]):
+    """An AsyncDDP's record of one backward: (launched at, modelled seconds) per hook, from forward's end at 0."""
+    timeline = [[f"p{i}", t, None, Message(100, d, t)] for i, (t, d) in enumerate(launches)]
+    return SimpleNamespace(forward_done=0.0, backward_done=backward_s, timeline=timeline)
+
+
+def test_06_replays_the_backward_in_the_links_time():
+    modelled = lesson("06_async_overlap").modelled
+    # Backward 10 ms; two 4 ms messages launched at 1 and 2 ms: the wire ends at 5 and 9 ms, under backward.
+    m = modelled(fake_backward(0.010, [(0.001, 0.004), (0.002, 0.004)]))
+    assert m["backward"] == pytest.approx(10) and m["wire"] == pytest.approx(8)
+    assert m["waiting"] == pytest.approx(18)  # waiting in each hook: backward, then every message in turn
+    assert m["overlap"] == pytest.approx(10) and m["hidden"] == 2
+    # A third message at 9 ms queues behind the second (free at 9) and ends at 13: after backward.
+    m = modelled(fake_backward(0.010, [(0.001, 0.004), (0.002, 0.004), (0.009, 0.004)]))
+    assert m["overlap"] == pytest.approx(13) and m["hidden"] == 2 and m["waiting"] == pytest.approx(22)
+
+
+def test_06_the_clock_does_not_enter_the_model():
+    # The same launches, however late the sums really arrived (a slow peer): the same replay.
+    modelled = lesson("06_async_overlap").modelled
+    early = fake_backward(0.010, [(0.001, 0.004)])
+    late = fake_backward(0.010, [(0.001, 0.004)])
+    late.timeline[0][2] = 0.500  # finished half a second later by the clock
+    late.timeline[0][3].finished = 0.500
+    assert modelled(early) == modelled(late)
+
+
+def test_16_splits_a_bar_into_waiting_and_travelling():
+    les = lesson("16_overlap_trace")
+    view = StepView(0, 0, start_ms=0.0, end_ms=12.0, hooks=[("a", 0.0), ("b", 6.0)],
+                    buckets=[BucketBar(0, 1.0, 5.0, 100), BucketBar(1, 2.0, 9.0, 100)])
+    # One wire: bucket 1 launched at 2 ms waits for bucket 0 until 5 ms.
+    assert les.on_the_wire(view, one_wire=True) == [1.0, 5.0]
+    assert les.on_the_wire(view, one_wire=False) == [1.0, 2.0]
+    hidden, total = les.hidden_ms(view, one_wire=True)
+    # Before the last hook (6 ms): bucket 0 travels 1..5 (4 ms), bucket 1 travels 5..6 (1 ms).
+    assert (hidden, total) == pytest.approx((5.0, 8.0))
+
+
+def profile(backward_ms: float) -> ComputeProfile:
+    """26 gradients shaped like lesson 17's model, ready evenly over ``backward_ms``."""
+    sizes = [40, 10 * 512 * 4] + [512 * 4, 512 * 512 * 4] * 12
+    return ComputeProfile(backward_ms / 2, [Gradient(f"g{i}", backward_ms * (i + 1) / len(sizes), n)
+                                            for i, n in enumerate(sizes)])
+
+
+@pytest.mark.parametrize("backward_ms", [45.0, 0.9, 0.05], ids=["laptop", "gpu 50x", "gpu 1000x"])
+@pytest.mark.parametrize("network", ["ib400", "dgx-h100", "eth100"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+def test_17_claims_hold_for_every_compute_speed_network_and_algorithm(backward_ms, network, algorithm):
+    les = lesson("17_how_ddp_scales")
+    policies = {"per parameter": DDPPolicy(bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, algorithm=algorithm),
+                "25 MB": DDPPolicy(bucket_cap_mb=25, algorithm=algorithm),
+                "one bucket": DDPPolicy(bucket_cap_mb=les.GIANT_MB, first_bucket_cap_mb=les.GIANT_MB, algorithm=algorithm)}
+    les.check_claims(profile(backward_ms), ["eth25", network], policies)  # raises where a claim is wrong
+    for name in ("eth25", network):
+        les.scaling_table(profile(backward_ms), name, policies)
+    if algorithm == "tree":
+        les.ring_against_tree(["eth25", network])
