@@ -6,8 +6,9 @@ the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
 
     loss.backward()
       autograd accumulates p.grad
-        └─ on_grad_ready(p)               post-accumulate hook, one per parameter
-             mark p ready in its bucket; bucket complete?
+        └─ on_grad_ready(i, p)            post-accumulate hook, one per parameter
+             mark p ready in its bucket (where: looked up once, in _plan[i]);
+             bucket complete?
                ─> _fill_bucket(): every p.grad / world_size into its slot,
                   one call for the bucket (in place where p.grad *is* its
                   slot: gradient_as_bucket_view)
@@ -30,6 +31,7 @@ overflow where their average would not.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,15 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.buckets import MiB, Bucket, TensorSpec, assign_buckets
+from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, TensorSpec, assign_buckets
 from minddp.comm_hooks import GradBucket
 from minddp.sync import global_rank
 from minddp.trace import StepObserver, profiler_range
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
 
-# torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
-FIRST_BUCKET_CAP_MB = 1.0
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
 LARGE_GRADIENT_NUMEL = 64 * 1024
@@ -80,8 +80,9 @@ class Reducer:
         self._build_buckets(list(reversed(range(len(params)))))
         self._rebuild_after_first_step = options.learn_bucket_order
         self._arrival: list[int] = []
-        for p in params:  # fires after p.grad has been accumulated
-            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+        self._static_graph = options.static_graph  # read by every hook: one attribute, not two
+        for i, p in enumerate(params):  # fires after p.grad has been accumulated
+            p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
 
         self.sync_this_backward = False  # set at each forward
         self.unused: list[nn.Parameter] = []  # no gradient will come for these (graph walk, static graph)
@@ -109,37 +110,53 @@ class Reducer:
                    dtype=specs[group[0]].dtype)
             for k, group in enumerate(groups)
         ]
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        # The plan every hook follows, worked out once here instead of at
+        # every gradient: parameter index -> (its bucket, its position there).
+        self._plan: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
+        self._indices: list[list[int]] = []  # per bucket, its parameters' indices
+        for bucket in self.buckets:
+            self._indices.append([self._index[p] for p in bucket.params])
+            for position, i in enumerate(self._indices[-1]):
+                self._plan[i] = (bucket, position)
         self._next_to_launch = 0
-        for p in self.params:  # gradients kept across a rebuild move into their new slots
-            slot = self._bucket_of[p].view(p)
-            if p.grad is not None and self._grad_is_slot_view(p, slot):
+        for i, p in enumerate(self.params):  # gradients kept across a rebuild move into their new slots
+            slot = self._slot(i)
+            if p.grad is not None and self._grad_is_slot_view(i, slot):
                 p.grad = slot.copy_(p.grad)
+
+    def _slot(self, index: int) -> torch.Tensor:
+        bucket, position = self._plan[index]
+        return bucket.views[position]
 
     def _bucket_spec(self, p: nn.Parameter) -> TensorSpec:
         dtype = self.options.reduce_dtype or p.dtype
         return TensorSpec(p.numel(), dtype.itemsize, dtype, p.device)
 
-    def _grad_is_slot_view(self, p: nn.Parameter, slot: torch.Tensor) -> bool:
-        """Should ``p.grad`` *be* its bucket slot? Only with bucket views, a dense
-        gradient, and a bucket in the parameter's own dtype."""
-        return self.options.gradient_as_bucket_view and slot.dtype == p.dtype and self._index[p] not in self._sparse_dim
+    def _grad_is_slot_view(self, index: int, slot: torch.Tensor) -> bool:
+        """Should ``params[index].grad`` *be* its bucket slot? Only with bucket
+        views, a dense gradient, and a bucket in the parameter's own dtype."""
+        return (self.options.gradient_as_bucket_view and slot.dtype == self.params[index].dtype
+                and index not in self._sparse_dim)
 
     # -------------------------------------------------- the path of a gradient
-    def on_grad_ready(self, param: nn.Parameter) -> None:
-        """Post-accumulate hook: ``param.grad`` is final for this backward."""
+    def on_grad_ready(self, index: int, param: nn.Parameter) -> None:
+        """Post-accumulate hook of ``params[index]``: its ``.grad`` is final for this backward.
+
+        Runs once per parameter per step, so it only marks: the gradient
+        stays where autograd put it until its bucket is complete, and is
+        moved then, with the rest of the bucket, in one batched call.
+        """
         if not self.sync_this_backward:
             return
         if not self.backward_started:
             self._begin_backward()
         self._call_at_end_of_this_pass()
-        index = self._index[param]
-        if self.options.static_graph and not self._last_expected_hook(index):
+        if self._static_graph and not self._last_expected_hook(index):
             return  # more of this parameter's gradient is still to come
         self.observer.gradient_ready(self.names[index], param.grad)
         if self._rebuild_after_first_step:
             self._arrival.append(index)
-        self._mark_ready(param)
+        self._mark_ready(index)
 
     def _begin_backward(self) -> None:
         self.backward_started = True
@@ -149,7 +166,7 @@ class Reducer:
         self._hooks_seen = [0] * len(self.params)
         self._arrival = []  # only this backward's order counts (an earlier one may have failed)
         for p in self.unused:  # no gradient will come for these: count them now
-            self._mark_ready(p)
+            self._mark_ready(self._index[p])
 
     def _call_at_end_of_this_pass(self) -> None:
         # An activation checkpoint with use_reentrant=True runs a second,
@@ -167,15 +184,9 @@ class Reducer:
             return False  # static_graph's first backward: count only, reduce everything at its end
         return self._hooks_seen[index] == self._hooks_expected[index]
 
-    def _mark_ready(self, param: nn.Parameter) -> None:
-        bucket = self._bucket_of[param]
-        slot, grad = bucket.view(param), param.grad
-        if grad is not None and grad is not slot and not grad.is_sparse and self._grad_is_slot_view(param, slot):
-            # gradient_as_bucket_view after zero_grad(set_to_none=True): autograd
-            # made a fresh .grad. Move it into its slot now, so its memory goes
-            # back at once instead of when the whole bucket is complete.
-            param.grad = slot.copy_(grad)
-        if bucket.mark_ready(param):
+    def _mark_ready(self, index: int) -> None:
+        bucket, position = self._plan[index]
+        if bucket.mark_ready_at(position):
             self._fill_bucket(bucket)
             self._launch_ready_buckets()
 
@@ -187,26 +198,32 @@ class Reducer:
         (so results are bit-equal to its). A comm hook does its own averaging.
         Done once per bucket, when its last gradient is in (it could not leave
         earlier anyway), so the work can be batched; see :meth:`_scale_copies`.
+        With gradient_as_bucket_view, a fresh ``.grad`` (after
+        ``zero_grad(set_to_none=True)``) is one of these copies too, and
+        becomes its slot here: it lives until its bucket is complete, as every
+        gradient does without bucket views, instead of costing a copy per hook.
         """
         scale = 1.0 if self.comm_hook is not None else 1.0 / self.divisor
-        copies, slots = [], []
-        for param, slot in zip(bucket.params, bucket.views):
+        copies, slots, copied = [], [], []
+        for index, param, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
             grad = param.grad
-            if grad is None:  # unused here (but maybe used on another rank): contributes zero
-                self._locally_used[self._index[param]] = False
-                slot.zero_()
-            elif grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
+            if grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
                 pass
+            elif grad is None:  # unused here (but maybe used on another rank): contributes zero
+                self._locally_used[index] = False
+                slot.zero_()
             elif grad.is_sparse:  # densified: every row travels, touched or not
-                self._sparse_dim[self._index[param]] = grad.sparse_dim()
+                self._sparse_dim[index] = grad.sparse_dim()
                 slot.zero_().add_(grad)
             else:  # a copy (a cast, with reduce_dtype)
                 copies.append(param)
                 slots.append(slot)
+                copied.append(index)
         self._scale_copies(bucket, copies, slots, scale)
-        for param, slot in zip(copies, slots):  # only now: .grad held the gradient until the copy
-            if self._grad_is_slot_view(param, slot):  # e.g. after zero_grad(set_to_none=True)
-                param.grad = slot
+        if self.options.gradient_as_bucket_view:
+            for index, param, slot in zip(copied, copies, slots):  # only now: .grad held the gradient until the copy
+                if self._grad_is_slot_view(index, slot):  # e.g. after zero_grad(set_to_none=True)
+                    param.grad = slot
 
     def _scale_copies(self, bucket: Bucket, params: list[nn.Parameter], slots: list[torch.Tensor],
                       scale: float) -> None:
@@ -292,6 +309,8 @@ class Reducer:
             # Reached by the graph walk but no gradient came (an output not in
             # the loss): zero as well, in bucket order like every other launch.
             self._mark_all_unready()
+        if self._next_to_launch == len(self.buckets):
+            return  # every bucket complete and launched: nothing is missing
         missing = self.unready_names()
         if missing:
             self._reset_buckets()
@@ -305,22 +324,21 @@ class Reducer:
     def _mark_all_unready(self) -> None:
         for bucket in self.buckets:
             for p in bucket.unready_params():
-                self._mark_ready(p)
+                self._mark_ready(self._index[p])
 
     def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
             if self.bucket_reduced_hook is not None and self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
                 continue
             grads, slots = [], []  # dense same-dtype copies: one call per bucket (see _fill_bucket)
-            for p, slot in zip(bucket.params, bucket.views):
-                index = self._index[p]
+            for index, p, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
                 if globally_used is not None and not globally_used[index]:
                     continue  # unused on every rank: .grad stays as it was (None stays None)
+                if p.grad is slot:
+                    continue  # gradient_as_bucket_view: the average is already in .grad
                 if index in self._sparse_dim:
                     p.grad = slot.to(p.dtype).to_sparse(self._sparse_dim[index])
-                elif p.grad is slot:
-                    continue  # gradient_as_bucket_view: the average is already in .grad
-                elif self._grad_is_slot_view(p, slot):
+                elif self._grad_is_slot_view(index, slot):
                     p.grad = slot
                 elif p.grad is None:
                     p.grad = slot.to(p.dtype, copy=True)
