@@ -20,6 +20,9 @@ the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
                   _account_for_missing_gradients   (zeros, or an error naming them)
                   wait for every bucket
                   _write_averages_into_grads
+                  after the first: buckets rebuilt in arrival order;
+                  with bucket_cap_mb="auto", after a few more: rebuilt
+                  with the cap the measured network asks for
 
 The buckets themselves (a flat buffer and its life cycle) are in
 :mod:`minddp.buckets`; what "communicate" means (all-reduce, or a compressed
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minddp.bucket_planner import AutoBuckets
 from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, TensorSpec, assign_buckets
 from minddp.comm_hooks import GradBucket
 from minddp.sync import global_rank
@@ -62,6 +66,7 @@ class ReducerOptions:
     static_graph: bool = False
     reduce_dtype: torch.dtype | None = None
     learn_bucket_order: bool = True
+    auto_buckets: bool = False  # bucket_cap_mb="auto": start at bucket_cap_mb, then choose (bucket_planner)
 
 
 class Reducer:
@@ -76,10 +81,16 @@ class Reducer:
         self.observer = observer
         self._index = {p: i for i, p in enumerate(params)}
         self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
+        self._caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))  # bytes: cap, first cap
         # Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(params)))))
         self._rebuild_after_first_step = options.learn_bucket_order
-        self._arrival: list[int] = []
+        self._auto: AutoBuckets | None = None
+        if options.auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
+            specs = [self._bucket_spec(p) for p in params]
+            self._auto = AutoBuckets(names, [s.nbytes for s in specs], [s.dtype for s in specs])
+        self._arrival: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while recording
+        self._recording = self._rebuild_after_first_step or self._auto is not None
         self._static_graph = options.static_graph  # read by every hook: one attribute, not two
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
@@ -94,17 +105,30 @@ class Reducer:
         # called with each bucket once its communication is done, at the end of
         # backward; returning True means "the result is taken care of" and the
         # reducer writes no .grad for that bucket's parameters.
-        self.bucket_reduced_hook: Callable[[GradBucket], bool] | None = None
+        self._bucket_reduced_hook: Callable[[GradBucket], bool] | None = None
         self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
         self._locally_used = [True] * len(params)
         self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
         self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
 
+    @property
+    def bucket_reduced_hook(self) -> Callable[[GradBucket], bool] | None:
+        return self._bucket_reduced_hook
+
+    @bucket_reduced_hook.setter
+    def bucket_reduced_hook(self, hook: Callable[[GradBucket], bool] | None) -> None:
+        if hook is not None and self._auto is not None:
+            raise ValueError(
+                "MiniDDP(bucket_cap_mb='auto') rebuilds its buckets after its first measured steps, and "
+                "ZeRO stage 2 (shard_gradients=True) partitions gradients by those buckets: give MiniDDP "
+                "a fixed bucket_cap_mb to use them together")
+        self._bucket_reduced_hook = hook
+
     # ------------------------------------------------------------------ buckets
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [self._bucket_spec(self.params[i]) for i in order]
-        groups = assign_buckets(specs, int(self.options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        groups = assign_buckets(specs, *self._caps)
         self.buckets = [
             Bucket(k, [self.params[order[j]] for j in group], [self.names[order[j]] for j in group],
                    dtype=specs[group[0]].dtype)
@@ -154,8 +178,8 @@ class Reducer:
         if self._static_graph and not self._last_expected_hook(index):
             return  # more of this parameter's gradient is still to come
         self.observer.gradient_ready(self.names[index], param.grad)
-        if self._rebuild_after_first_step:
-            self._arrival.append(index)
+        if self._recording:  # the first backwards: learned order, "auto" measurements
+            self._arrival.append((index, time.perf_counter()))
         self._mark_ready(index)
 
     def _begin_backward(self) -> None:
@@ -297,6 +321,8 @@ class Reducer:
         self._reset_buckets()
         if self._rebuild_after_first_step:
             self._rebuild_in_arrival_order()
+        if self._auto is not None and self._auto.measuring:
+            self._measure_for_auto()
 
     def _account_for_missing_gradients(self) -> None:
         if self.options.static_graph and self._hooks_expected is None:
@@ -379,13 +405,43 @@ class Reducer:
         observed order is broadcast, so all ranks build identical buckets.
         """
         self._rebuild_after_first_step = False
-        seen = set(self._arrival)
-        order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
+        self._recording = self._auto is not None and self._auto.measuring
+        arrival = list(dict.fromkeys(i for i, _ in self._arrival))
+        order = arrival + [i for i in reversed(range(len(self.params))) if i not in set(arrival)]
         order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order_t, src=global_rank(self.process_group, 0), group=self.process_group)
         order = order_t.tolist()
-        if order != [self._index[p] for b in self.buckets for p in b.params]:
+        if order != [i for indices in self._indices for i in indices]:
             self._build_buckets(order)
+
+    # -------------------------------------------------- bucket_cap_mb="auto"
+    def _measure_for_auto(self) -> None:
+        """Hand this backward's arrival times to the planner; once it has seen
+        enough, probe, let rank 0 choose, and rebuild on every rank."""
+        if not self._auto.backward_done(self._arrival, time.perf_counter()):
+            return
+        self._recording = False
+        rank0 = global_rank(self.process_group, 0)
+        is_rank0 = dist.get_rank() == rank0
+        dtype = self.options.reduce_dtype or self.params[0].dtype
+        choice, why = None, ""
+        try:  # only rank 0 can fail here, after every probe collective: the broadcast below still matches
+            choice = self._auto.decide(self._probe, self.world_size, self.device, dtype, is_rank0)
+        except ValueError as error:
+            why = str(error)
+        caps = [choice.cap_mb, choice.first_cap_mb] if choice else [self.options.bucket_cap_mb, FIRST_BUCKET_CAP_MB]
+        caps_t = torch.tensor(caps, dtype=torch.float64, device=self.device)
+        dist.broadcast(caps_t, src=rank0, group=self.process_group)
+        if is_rank0:
+            print(choice.describe() if choice else f"MiniDDP bucket_cap_mb='auto': kept the default ({why})",
+                  flush=True)
+        cap_mb, first_mb = caps_t.tolist()
+        self._caps = (int(cap_mb * MiB), int(first_mb * MiB))
+        self._build_buckets([i for indices in self._indices for i in indices])  # same order, new caps
+
+    def _probe(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """One all-reduce of a scratch ``buffer`` the way buckets travel (comm hook included)."""
+        return self._communicate(_ProbeBucket(buffer, len(self.buckets)))
 
     # ---------------------------------------------------------- uneven inputs
     def shadow_backward(self) -> None:
@@ -400,3 +456,19 @@ class Reducer:
             self._globally_used()
         if self._rebuild_after_first_step:
             self._rebuild_in_arrival_order()
+        if self._auto is not None and self._auto.measuring:
+            self._arrival = []  # nothing arrived here; the step still counts, as on the other ranks
+            self._measure_for_auto()
+
+
+@dataclass
+class _ProbeBucket:
+    """A stand-in :class:`~minddp.buckets.Bucket` for the "auto" link probe: a scratch buffer, no parameters.
+
+    Its index is past the real buckets', so no hook mistakes it for one of them.
+    """
+
+    buffer: torch.Tensor
+    index: int
+    params: tuple = ()
+    views: tuple = ()
