@@ -53,7 +53,7 @@ DEFAULT_CAP_MB = 25.0  # torch's
 CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
 MEASURED_BACKWARDS = 3  # synchronized backwards measured, after the first one
 PROBE_SMALL_BYTES = 64 * 1024
-PROBE_REPEATS = 3
+PROBE_REPEATS = 3  # each probe timed this many times; the median counts
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,8 @@ class AutoBuckets:
         element = torch.empty((), dtype=dtype).element_size()
         buffers = [torch.zeros(n // element, dtype=dtype, device=device) for n in sizes]
         seconds = [statistics.median(_timed(communicate, b) for _ in range(PROBE_REPEATS)) for b in buffers]
-        overlap = overlaps(communicate, buffers[-1], seconds[-1], align=buffers[0])
+        hidden = [hidden_fraction(communicate, buffers[-1], seconds[-1], align=buffers[0]) for _ in range(PROBE_REPEATS)]
+        overlap = statistics.median(hidden) >= 0.5
         if not is_rank0:
             return None
         link = fit_latency_bandwidth([float(b.nbytes) for b in buffers], seconds, world_size)
@@ -195,8 +196,8 @@ def _busy(n: int) -> float:
     return time.perf_counter() - start
 
 
-def overlaps(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: torch.Tensor,
-             comm_s: float, align: torch.Tensor) -> bool:
+def hidden_fraction(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: torch.Tensor,
+                    comm_s: float, align: torch.Tensor) -> float:
     """Does an all-reduce of ``buffer`` (``comm_s`` seconds alone) run alongside compute?
 
     Compute as long as the all-reduce is timed alone, then with the
@@ -215,5 +216,4 @@ def overlaps(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer
     _busy(n)
     future.wait()
     together = time.perf_counter() - start
-    hidden = (compute_s + comm_s - together) / min(compute_s, comm_s)
-    return hidden >= 0.5
+    return (compute_s + comm_s - together) / min(compute_s, comm_s)

@@ -35,6 +35,7 @@ FLAGS = {
     "11": [["--forward-outside"]],
     "13": [["--no-scaler"]],
     "16": [["--link", "none"]],
+    "17b": [["--link", "laptop"]],
     "18": [["--timeout-s", "1"]],
 }
 
