@@ -19,20 +19,31 @@ together once, early in training (:class:`AutoBuckets`, driven by the reducer):
 2. **link**: a short probe: all-reduces of two sizes through the very path
    the buckets take (the comm hook included, so a simulated link is measured
    as such), fitted with :func:`minddp.network.fit_link`;
-3. **overlap**: does an all-reduce slow this rank's compute down? (Gloo's
-   all-reduce of CPU tensors runs on a CPU thread: on a machine with no core
-   to spare it steals backward's.) Measured by timing a piece of compute
-   alone, the all-reduce alone, and both at once;
+3. **overlap**: can an all-reduce run while backward computes? On a GPU,
+   yes (the device's streams do both). On CPU tensors, Gloo's all-reduce
+   runs on a CPU thread of this process: it overlaps with backward if each
+   rank has a core to spare for it, or if it mostly waits (a slow network,
+   a simulated link) rather than computes. The probe's all-reduces say
+   which: the CPU time this process spent during them (``process_time``,
+   every thread, little distorted by other load) against their wall time;
 4. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
    :func:`minddp.simulate.simulate_step`; the smallest predicted step wins.
 
 Rank 0 decides and broadcasts its choice (as with the learned bucket order),
 so every rank rebuilds the same buckets. :func:`choose_plan` is the pure
 part, tested without any process group.
+
+Limits: the gradient-ready times are host times. On a GPU a hook fires when
+the gradient's kernels are *queued*, so the measured backward is the host's
+run-ahead, not the device's work; the choice there is only as good as that
+approximation (CUDA events per hook would fix it, at a cost every step).
+The probe's compute is a CPU matrix product: on a GPU it tells whether the
+host is free while NCCL works, which it is.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -54,6 +65,10 @@ CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
 MEASURED_BACKWARDS = 3  # synchronized backwards measured, after the first one
 PROBE_SMALL_BYTES = 64 * 1024
 PROBE_REPEATS = 3  # each probe timed this many times; the median counts
+# An all-reduce that keeps this process's CPU busy for less than this share of
+# its time mostly waits, and leaves the cores to backward (Gloo on loopback,
+# measured on 2 cores: 0.35 to 0.6; a simulated link, sleeping: under 0.1).
+WAITING_CPU_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -156,9 +171,10 @@ class AutoBuckets:
         sizes = [PROBE_SMALL_BYTES, total]
         element = torch.empty((), dtype=dtype).element_size()
         buffers = [torch.zeros(n // element, dtype=dtype, device=device) for n in sizes]
-        seconds = [statistics.median(_timed(communicate, b) for _ in range(PROBE_REPEATS)) for b in buffers]
-        hidden = [hidden_fraction(communicate, buffers[-1], seconds[-1], align=buffers[0]) for _ in range(PROBE_REPEATS)]
-        overlap = statistics.median(hidden) >= 0.5
+        timings = [[_timed(communicate, b) for _ in range(PROBE_REPEATS)] for b in buffers]
+        seconds = [statistics.median(wall for wall, _ in t) for t in timings]
+        cpu_share = sum(cpu for t in timings for _, cpu in t) / sum(wall for t in timings for wall, _ in t)
+        overlap = device.type != "cpu" or spare_core_per_rank(world_size) or cpu_share < WAITING_CPU_SHARE
         if not is_rank0:
             return None
         link = fit_latency_bandwidth([float(b.nbytes) for b in buffers], seconds, world_size)
@@ -181,39 +197,22 @@ def fit_latency_bandwidth(sizes: list[float], seconds: list[float], world_size: 
                     "latency only: all-reduce times did not grow with size")
 
 
-def _timed(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: torch.Tensor) -> float:
-    start = time.perf_counter()
-    communicate(buffer).wait()
-    return time.perf_counter() - start
-
-
-def _busy(n: int) -> float:
-    """``n`` small matrix products: compute that needs a core, and how long it took."""
-    a = torch.ones(64, 64)
-    start = time.perf_counter()
-    for _ in range(n):
-        a = (a @ a) * (1.0 / 64)
-    return time.perf_counter() - start
-
-
-def hidden_fraction(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: torch.Tensor,
-                    comm_s: float, align: torch.Tensor) -> float:
-    """Does an all-reduce of ``buffer`` (``comm_s`` seconds alone) run alongside compute?
-
-    Compute as long as the all-reduce is timed alone, then with the
-    all-reduce in flight. Hidden fraction = (compute + comm - together) /
-    the shorter of the two: 1 when both ran side by side, 0 when one waited
-    for the other.
-    """
-    unit = _busy(20) / 20
-    n = max(1, min(int(comm_s / max(unit, 1e-7)), 100_000))
-    compute_s = _busy(n)
-    # The ranks' compute took different times: an all-reduce of ``align``
-    # lines them up again, so that the one below waits for no late peer.
-    communicate(align).wait()
-    start = time.perf_counter()
-    future = communicate(buffer)
-    _busy(n)
+def _done(future: torch.futures.Future, buffer: torch.Tensor) -> None:
+    """Wait until the all-reduce has really happened: an NCCL future's wait
+    only makes the current stream wait, so the host waits for the device too."""
     future.wait()
-    together = time.perf_counter() - start
-    return (compute_s + comm_s - together) / min(compute_s, comm_s)
+    if buffer.is_cuda:
+        torch.cuda.synchronize(buffer.device)
+
+
+def _timed(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: torch.Tensor) -> tuple[float, float]:
+    """Wall seconds of one all-reduce, and CPU seconds this process spent meanwhile."""
+    start, cpu = time.perf_counter(), time.process_time()
+    _done(communicate(buffer), buffer)
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def spare_core_per_rank(world_size: int) -> bool:
+    """Does every rank on this machine have a core beyond its compute threads, for Gloo's?"""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return (os.cpu_count() or 1) >= ranks_here * (torch.get_num_threads() + 1)
