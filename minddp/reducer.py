@@ -266,7 +266,9 @@ class Reducer:
                 bucket.buffer.mul_(scale)  # the whole bucket: copies, views, zeros, densified
             return
         for grad, slot in zip(grads, slots):
-            if grad.dtype == slot.dtype:
+            if scale == 1.0:  # a comm hook averages: a plain copy (casts too)
+                slot.copy_(grad)
+            elif grad.dtype == slot.dtype:
                 torch.mul(grad, scale, out=slot)
             else:  # reduce_dtype: cast first, so the scaling rounds only once
                 slot.copy_(grad).mul_(scale)
