@@ -409,7 +409,8 @@ class Reducer:
         self._rebuild_after_first_step = False
         self._recording = self._auto is not None and self._auto.measuring
         arrival = list(dict.fromkeys(i for i, _ in self._arrival))
-        order = arrival + [i for i in reversed(range(len(self.params))) if i not in set(arrival)]
+        seen = set(arrival)
+        order = arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order_t, src=global_rank(self.process_group, 0), group=self.process_group)
         order = order_t.tolist()
