@@ -21,11 +21,13 @@ together once, early in training (:class:`AutoBuckets`, driven by the reducer):
    as such), fitted with :func:`minddp.network.fit_link`;
 3. **overlap**: can an all-reduce run while backward computes? On a GPU,
    yes (the device's streams do both). On CPU tensors, Gloo's all-reduce
-   runs on a CPU thread of this process: it overlaps with backward if each
-   rank has a core to spare for it, or if it mostly waits (a slow network,
-   a simulated link) rather than computes. The probe's all-reduces say
-   which: the CPU time this process spent during them (``process_time``,
-   every thread, little distorted by other load) against their wall time;
+   sums and copies on a CPU thread of this process: it overlaps with
+   backward only if each rank has a core to spare for it. A comm hook's
+   communication may instead mostly wait (a simulated link sleeps, a remote
+   service answers): for it, the probe says, from the CPU time this process
+   spent during the probe's all-reduces against their wall time. (Not for
+   Gloo's own: on a loaded machine its wall time stretches while its CPU
+   time does not, and the share would say "waiting" when it is starved.)
 4. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
    :func:`minddp.simulate.simulate_step`; the smallest predicted step wins.
 
@@ -56,7 +58,8 @@ from minddp.network import Link, fit_link
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step
 
-__all__ = ["CANDIDATE_CAPS_MB", "BucketChoice", "choose_plan", "AutoBuckets", "MEASURED_BACKWARDS"]
+__all__ = ["CANDIDATE_CAPS_MB", "BucketChoice", "choose_plan", "communication_overlaps", "AutoBuckets",
+           "MEASURED_BACKWARDS"]
 
 DEFAULT_CAP_MB = 25.0  # torch's
 # Caps tried, each with torch's 1 MiB first bucket and with no smaller first
@@ -164,8 +167,11 @@ class AutoBuckets:
         return ComputeProfile(outside, sorted(gradients, key=lambda g: g.ready_ms), 0.0)
 
     def decide(self, communicate: Callable[[torch.Tensor], torch.futures.Future], world_size: int,
-               device: torch.device, dtype: torch.dtype, is_rank0: bool) -> BucketChoice | None:
-        """Probe the link and the overlap (every rank: collectives), choose (rank 0 only)."""
+               device: torch.device, dtype: torch.dtype, is_rank0: bool, comm_hook: bool) -> BucketChoice | None:
+        """Probe the link and the overlap (every rank: collectives), choose (rank 0 only).
+
+        ``comm_hook``: the buckets go through a comm hook, not the process group's own all-reduce.
+        """
         self.decided = True
         total = max(sum(self.nbytes), 2 * PROBE_SMALL_BYTES)
         sizes = [PROBE_SMALL_BYTES, total]
@@ -174,7 +180,7 @@ class AutoBuckets:
         timings = [[_timed(communicate, b) for _ in range(PROBE_REPEATS)] for b in buffers]
         seconds = [statistics.median(wall for wall, _ in t) for t in timings]
         cpu_share = sum(cpu for t in timings for _, cpu in t) / sum(wall for t in timings for wall, _ in t)
-        overlap = device.type != "cpu" or spare_core_per_rank(world_size) or cpu_share < WAITING_CPU_SHARE
+        overlap = communication_overlaps(device, world_size, comm_hook, cpu_share)
         if not is_rank0:
             return None
         link = fit_latency_bandwidth([float(b.nbytes) for b in buffers], seconds, world_size)
@@ -210,6 +216,13 @@ def _timed(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: 
     start, cpu = time.perf_counter(), time.process_time()
     _done(communicate(buffer), buffer)
     return time.perf_counter() - start, time.process_time() - cpu
+
+
+def communication_overlaps(device: torch.device, world_size: int, comm_hook: bool, cpu_share: float) -> bool:
+    """Step 3 of the module doc: can the buckets' communication run while backward computes?"""
+    if device.type != "cpu" or spare_core_per_rank(world_size):
+        return True
+    return comm_hook and cpu_share < WAITING_CPU_SHARE
 
 
 def spare_core_per_rank(world_size: int) -> bool:

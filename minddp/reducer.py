@@ -143,6 +143,8 @@ class Reducer:
             for position, i in enumerate(self._indices[-1]):
                 self._plan[i] = (bucket, position)
         self._next_to_launch = 0
+        # Parameters whose .grad becomes their slot (bucket views, same dtype).
+        self._as_view = [self._grad_is_slot_view(i, self._slot(i)) for i in range(len(self.params))]
         for i, p in enumerate(self.params):  # gradients kept across a rebuild move into their new slots
             slot = self._slot(i)
             if p.grad is not None and self._grad_is_slot_view(i, slot):
@@ -166,9 +168,10 @@ class Reducer:
     def on_grad_ready(self, index: int, param: nn.Parameter) -> None:
         """Post-accumulate hook of ``params[index]``: its ``.grad`` is final for this backward.
 
-        Runs once per parameter per step, so it only marks: the gradient
-        stays where autograd put it until its bucket is complete, and is
-        moved then, with the rest of the bucket, in one batched call.
+        Runs once per parameter per step, so where to go is looked up, not
+        worked out (``_plan``, built with the buckets). Copies and scaling
+        wait for the bucket to be complete (:meth:`_fill_bucket`), with one
+        exception below.
         """
         if not self.sync_this_backward:
             return
@@ -180,6 +183,15 @@ class Reducer:
         self.observer.gradient_ready(self.names[index], param.grad)
         if self._recording:  # the first backwards: learned order, "auto" measurements
             self._arrival.append((index, time.perf_counter()))
+        if self._as_view[index]:
+            grad = param.grad
+            if grad is not None and not grad.is_sparse and grad is not self._slot(index):
+                # gradient_as_bucket_view after zero_grad(set_to_none=True):
+                # autograd made a fresh .grad. Into its slot now, so its memory
+                # goes back at once, not when the whole bucket is complete (as
+                # torch's reducer; batching these copies per bucket measured no
+                # faster, and held up to a bucket of gradients twice).
+                param.grad = self._slot(index).copy_(grad)
         self._mark_ready(index)
 
     def _begin_backward(self) -> None:
@@ -222,10 +234,6 @@ class Reducer:
         (so results are bit-equal to its). A comm hook does its own averaging.
         Done once per bucket, when its last gradient is in (it could not leave
         earlier anyway), so the work can be batched; see :meth:`_scale_copies`.
-        With gradient_as_bucket_view, a fresh ``.grad`` (after
-        ``zero_grad(set_to_none=True)``) is one of these copies too, and
-        becomes its slot here: it lives until its bucket is complete, as every
-        gradient does without bucket views, instead of costing a copy per hook.
         """
         scale = 1.0 if self.comm_hook is not None else 1.0 / self.divisor
         copies, slots, copied = [], [], []
@@ -429,7 +437,8 @@ class Reducer:
         dtype = self.options.reduce_dtype or self.params[0].dtype
         choice, why = None, ""
         try:  # only rank 0 can fail here, after every probe collective: the broadcast below still matches
-            choice = self._auto.decide(self._probe, self.world_size, self.device, dtype, is_rank0)
+            choice = self._auto.decide(self._probe, self.world_size, self.device, dtype, is_rank0,
+                                       comm_hook=self.comm_hook is not None)
         except ValueError as error:
             why = str(error)
         caps = [choice.cap_mb, choice.first_cap_mb] if choice else [self.options.bucket_cap_mb, FIRST_BUCKET_CAP_MB]
