@@ -184,14 +184,14 @@ class Reducer:
         if self._recording:  # the first backwards: learned order, "auto" measurements
             self._arrival.append((index, time.perf_counter()))
         if self._as_view[index]:
-            grad = param.grad
-            if grad is not None and not grad.is_sparse and grad is not self._slot(index):
+            grad, slot = param.grad, self._slot(index)
+            if grad is not None and not grad.is_sparse and grad is not slot:
                 # gradient_as_bucket_view after zero_grad(set_to_none=True):
                 # autograd made a fresh .grad. Into its slot now, so its memory
                 # goes back at once, not when the whole bucket is complete (as
                 # torch's reducer; batching these copies per bucket measured no
                 # faster, and held up to a bucket of gradients twice).
-                param.grad = self._slot(index).copy_(grad)
+                param.grad = slot.copy_(grad)
         self._mark_ready(index)
 
     def _begin_backward(self) -> None:
