@@ -43,6 +43,7 @@ def header(cfg: dict) -> str:
             "  torch      torch.nn.parallel.DistributedDataParallel;  minddp  minddp.MiniDDP",
             "  copy/view  gradient_as_bucket_view=False (both wrappers' default) / True",
             "  ratio      minddp / torch, same setting; within a run, then the median [min, max] over runs",
+            "  auto       MiniDDP(bucket_cap_mb='auto') (buckets: as many as it chose); ratio auto: auto / torch copy",
             "  max diff   largest |param_torch - param_minddp| after the timed steps (same init, data, steps)",
             "  times: ms per step, the run's median over rounds (each block: the slowest rank), median over runs",
         ]
@@ -54,6 +55,9 @@ def table(rows: list[dict], views: list[str]) -> str:
     titles = ["model", "cap MB", "local", "allreduce", "ideal", "naive"]
     for v in views:
         titles += [f"torch {v}", f"minddp {v}", f"ratio {v}"]
+    auto = all("ratio_auto" in r for r in rows)
+    if auto:
+        titles += ["minddp auto (buckets)", "ratio auto"]
     titles.append("max diff")
     cells_all = []
     for r in rows:
@@ -62,7 +66,10 @@ def table(rows: list[dict], views: list[str]) -> str:
         ]
         for v in views:
             cells += [f"{r[f'torch_{v}_ms']:.1f}", f"{r[f'minddp_{v}_ms']:.1f}", _spread(r, f"ratio_{v}", "{:.3f}")]
-        cells.append(f"{r['max_param_diff']:.1e}")
+        if auto:
+            cells += [f"{r['minddp_auto_ms']:.1f} ({r['auto_buckets']:g})", _spread(r, "ratio_auto", "{:.3f}")]
+        diff = f"{r['max_param_diff']:.1e}"
+        cells.append(diff + (f" (auto {r['max_param_diff_auto']:.1e})" if auto else ""))
         cells_all.append(cells)
     return markdown_table(titles, cells_all)
 

@@ -5,6 +5,8 @@ the *median over rounds* of its block times. From those medians:
 
 * ``ratio_V`` = minddp_V / torch_V, for ``V`` in ``copy`` and ``view``
   (``gradient_as_bucket_view`` False / True, same setting on both sides);
+* ``ratio_auto`` = minddp_auto / torch_copy: MiniDDP choosing its buckets
+  (``bucket_cap_mb="auto"``) against torch's DDP at its defaults;
 * ``overhead_W_ms`` for each wrapper ``W`` run with the no-communication
   hook: the median over rounds of (W's block - the bare model's block *of the
   same round*). Pairing by round cancels most of the machine's drift, which
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 
-from _wrappers import NOCOMM
+from _wrappers import AUTO, NOCOMM
 
 VIEWS = ("copy", "view")
 
@@ -43,6 +45,8 @@ def run_figures(blocks: dict[str, list[float]], views: list[str]) -> dict[str, f
     """One run's figures for one row (see the module docstring)."""
     med = {f"{name}_ms": statistics.median(times) for name, times in blocks.items()}
     out = dict(med)
+    if AUTO in blocks:
+        out["ratio_auto"] = med[f"{AUTO}_ms"] / med["torch_copy_ms"]
     for v in views:
         out[f"ratio_{v}"] = med[f"minddp_{v}_ms"] / med[f"torch_{v}_ms"]
         if f"torch_{v}{NOCOMM}" not in blocks:
@@ -81,6 +85,9 @@ def make_row(cfg: dict, per_run: list[dict], max_param_diff: float, peak_mb: dic
             if f"overhead_{impl}_{v}_ms" in row:
                 row[f"overhead_{impl}_{v}_fraction"] = row[f"overhead_{impl}_{v}_ms"] / local
     row["max_param_diff"] = max_param_diff
+    if f"{AUTO}_ms" in row:
+        row[f"hidden_fraction_{AUTO}"] = hidden_fraction(local, ar, row[f"{AUTO}_ms"])
+        row[f"peak_mem_{AUTO}_mb"] = peak_mb[AUTO]
     row["per_run"] = {k: [r[k] for r in per_run] for k in keys if k.startswith(SPREAD_PREFIXES)}
     return row
 
@@ -90,14 +97,21 @@ def make_rows(cfg: dict, runs: list[list[dict]], memory: list[dict]) -> list[dic
     "block_ms", "max_param_diff"}`` in case order) and the memory run's peaks."""
     rows = []
     for case, mem in enumerate(memory):
-        per_run, diff = [], 0.0
+        per_run, diff, auto_diff = [], 0.0, None
         for entries in runs:
             entry = entries[case]
             blocks = dict(entry["block_ms"])
             if "naive" not in blocks:  # measured at the model's first cap only
                 blocks["naive"] = next(e["block_ms"]["naive"] for e in entries if e["model"] == entry["model"])
             figures = run_figures(blocks, cfg["bucket_views"])
+            if "auto_buckets" in entry:  # how many buckets bucket_cap_mb="auto" chose in this run
+                figures["auto_buckets"] = entry["auto_buckets"]
+                auto_diff = max(auto_diff or 0.0, entry["max_param_diff_auto"])
             per_run.append({"model": entry["model"], "bucket_cap_mb": entry["bucket_cap_mb"], **figures})
             diff = max(diff, entry["max_param_diff"])
-        rows.append(make_row(cfg, per_run, diff, mem["peak_mb"]))
+        row = make_row(cfg, per_run, diff, mem["peak_mb"])
+        if auto_diff is not None:
+            row["max_param_diff_auto"] = auto_diff  # bucketing may reorder sums: float32 rounding, not 0
+            row["per_run"]["auto_buckets"] = [r["auto_buckets"] for r in per_run]
+        rows.append(row)
     return rows

@@ -19,6 +19,10 @@ the same initial state, the things it can step:
 ``torch_view``           ``gradient_as_bucket_view`` False (its default) / True
 ``minddp_copy``          ``minddp.MiniDDP``, the same two settings (False is
 ``minddp_view``          its default too)
+``minddp_auto``          ``MiniDDP(bucket_cap_mb="auto")``, otherwise at its
+                         defaults: it measures its first steps and the link,
+                         and rebuilds its buckets once (every implementation
+                         gets the same warm-up, long enough for that)
 ``<wrapper>_nocomm``     the same four wrappers with a communication hook that
                          communicates nothing (:func:`return_bucket`): what
                          each costs beyond the bare model is its own work
@@ -66,7 +70,7 @@ from minddp import MiniDDP
 import _memory
 import _models
 import _overlap
-from _wrappers import NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
+from _wrappers import AUTO, NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
 
 LR = 0.01
 
@@ -108,6 +112,11 @@ class Runner:
 
     def wrapped(self, name: str) -> torch.nn.Module:
         """A fresh model in the wrapper ``name`` of :func:`wrapper_names`."""
+        if name == AUTO:
+            ddp = MiniDDP(self.fresh(), bucket_cap_mb="auto")
+            if self.minddp_hook is not None:
+                ddp.register_comm_hook(None, self.minddp_hook)
+            return ddp
         impl, view = name.split("_")[:2]
         wrap = self.wrap_torch if impl == "torch" else self.wrap_minddp
         return wrap(self.fresh(), view=view == "view", nocomm=name.endswith(NOCOMM))
@@ -202,11 +211,18 @@ class Runner:
             assert steps[name].count[0] == twin.count[0]
             pairs = zip(steps[name].module.module.parameters(), twin.module.module.parameters())
             diffs.append(max(((p.detach() - q.detach()).abs().max().item() for p, q in pairs), default=0.0))
-        diff_t = torch.tensor([max(diffs)], dtype=torch.float64, device=self.comm_device)
+        auto_diff = 0.0
+        if AUTO in steps:  # other buckets than torch's: the same sums, maybe in another order
+            pairs = zip(steps["torch_copy"].module.module.parameters(), steps[AUTO].module.module.parameters())
+            auto_diff = max(((p.detach() - q.detach()).abs().max().item() for p, q in pairs), default=0.0)
+        diff_t = torch.tensor([max(diffs), auto_diff], dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
+        out = {"block_ms": blocks, "max_param_diff": diff_t[0].item()}
+        if AUTO in steps:
+            out.update(max_param_diff_auto=diff_t[1].item(), auto_buckets=len(steps[AUTO].module.bucket_names))
         del steps
         _memory.release()
-        return {"block_ms": blocks, "max_param_diff": diff_t.item()}
+        return out
 
     def peak_memory(self, n_steps: int | None = None) -> dict:
         """Peak memory of each wrapper's construction + steps (with communication),

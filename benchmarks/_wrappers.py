@@ -4,6 +4,9 @@ Four wrappers per row: torch's DDP and MiniDDP, each with
 ``gradient_as_bucket_view`` False (``copy``, both defaults) and True
 (``view``). With ``--overhead`` (the default) four more, named ``..._nocomm``:
 the same wrappers with :func:`return_bucket` as their communication hook.
+And ``minddp_auto`` (unless ``--no-auto``): MiniDDP with
+``bucket_cap_mb="auto"``, its other arguments at their defaults, set against
+``torch_copy``, torch's DDP at *its* defaults.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from minddp.buckets import MiB, TensorSpec, assign_buckets
 from minddp.ddp import FIRST_BUCKET_CAP_MB
 
 NOCOMM = "_nocomm"  # suffix of the overhead-mode wrappers' names
+AUTO = "minddp_auto"  # MiniDDP(bucket_cap_mb="auto"), against torch_copy
 
 
 def return_bucket(state, bucket):  # no annotation: torch's DDP rejects any but the unquoted Future[Tensor]
@@ -61,7 +65,8 @@ def bucket_sizes(params: list[torch.Tensor], cap_mb: float) -> list[int]:
 def wrapper_names(cfg: dict) -> list[str]:
     """``torch_copy``, ``minddp_copy``, ... for every measured setting, then the ``_nocomm`` ones."""
     names = [f"{impl}_{view}" for view in cfg["bucket_views"] for impl in ("torch", "minddp")]
-    return names + ([n + NOCOMM for n in names] if cfg["overhead"] else [])
+    auto = [AUTO] if cfg.get("auto") and "copy" in cfg["bucket_views"] else []
+    return names + auto + ([n + NOCOMM for n in names] if cfg["overhead"] else [])
 
 
 WORLD_ONE_NOTE = (

@@ -25,6 +25,12 @@ medians over rounds, each block's time the slowest rank's:
   False (both wrappers' default) and True; all implementations timed in
   rounds whose order rotates (``--bucket-view`` picks one setting);
 * ``ratio copy``/``ratio view`` = minddp / torch with the same setting;
+* ``minddp auto`` (skip it with ``--no-auto``): ``MiniDDP(bucket_cap_mb="auto")``,
+  which measures its first steps and the link and picks its buckets with
+  the alpha-beta model (``minddp/bucket_planner.py``), with how many buckets
+  it chose; ``ratio auto`` = minddp auto / torch copy (torch at its
+  defaults). Every implementation then warms up for at least
+  ``AUTO_WARMUP`` steps, so that the choice is made before timing;
 * ``max diff``: largest parameter difference between torch's DDP and MiniDDP
   after the same steps from the same weights on the same data (0: bit-equal).
 
@@ -86,11 +92,13 @@ import _runs  # noqa: E402
 import _spread  # noqa: E402
 from _models import ALL_MODELS, DEFAULT_MODELS  # noqa: E402
 from _wrappers import like_for_like_hook  # noqa: E402
+from minddp.bucket_planner import MEASURED_BACKWARDS  # noqa: E402
 
 # The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
 # run's ratio moved by +-10% between runs on the shared 2-core machine; five
 # give a median and a min-max that a sixth run falls inside 2 times in 3.
 RUNS, STEPS, REPEATS, WARMUP = 5, 40, 8, 3
+AUTO_WARMUP = MEASURED_BACKWARDS + 2  # the first backward, the measured ones, one with the chosen buckets
 TRACE_STEPS = 3  # steps kept in each --trace file, after warm-up
 # At the default 25 MB cap shuffled_mlp's 9.6 MiB are two buckets, and their order barely matters.
 LEARNED_ORDER_CAP_MB = 2.0
@@ -140,6 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-view", choices=["both", "copy", "view"], default="both",
                    help="gradient_as_bucket_view settings to time, each on both wrappers: copy = False "
                    "(both wrappers' default), view = True")  # fmt: skip
+    p.add_argument("--no-auto", action="store_true",
+                   help="skip the auto column (MiniDDP with bucket_cap_mb='auto' against torch's DDP at its defaults)")
     p.add_argument("--no-overhead", action="store_true",
                    help="skip the wrapper-overhead measurement (each wrapper with a comm hook that communicates nothing)")  # fmt: skip
     p.add_argument("--show", metavar="PATH.json", default=None,
@@ -211,6 +221,11 @@ def check_environment(args: argparse.Namespace) -> list[str]:
 def config(args: argparse.Namespace) -> dict:
     import torch
 
+    # The auto column (with copy among the settings: it is set against torch_copy)
+    # needs its measured steps and the rebuild inside the warm-up, for everyone alike.
+    auto = not args.no_auto and args.bucket_view in ("both", "copy")
+    warmup = max(args.warmup, AUTO_WARMUP) if auto else args.warmup
+
     return {
         "backend": args.backend,
         "device": args.device,
@@ -221,12 +236,13 @@ def config(args: argparse.Namespace) -> dict:
         "runs": args.runs,
         "steps": args.steps,
         "repeats": args.repeats,
-        "warmup": args.warmup,
+        "warmup": warmup,
         "memory_steps": 1 if args.quick else 2,
         "threads_per_rank": args.threads_per_rank,
         "comm_hook": args.comm_hook,
         "bucket_views": ["copy", "view"] if args.bucket_view == "both" else [args.bucket_view],
         "overhead": not args.no_overhead,
+        "auto": auto,
         "quick": args.quick,
         "learned_order_cap_mb": args.learned_order,  # None: not measured
         "trace_files": _runs.trace_files(args.trace, args.models) if args.trace else {},

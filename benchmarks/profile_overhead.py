@@ -14,10 +14,13 @@ views of the same steps, per model and ``gradient_as_bucket_view`` setting:
    step and per call. The timer itself costs ~0.1 us per call;
 2. **cProfile** of MiniDDP steps: the Python functions with the most own
    time per step (cProfile roughly doubles Python's cost, so read the
-   proportions, not the absolute times);
+   proportions, not the absolute times), and how many calls of MiniDDP's
+   Python functions a step makes: a count, which load does not distort;
 3. **torch.profiler** of both wrappers: the operators with the most own CPU
    time per step and how many times each runs per step; the ops MiniDDP adds
-   (``copy_``, ``mul_``, ``clone``) sit beside the ones torch's C++ reducer issues.
+   (``copy_``, ``mul_``, ``clone``) sit beside the ones torch's C++ reducer
+   issues. The total of operator calls per step is again a count: compare
+   the two wrappers' totals on a loaded machine rather than their times.
 """
 
 from __future__ import annotations
@@ -123,7 +126,9 @@ def cprofile(runner: Runner, view: bool, n_steps: int, top: int) -> str:
             rows.append((tottime, ncalls, cumtime, f"minddp/{os.path.relpath(path, PACKAGE)}:{line}({func})"))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows) / n_steps * 1e3
-    out = [f"  cProfile (MiniDDP, {n_steps} steps): {total:.3f} ms/step own time in minddp/*.py; top {top}:"]
+    calls = sum(r[1] for r in rows) / n_steps
+    out = [f"  cProfile (MiniDDP, {n_steps} steps): {total:.3f} ms/step own time in minddp/*.py, "
+           f"{calls:.0f} calls/step; top {top}:"]
     for tottime, ncalls, cumtime, name in rows[:top]:
         out.append(f"    own {tottime / n_steps * 1e3:6.3f} ms  cum {cumtime / n_steps * 1e3:6.3f} ms  "
                    f"{ncalls / n_steps:6.1f} calls/step  {name}")  # fmt: skip
@@ -142,7 +147,8 @@ def op_profile(runner: Runner, view: bool, n_steps: int, top: int) -> str:
             for _ in range(n_steps):
                 step()
         events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        out.append(f"  torch.profiler ({label}, {n_steps} steps), own CPU time per step, top {top}:")
+        ops = sum(e.count for e in events if e.key.startswith("aten::")) / n_steps
+        out.append(f"  torch.profiler ({label}, {n_steps} steps): {ops:.0f} aten ops/step; own CPU time per step, top {top}:")
         for e in events[:top]:
             out.append(f"    {e.self_cpu_time_total / n_steps / 1e3:6.3f} ms  {e.count / n_steps:6.1f}/step  {e.key}")
     return "\n".join(out)

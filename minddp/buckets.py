@@ -26,9 +26,11 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["TensorSpec", "assign_buckets", "Bucket", "MiB"]
+__all__ = ["TensorSpec", "assign_buckets", "Bucket", "MiB", "FIRST_BUCKET_CAP_MB"]
 
 MiB = 1024 * 1024
+# torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
+FIRST_BUCKET_CAP_MB = 1.0
 
 
 @dataclass(frozen=True)
@@ -151,10 +153,10 @@ class Bucket:
         total = sum(p.numel() for p in params)
         # ``dtype``: what the gradients are reduced in (default: the parameters').
         self.buffer = torch.zeros(total, dtype=dtype or params[0].dtype, device=params[0].device)
-        self._views: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = []  # each parameter's slot, in ``params`` order
         offset = 0
         for p in params:
-            self._views.append(_slot(self.buffer, offset, p))
+            self.views.append(_slot(self.buffer, offset, p))
             offset += p.numel()
         self._position = {id(p): i for i, p in enumerate(params)}
         self._ready = [False] * len(params)
@@ -163,11 +165,7 @@ class Bucket:
 
     def view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This parameter's slot in the buffer, shaped like the parameter."""
-        return self._views[self._position[id(param)]]
-
-    @property
-    def views(self) -> list[torch.Tensor]:
-        return self._views
+        return self.views[self._position[id(param)]]
 
     @property
     def ready(self) -> bool:
@@ -185,7 +183,10 @@ class Bucket:
 
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
         """Record that ``param``'s gradient is in its slot; True if it was the last."""
-        i = self._position[id(param)]
+        return self.mark_ready_at(self._position[id(param)])
+
+    def mark_ready_at(self, i: int) -> bool:
+        """:meth:`mark_ready` for ``params[i]`` (the reducer's hooks know ``i`` in advance)."""
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {self.names[i]!r} produced a gradient twice in one backward "

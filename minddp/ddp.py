@@ -38,6 +38,10 @@ class MiniDDP(nn.Module):
     * ``process_group``: the ranks to average over (default: the whole world).
     * ``bucket_cap_mb``: gradients travel in flat buckets of at most this many
       MiB (the first one at most 1 MiB); 0 means one parameter per bucket.
+      ``"auto"`` (beyond torch): start at 25, measure the first synchronized
+      steps and the link, and rebuild the buckets once with the cap the
+      alpha-beta model predicts fastest (:mod:`minddp.bucket_planner`); rank
+      0 prints one line saying what it chose and why.
     * ``broadcast_buffers``: before each forward that follows a synchronized
       one (torch's ``require_forward_param_sync``), whatever its grad mode,
       copy rank 0's buffers (BatchNorm running statistics) to every rank. Kept as
@@ -94,7 +98,7 @@ class MiniDDP(nn.Module):
         output_device: Any = None,
         *,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = 25.0,
+        bucket_cap_mb: float | str | None = 25.0,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -120,7 +124,10 @@ class MiniDDP(nn.Module):
             raise ValueError(f"buffer_sync must be one of {BUFFER_POLICIES}, got {buffer_sync!r}")
         if check_sync_every < 0:
             raise ValueError(f"check_sync_every must be >= 0 (0 = never), got {check_sync_every}")
-        if bucket_cap_mb is not None and bucket_cap_mb < 0:
+        auto_buckets = isinstance(bucket_cap_mb, str)
+        if auto_buckets and bucket_cap_mb != "auto":
+            raise ValueError(f"bucket_cap_mb must be a number of MiB or 'auto', got {bucket_cap_mb!r}")
+        if not auto_buckets and bucket_cap_mb is not None and bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0 (0: one parameter per bucket), got {bucket_cap_mb}")
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
             raise ValueError(f"reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
@@ -129,7 +136,7 @@ class MiniDDP(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.reduce_dtype = reduce_dtype
-        self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
+        self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb  # "auto" stays "auto"
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -150,8 +157,8 @@ class MiniDDP(nn.Module):
 
         # 2. The reducer: buckets, and one hook per parameter (minddp/reducer.py).
         self._observer = StepObserver(dist.get_rank(self.process_group), trace, self.device)
-        options = ReducerOptions(self.bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters,
-                                 static_graph, reduce_dtype, learn_bucket_order)
+        options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, gradient_as_bucket_view,
+                                 find_unused_parameters, static_graph, reduce_dtype, learn_bucket_order, auto_buckets)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options, self._observer)
 
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it

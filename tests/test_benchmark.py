@@ -11,6 +11,7 @@ times, without processes.
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -24,15 +25,17 @@ import _spread  # noqa: E402
 from minddp.trace_view import read_steps  # noqa: E402
 
 WRAPPERS = [f"{impl}_{view}" for impl in ("torch", "minddp") for view in ("copy", "view")]
-SPREAD = [f"ratio_{v}" for v in ("copy", "view")] + [f"overhead_{w}_ms" for w in WRAPPERS]
+SPREAD = [f"ratio_{v}" for v in ("copy", "view", "auto")] + [f"overhead_{w}_ms" for w in WRAPPERS]
 SPREAD += [f"overhead_gap_{v}_ms" for v in ("copy", "view")]
+AUTO_FIELDS = {"minddp_auto_ms", "hidden_fraction_minddp_auto", "peak_mem_minddp_auto_mb", "auto_buckets",
+               "max_param_diff_auto"}  # MiniDDP(bucket_cap_mb="auto") against torch_copy
 RESULT_FIELDS = {
     "model", "backend", "device", "world_size", "bucket_cap_mb", "runs",
     "local_ms", "allreduce_ms", "ideal_ms", "naive_ms", "max_param_diff", "per_run",
     *(f"{w}_ms" for w in WRAPPERS), *(f"{w}_nocomm_ms" for w in WRAPPERS),
     *(f"hidden_fraction_{w}" for w in WRAPPERS), *(f"peak_mem_{w}_mb" for w in WRAPPERS),
     *(f"overhead_{w}_fraction" for w in WRAPPERS),
-    *SPREAD, *(f"{k}_min" for k in SPREAD), *(f"{k}_max" for k in SPREAD),
+    *SPREAD, *(f"{k}_min" for k in SPREAD), *(f"{k}_max" for k in SPREAD), *AUTO_FIELDS,
 }  # fmt: skip
 LEARNED_ORDER_FIELDS = {
     "model", "bucket_cap_mb", "local_ms", "allreduce_ms", "learned_ms", "registration_ms", "ratio",
@@ -57,6 +60,7 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     )
     assert proc.returncode == 0, f"compare.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
     assert "| model" in proc.stdout and "Wrapper overhead" in proc.stdout  # the tables were printed
+    assert "ratio auto" in proc.stdout and "MiniDDP bucket_cap_mb='auto'" in proc.stdout  # the column, and why
 
     data = json.loads(out.read_text())
     assert set(data) == {"config", "results", "learned_order"}  # the last only with --learned-order
@@ -75,6 +79,10 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
         for w in WRAPPERS:
             assert 0.0 <= r[f"hidden_fraction_{w}"] <= 1.0
         assert r["max_param_diff"] == 0.0, f"{r['model']}: MiniDDP and torch's DDP diverged by {r['max_param_diff']}"
+        # Other buckets may sum in another order: float32 rounding, no more.
+        assert r["max_param_diff_auto"] < 1e-5, f"{r['model']}: auto diverged by {r['max_param_diff_auto']}"
+        assert len(r["per_run"]["auto_buckets"]) == RUNS and all(n >= 1 for n in r["per_run"]["auto_buckets"])
+        assert r["ratio_auto"] == pytest.approx(statistics.median(r["per_run"]["ratio_auto"]))
     check_learned_order(data["learned_order"])
     check_traces(tmp_path, proc.stdout)
     shown = subprocess.run([sys.executable, COMPARE, "--show", str(out)], capture_output=True, text=True, timeout=60)
@@ -105,6 +113,15 @@ def test_overhead_is_paired_by_round_and_spread_is_over_runs():
     assert row["per_run"]["ratio_copy"] == pytest.approx([0.9, 1.2, 1.0])
     assert (row["ratio_copy"], row["ratio_copy_min"], row["ratio_copy_max"]) == pytest.approx((1.0, 0.9, 1.2))
     assert row["runs"] == 3 and row["peak_mem_minddp_copy_mb"] == 2.0
+
+
+def test_ratio_auto_is_auto_over_torch_at_its_defaults():
+    """MiniDDP(bucket_cap_mb="auto") is set against torch's DDP with gradient_as_bucket_view=False."""
+    blocks = {"local": [10.0], "allreduce": [5.0], "naive": [30.0], "torch_copy": [20.0], "minddp_copy": [21.0],
+              "torch_view": [18.0], "minddp_view": [19.0], "minddp_auto": [17.0]}  # fmt: skip
+    figures = _spread.run_figures(blocks, ["copy", "view"])
+    assert figures["ratio_auto"] == 17.0 / 20.0
+    assert "ratio_auto" not in _spread.run_figures({k: v for k, v in blocks.items() if k != "minddp_auto"}, ["copy"])
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path):

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minddp.buckets import MiB, TensorSpec, assign_buckets
-from minddp.ddp import FIRST_BUCKET_CAP_MB
+from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
 from minddp.network import COLLECTIVES, Hierarchy, Link, collective_time
 from minddp.simulate.profile import ComputeProfile, Gradient
 
