@@ -180,7 +180,7 @@ def draw(ddp: WatchedAsyncDDP, width: int = 56) -> None:
     print0(f"  ^ hook fired, all_reduce launched   . queued   = on the wire   | backward returned at {(ddp.backward_done - t0) * 1e3:.1f} ms")
 
 
-def time_alternately(wrappers: list, per_rank: int, rounds: int = 6) -> list[float]:
+def time_alternately(wrappers: list, per_rank: int, rounds: int = 6) -> tuple[list[float], dict | None]:
     """Backward + sync, the part overlap can shorten, one step of each wrapper in
     turn (so both meet the same load on a shared machine); the fastest step of
     each, since a busy machine can only add time, never take it away. With a
