@@ -136,7 +136,7 @@ def predict(raw: dict, world_size: int) -> dict:
 def table(result: dict, world_size: int, rounds: int) -> str:
     fit = result["fit"]
     lines = [
-        f"world size {world_size}, Gloo, CPU, 1 thread per rank; medians over {rounds} rounds (machine shared)",
+        f"world size {world_size}, Gloo, CPU, 1 thread per rank; medians over {rounds} rounds",
         f"network fitted to all-reduce alone: alpha = {fit['alpha_us']:.1f} us per ring step, "
         f"bandwidth = {fit['bandwidth_MBps']:.0f} MB/s",
         "  all-reduce alone, median ms: "
