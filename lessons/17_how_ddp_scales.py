@@ -54,6 +54,11 @@ Try this
     4. ``python -m minddp.simulate --record mlp --out mlp.json`` then
        ``python -m minddp.simulate --trace mlp.json --network eth25
        --accumulation 4``: what does ``no_sync`` accumulation buy at scale?
+
+Next
+    Lesson 17b turns this model into a decision: ``MiniDDP(...,
+    bucket_cap_mb="auto")`` measures its own link and gradients, replays
+    candidate bucket plans with this simulator, and keeps the fastest.
 """
 
 import json
