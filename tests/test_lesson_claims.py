@@ -1,14 +1,16 @@
 """The lessons' time claims rest on models and counts, never on the clock.
 
-Lessons 06, 16 and 17 check what they claim about time with small pure
+Lessons 06, 16, 17 and 17b check what they claim about time with small pure
 functions: 06 replays a backward in the link model's time, 16 splits a bar
 into waiting and travelling, 17 states for which compute speeds, networks
-and algorithms each comparison goes which way. Those functions are tested
+and algorithms each comparison goes which way, 17b which link gets fewer
+buckets for any length of backward. Those functions are tested
 here on hand-made inputs, without a process group, so that a busy machine
 cannot move them. (The lessons themselves run in tests/test_lessons.py.)
 """
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -94,3 +96,29 @@ def test_17_claims_hold_for_every_compute_speed_network_and_algorithm(backward_m
         les.scaling_table(profile(backward_ms), name, policies)
     if algorithm == "tree":
         les.ring_against_tree(["eth25", network])
+
+
+def lesson_17b_profile(les, backward_ms: float) -> ComputeProfile:
+    """Lesson 17b's model (20 -> 12 x 256 -> 4): its 26 gradients, last layer first, evenly over ``backward_ms``."""
+    shapes = [(4, les.WIDTH), (4,)] + [(les.WIDTH, les.WIDTH), (les.WIDTH,)] * (les.DEPTH - 1) + [(les.WIDTH, 20), (les.WIDTH,)]
+    sizes = [4 * math.prod(s) for s in shapes]
+    return ComputeProfile(backward_ms / 2, [Gradient(f"g{i}", backward_ms * (i + 1) / len(sizes), n)
+                                            for i, n in enumerate(sizes)])
+
+
+@pytest.mark.parametrize("backward_ms", [1.0, 7.0, 30.0, 100.0, 300.0],
+                         ids=["fast machine", "quiet laptop", "busy", "very busy", "crawling"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_17b_the_model_picks_fewer_buckets_on_the_slow_link_for_any_backward(backward_ms, world_size):
+    les = lesson("17b_auto_buckets")
+    picks = les.model_choices(lesson_17b_profile(les, backward_ms), les.LINKS, world_size)
+    assert picks["slow"].buckets < picks["fast"].buckets, {n: c.buckets for n, c in picks.items()}
+    for choice in picks.values():
+        assert choice.predicted_ms <= choice.default_ms
+
+
+def test_17b_says_where_the_clock_disagrees_with_the_model():
+    verdict = lesson("17b_auto_buckets").clock_verdict
+    assert verdict(True, 0.0, 5.0) == "same buckets"  # the same plan: any difference is noise
+    assert verdict(False, -3.0, -1.0) == "agrees"
+    assert verdict(False, -3.0, 2.0) == "differs this time"
