@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from _bound import RULES
 from _spread import hidden_fraction
 
 PLOT_INSTALL_HINT = (
@@ -26,6 +27,20 @@ def _spread(row: dict, key: str, fmt: str) -> str:
     return f"{fmt.format(row[key])} [{fmt.format(row[key + '_min'])}, {fmt.format(row[key + '_max'])}]"
 
 
+def _has_bound(rows: list[dict]) -> bool:
+    """Rows measured with the flat all-reduce (JSON files written before it have no bound)."""
+    return bool(rows) and all("bound_ms" in r for r in rows)
+
+
+def _bound_line(cfg: dict) -> list[str]:
+    if "bound_rule" not in cfg:
+        return []
+    why = {"sum": "no core to spare per rank, so communication cannot overlap compute",
+           "max": "a core to spare per rank (or a GPU): at best all of it overlaps"}[cfg["bound_rule"]]
+    return [f"  bound      {RULES[cfg['bound_rule']]}: the bare step and one all_reduce of every gradient in one "
+            f"flat buffer ({why})"]
+
+
 def header(cfg: dict) -> str:
     """What each column runs, stated once above the tables."""
     hook = {"none": "no comm hook (built-in all-reduce)", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",
@@ -39,6 +54,7 @@ def header(cfg: dict) -> str:
             "  local      every rank: forward + backward + SGD step, no communication",
             "  allreduce  all_reduce of the gradient bytes alone, DDP-like buckets (1 MiB first, then cap)",
             "  ideal      max(local, allreduce): perfect overlap",
+            *_bound_line(cfg),
             "  naive      local step + blocking all_reduce of every .grad after backward",
             "  torch      torch.nn.parallel.DistributedDataParallel;  minddp  minddp.MiniDDP",
             "  copy/view  gradient_as_bucket_view=False (both wrappers' default) / True",
@@ -52,7 +68,9 @@ def header(cfg: dict) -> str:
 
 def table(rows: list[dict], views: list[str]) -> str:
     """Step times with communication, and the ratios with their spread."""
-    titles = ["model", "cap MB", "local", "allreduce", "ideal", "naive"]
+    bound = _has_bound(rows)
+    titles = ["model", "cap MB", "local", "allreduce", "ideal"] + ([f"bound ({rows[0]['bound_rule']})"] if bound else [])
+    titles.append("naive")
     for v in views:
         titles += [f"torch {v}", f"minddp {v}", f"ratio {v}"]
     auto = all("ratio_auto" in r for r in rows)
@@ -61,9 +79,8 @@ def table(rows: list[dict], views: list[str]) -> str:
     titles.append("max diff")
     cells_all = []
     for r in rows:
-        cells = [r["model"], f"{r['bucket_cap_mb']:g}"] + [
-            f"{r[k]:.1f}" for k in ("local_ms", "allreduce_ms", "ideal_ms", "naive_ms")
-        ]
+        keys = ("local_ms", "allreduce_ms", "ideal_ms") + (("bound_ms",) if bound else ()) + ("naive_ms",)
+        cells = [r["model"], f"{r['bucket_cap_mb']:g}"] + [f"{r[k]:.1f}" for k in keys]
         for v in views:
             cells += [f"{r[f'torch_{v}_ms']:.1f}", f"{r[f'minddp_{v}_ms']:.1f}", _spread(r, f"ratio_{v}", "{:.3f}")]
         if auto:
@@ -98,6 +115,28 @@ def overhead_table(rows: list[dict], views: list[str]) -> str:
     return "\n".join(OVERHEAD_TEXT) + "\n" + markdown_table(titles, cells_all)
 
 
+def bound_table(rows: list[dict], views: list[str]) -> str:
+    """How far each wrapper's step is above the bound, paired by round (``_bound.py``)."""
+    wrappers = [f"{impl}_{v}" for v in views for impl in ("torch", "minddp")]
+    wrappers += ["minddp_auto"] if all("over_bound_minddp_auto_ms" in r for r in rows) else []
+    titles = ["model", "cap MB", "local", "allreduce flat", f"bound ({rows[0]['bound_rule']})"]
+    titles += [w.replace("_", " ") for w in wrappers]
+    cells_all = []
+    for r in rows:
+        cells = [r["model"], f"{r['bucket_cap_mb']:g}"] + [f"{r[k]:.1f}" for k in ("local_ms", "allreduce_flat_ms")]
+        cells.append(_spread(r, "bound_ms", "{:.1f}"))
+        for w in wrappers:
+            key = f"over_bound_{w}_ms"
+            cells.append(f"{_spread(r, key, '{:+.1f}')} ({100 * r[key.replace('_ms', '_fraction')]:+.0f}%)")
+        cells_all.append(cells)
+    lines = [
+        "ms over bound: each wrapper's step minus the bound of the same round (the bare step and one flat",
+        "  all-reduce of every gradient, combined as the header says), median over rounds, then median [min, max]",
+        "  over runs; in brackets, as a fraction of the bound. No DDP here does less work: below 0 is noise.",
+    ]
+    return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)
+
+
 def memory_table(rows: list[dict], views: list[str], method: str) -> str:
     """Peak memory each wrapper adds, and the fraction of the all-reduce each hid."""
     titles = ["model", "cap MB"]
@@ -120,6 +159,8 @@ def memory_table(rows: list[dict], views: list[str], method: str) -> str:
 def all_tables(cfg: dict, rows: list[dict]) -> str:
     views = cfg["bucket_views"]
     parts = [header(cfg), table(rows, views)]
+    if _has_bound(rows):
+        parts.append(bound_table(rows, views))
     if cfg["overhead"]:
         parts.append(overhead_table(rows, views))
     parts.append(memory_table(rows, views, cfg["memory_method"]))
@@ -194,7 +235,8 @@ def have_matplotlib() -> bool:
 
 def plot(path: str, cfg: dict, rows: list[dict]) -> None:
     """Bars: step time per model and implementation at the main bucket cap,
-    with ideal and no_overlap as lines; beside it, the bucket sweep (if any)."""
+    with ideal and the bound as lines (files from before the bound: no
+    overlap, local + allreduce); beside it, the bucket sweep (if any)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,12 +255,13 @@ def plot(path: str, cfg: dict, rows: list[dict]) -> None:
     for j, (key, label) in enumerate(impls):
         xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(main))]
         ax.bar(xs, [r[key] for r in main], width, label=label)
+    if _has_bound(main):
+        floor, floor_label = [r["bound_ms"] for r in main], f"bound: {RULES[main[0]['bound_rule']]}"
+    else:
+        floor, floor_label = [r["local_ms"] + r["allreduce_ms"] for r in main], "no overlap"
     for i, r in enumerate(main):
         ax.hlines(r["ideal_ms"], i - 0.45, i + 0.45, colors="black", linestyles="-", label="ideal" if i == 0 else None)
-        ax.hlines(
-            r["local_ms"] + r["allreduce_ms"], i - 0.45, i + 0.45, colors="red", linestyles="--",
-            label="no overlap" if i == 0 else None,
-        )  # fmt: skip
+        ax.hlines(floor[i], i - 0.45, i + 0.45, colors="red", linestyles="--", label=floor_label if i == 0 else None)
     ax.set_xticks(range(len(main)))
     ax.set_xticklabels([r["model"] for r in main])
     ax.set_ylabel("ms per step (median over runs)")

@@ -12,7 +12,12 @@ the *median over rounds* of its block times. From those medians:
   same round*). Pairing by round cancels most of the machine's drift, which
   is why this figure is steadier than a step time;
 * ``overhead_gap_V_ms``: the same pairing between MiniDDP and torch's DDP
-  (minddp_V_nocomm - torch_V_nocomm): negative means MiniDDP costs less.
+  (minddp_V_nocomm - torch_V_nocomm): negative means MiniDDP costs less;
+* ``bound_ms`` (where ``allreduce_flat`` was timed): the floor under any DDP
+  step here, the bare step plus (or, with a core to spare, overlapped with)
+  one all-reduce of every gradient in a flat buffer, paired by round; and
+  ``over_bound_W_ms`` for each wrapper ``W`` with communication: how far
+  above it (``_bound.py``).
 
 Over ``--runs`` runs, every such figure is reported as the median over runs
 with its minimum and maximum (``_min``/``_max``): with 5 runs, min-max is
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import statistics
 
+import _bound
 from _wrappers import AUTO, NOCOMM
 
 VIEWS = ("copy", "view")
@@ -41,10 +47,13 @@ def _paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x - y for x, y in zip(a, b))
 
 
-def run_figures(blocks: dict[str, list[float]], views: list[str]) -> dict[str, float]:
+def run_figures(blocks: dict[str, list[float]], views: list[str], bound_rule: str = "sum") -> dict[str, float]:
     """One run's figures for one row (see the module docstring)."""
     med = {f"{name}_ms": statistics.median(times) for name, times in blocks.items()}
     out = dict(med)
+    if _bound.FLAT in blocks:
+        wrappers = [f"{impl}_{v}" for v in views for impl in ("torch", "minddp")] + ([AUTO] if AUTO in blocks else [])
+        out.update(_bound.bound_figures(blocks, bound_rule, wrappers))
     if AUTO in blocks:
         out["ratio_auto"] = med[f"{AUTO}_ms"] / med["torch_copy_ms"]
     for v in views:
@@ -57,7 +66,7 @@ def run_figures(blocks: dict[str, list[float]], views: list[str]) -> dict[str, f
     return out
 
 
-SPREAD_PREFIXES = ("ratio_", "overhead_")  # the figures reported with _min and _max
+SPREAD_PREFIXES = ("ratio_", "overhead_", "bound_", "over_bound_")  # the figures reported with _min and _max
 
 
 def make_row(cfg: dict, per_run: list[dict], max_param_diff: float, peak_mb: dict[str, float]) -> dict:
@@ -78,6 +87,10 @@ def make_row(cfg: dict, per_run: list[dict], max_param_diff: float, peak_mb: dic
             row[f"{key}_min"], row[f"{key}_max"] = min(values), max(values)
     local, ar = row["local_ms"], row["allreduce_ms"]
     row["ideal_ms"] = max(local, ar)
+    if "bound_ms" in row:
+        row["bound_rule"] = cfg["bound_rule"]
+        for key in [k for k in keys if k.startswith("over_bound_")]:
+            row[key.replace("_ms", "_fraction")] = row[key] / row["bound_ms"]
     for v in cfg["bucket_views"]:
         for impl in ("torch", "minddp"):
             row[f"hidden_fraction_{impl}_{v}"] = hidden_fraction(local, ar, row[f"{impl}_{v}_ms"])
@@ -103,7 +116,7 @@ def make_rows(cfg: dict, runs: list[list[dict]], memory: list[dict]) -> list[dic
             blocks = dict(entry["block_ms"])
             if "naive" not in blocks:  # measured at the model's first cap only
                 blocks["naive"] = next(e["block_ms"]["naive"] for e in entries if e["model"] == entry["model"])
-            figures = run_figures(blocks, cfg["bucket_views"])
+            figures = run_figures(blocks, cfg["bucket_views"], cfg.get("bound_rule", "sum"))
             if "auto_buckets" in entry:  # how many buckets bucket_cap_mb="auto" chose in this run
                 figures["auto_buckets"] = entry["auto_buckets"]
                 auto_diff = max(auto_diff or 0.0, entry["max_param_diff_auto"])

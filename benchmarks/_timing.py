@@ -12,6 +12,8 @@ the same initial state, the things it can step:
                          1 MiB, then the chosen cap), all launched
                          asynchronously, then waited for. With a compression
                          hook the buffers are in the wire dtype (fp16/bf16)
+``allreduce_flat``       one ``all_reduce`` of all those bytes in one flat
+                         buffer: with ``local``, the bound (``_bound.py``)
 ``naive``                the bare model, then a blocking ``all_reduce`` of
                          every ``.grad`` after backward (no buckets, no
                          overlap), SGD step
@@ -67,6 +69,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from minddp import MiniDDP
 
+import _bound
 import _memory
 import _models
 import _overlap
@@ -150,9 +153,12 @@ class Runner:
 
         return sync
 
-    def allreduce_step(self) -> Callable[[], None]:
+    def allreduce_step(self, flat: bool = False) -> Callable[[], None]:
+        """The gradient bytes alone, in DDP-like buckets; ``flat``: in one buffer (``_bound.py``)."""
         params = [p for p in self.fresh().parameters() if p.requires_grad]
         dtype = wire_dtype(self.cfg["comm_hook"], params[0].dtype)
+        if flat:
+            return _bound.flat_allreduce_step(params, dtype, self.device)
         buffers = [torch.zeros(n, dtype=dtype, device=self.device) for n in bucket_sizes(params, self.cap_mb)]
 
         def step() -> None:
@@ -198,7 +204,8 @@ class Runner:
 
     def measure(self, with_naive: bool = True) -> dict:
         """Every block time of every implementation, and each torch/MiniDDP pair's parameter gap."""
-        steps = {"local": self.stepper(self.fresh()), "allreduce": self.allreduce_step()}
+        steps = {"local": self.stepper(self.fresh()), "allreduce": self.allreduce_step(),
+                 _bound.FLAT: self.allreduce_step(flat=True)}
         if with_naive:
             naive_model = self.fresh()
             steps["naive"] = self.stepper(naive_model, self.naive_sync(naive_model))

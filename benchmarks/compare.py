@@ -19,6 +19,12 @@ medians over rounds, each block's time the slowest rank's:
 * ``local``: forward + backward + SGD step with no communication;
 * ``allreduce``: all-reducing the gradient bytes alone, in DDP-like buckets;
 * ``ideal`` = max(local, allreduce), the step with perfect overlap;
+* ``bound``: the floor under any DDP step here, from ``local`` and
+  ``allreduce_flat`` (one all-reduce of every gradient in one flat buffer),
+  timed in the same rounds: their sum where the ranks have no core to spare
+  (2 ranks on 2 cores: communication cannot overlap compute), else their
+  max; the header says which (``_bound.py``). A table of its own gives every
+  wrapper's ``ms over bound``, paired by round, median [min, max] over runs;
 * ``naive``: a blocking all-reduce of every gradient after backward;
 * ``torch copy``/``torch view`` and ``minddp copy``/``minddp view``: full
   steps with each wrapper, same bucket cap, ``gradient_as_bucket_view``
@@ -87,6 +93,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _bound  # noqa: E402
 import _report  # noqa: E402
 import _runs  # noqa: E402
 import _spread  # noqa: E402
@@ -243,6 +250,7 @@ def config(args: argparse.Namespace) -> dict:
         "bucket_views": ["copy", "view"] if args.bucket_view == "both" else [args.bucket_view],
         "overhead": not args.no_overhead,
         "auto": auto,
+        "bound_rule": _bound.bound_rule(args.device, args.world_size, args.threads_per_rank),
         "quick": args.quick,
         "learned_order_cap_mb": args.learned_order,  # None: not measured
         "trace_files": _runs.trace_files(args.trace, args.models) if args.trace else {},

@@ -21,12 +21,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import _bound  # noqa: E402
 import _spread  # noqa: E402
 from minddp.trace_view import read_steps  # noqa: E402
 
 WRAPPERS = [f"{impl}_{view}" for impl in ("torch", "minddp") for view in ("copy", "view")]
 SPREAD = [f"ratio_{v}" for v in ("copy", "view", "auto")] + [f"overhead_{w}_ms" for w in WRAPPERS]
 SPREAD += [f"overhead_gap_{v}_ms" for v in ("copy", "view")]
+SPREAD += ["bound_ms"] + [f"over_bound_{w}_ms" for w in [*WRAPPERS, "minddp_auto"]]
 AUTO_FIELDS = {"minddp_auto_ms", "hidden_fraction_minddp_auto", "peak_mem_minddp_auto_mb", "auto_buckets",
                "max_param_diff_auto"}  # MiniDDP(bucket_cap_mb="auto") against torch_copy
 RESULT_FIELDS = {
@@ -34,7 +36,8 @@ RESULT_FIELDS = {
     "local_ms", "allreduce_ms", "ideal_ms", "naive_ms", "max_param_diff", "per_run",
     *(f"{w}_ms" for w in WRAPPERS), *(f"{w}_nocomm_ms" for w in WRAPPERS),
     *(f"hidden_fraction_{w}" for w in WRAPPERS), *(f"peak_mem_{w}_mb" for w in WRAPPERS),
-    *(f"overhead_{w}_fraction" for w in WRAPPERS),
+    *(f"overhead_{w}_fraction" for w in WRAPPERS), "allreduce_flat_ms", "bound_rule",
+    *(f"over_bound_{w}_fraction" for w in [*WRAPPERS, "minddp_auto"]),
     *SPREAD, *(f"{k}_min" for k in SPREAD), *(f"{k}_max" for k in SPREAD), *AUTO_FIELDS,
 }  # fmt: skip
 LEARNED_ORDER_FIELDS = {
@@ -61,6 +64,7 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     assert proc.returncode == 0, f"compare.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
     assert "| model" in proc.stdout and "Wrapper overhead" in proc.stdout  # the tables were printed
     assert "ratio auto" in proc.stdout and "MiniDDP bucket_cap_mb='auto'" in proc.stdout  # the column, and why
+    assert "| bound (" in proc.stdout and "ms over bound" in proc.stdout  # the floor, and every wrapper's distance
 
     data = json.loads(out.read_text())
     assert set(data) == {"config", "results", "learned_order"}  # the last only with --learned-order
@@ -70,9 +74,12 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     for r in results:
         assert set(r) == RESULT_FIELDS, f"fields differ: {set(r) ^ RESULT_FIELDS}"
         assert (r["backend"], r["device"], r["world_size"], r["runs"]) == ("gloo", "cpu", 2, RUNS)
-        for key in RESULT_FIELDS - {"model", "backend", "device", "per_run"}:
+        for key in RESULT_FIELDS - {"model", "backend", "device", "per_run", "bound_rule"}:
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (key, r[key])
         assert r["ideal_ms"] == max(r["local_ms"], r["allreduce_ms"])
+        # 2 ranks of 1 thread: with 4 cores or more Gloo's thread has one to spare.
+        assert r["bound_rule"] == data["config"]["bound_rule"] == ("max" if os.cpu_count() >= 4 else "sum")
+        assert r["bound_ms"] > 0 and r["allreduce_flat_ms"] > 0
         for key in SPREAD:
             assert len(r["per_run"][key]) == RUNS
             assert r[f"{key}_min"] <= r[key] <= r[f"{key}_max"], (key, r)
@@ -87,41 +94,21 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     check_traces(tmp_path, proc.stdout)
     shown = subprocess.run([sys.executable, COMPARE, "--show", str(out)], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "| gpt " in shown.stdout and "Wrapper overhead" in shown.stdout, shown.stderr
+    assert "ms over bound" in shown.stdout
 
 
-def test_overhead_is_paired_by_round_and_spread_is_over_runs():
-    """Overhead subtracts the bare step of the *same round*: with drift between
-    rounds that differs from subtracting medians. Ratios are taken within a
-    run, then reported as median, min and max over runs."""
-    cfg = {"backend": "gloo", "device": "cpu", "world_size": 2, "bucket_views": ["copy"]}
-
-    def run(scale: float) -> list[dict]:
-        local = [10.0, 30.0, 50.0]  # the machine slowed down between rounds
-        blocks = {
-            "local": local, "allreduce": [5.0] * 3, "naive": [60.0] * 3,
-            "torch_copy": [20.0, 40.0, 60.0], "minddp_copy": [20.0 * scale, 40.0 * scale, 60.0 * scale],
-            "torch_copy_nocomm": [12.0, 31.0, 53.0], "minddp_copy_nocomm": [11.0, 30.5, 51.0],
-        }  # fmt: skip
-        return [{"model": "m", "bucket_cap_mb": 25.0, "block_ms": blocks, "max_param_diff": 0.0}]
-
-    memory = [{"model": "m", "bucket_cap_mb": 25.0, "peak_mb": {"torch_copy": 1.0, "minddp_copy": 2.0}}]
-    (row,) = _spread.make_rows(cfg, [run(0.9), run(1.2), run(1.0)], memory)
-    assert row["overhead_torch_copy_ms"] == 2.0  # rounds: 2, 1, 3 (medians would say 31 - 30 = 1)
-    assert row["overhead_minddp_copy_ms"] == 1.0  # rounds: 1, 0.5, 1
-    assert row["overhead_gap_copy_ms"] == -1.0  # rounds: -1, -0.5, -2
-    assert row["overhead_torch_copy_fraction"] == 2.0 / 30.0
-    assert row["per_run"]["ratio_copy"] == pytest.approx([0.9, 1.2, 1.0])
-    assert (row["ratio_copy"], row["ratio_copy_min"], row["ratio_copy_max"]) == pytest.approx((1.0, 0.9, 1.2))
-    assert row["runs"] == 3 and row["peak_mem_minddp_copy_mb"] == 2.0
-
-
-def test_ratio_auto_is_auto_over_torch_at_its_defaults():
-    """MiniDDP(bucket_cap_mb="auto") is set against torch's DDP with gradient_as_bucket_view=False."""
-    blocks = {"local": [10.0], "allreduce": [5.0], "naive": [30.0], "torch_copy": [20.0], "minddp_copy": [21.0],
-              "torch_view": [18.0], "minddp_view": [19.0], "minddp_auto": [17.0]}  # fmt: skip
-    figures = _spread.run_figures(blocks, ["copy", "view"])
-    assert figures["ratio_auto"] == 17.0 / 20.0
-    assert "ratio_auto" not in _spread.run_figures({k: v for k, v in blocks.items() if k != "minddp_auto"}, ["copy"])
+def test_show_reads_a_json_written_before_the_bound(tmp_path):
+    """A compare.json from before the bound column (docs/compare.json, its bound taken out) still prints."""
+    data = json.loads(open(os.path.join(ROOT, "docs", "compare.json")).read())
+    data["config"].pop("bound_rule", None)
+    for row in data["results"]:
+        for key in [k for k in row if "bound" in k or k.startswith("allreduce_flat")]:
+            del row[key]
+        row["per_run"] = {k: v for k, v in row["per_run"].items() if "bound" not in k}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    shown = subprocess.run([sys.executable, COMPARE, "--show", str(old)], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "| cnn " in shown.stdout and "bound" not in shown.stdout, shown.stderr
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path):

@@ -1,0 +1,76 @@
+"""The floor under every DDP step on this machine: the ``bound`` column.
+
+Whatever a data-parallel wrapper does, each step must compute the bare
+model's step (forward, backward, optimizer) and move every gradient byte
+through one all-reduce. The cheapest way to move them is a single call on
+one flat buffer: one latency, no bucket bookkeeping, no copies. So the
+benchmark times, in the same rounds as everything else:
+
+* ``local``: the bare model's step, no communication;
+* ``allreduce_flat``: one ``all_reduce`` of a buffer as large as all the
+  gradients (in the wire dtype of the comm hook), nothing else.
+
+How the two add up depends on whether communication can run *while* the
+model computes:
+
+* ``sum`` (bound = local + flat): the ranks have no core to spare. Gloo's
+  all-reduce sums and copies on a CPU thread of each rank; with 2 ranks of 1
+  compute thread on 2 cores, that thread takes its turn on the same cores as
+  backward, so no DDP can hide any of it;
+* ``max`` (bound = max(local, flat)): every rank has a core beyond its
+  compute threads, or the collectives run on a GPU's own streams (NCCL): at
+  best the whole all-reduce hides under backward.
+
+Both are paired by round (the bound of round *i* from that round's
+``local`` and ``allreduce_flat`` blocks) as the wrapper overhead is, and
+each wrapper's distance to the bound, ``over_bound_<wrapper>_ms``, is the
+median over rounds of (its block - the bound of the same round).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+FLAT = "allreduce_flat"  # the name of the flat all-reduce among the timed steps
+RULES = {"sum": "local + allreduce_flat", "max": "max(local, allreduce_flat)"}
+
+
+def bound_rule(device: str, world_size: int, threads_per_rank: int, cpu_count: int | None = None) -> str:
+    """``"max"`` where communication can overlap compute, else ``"sum"`` (see the module doc).
+
+    On CPU every rank needs a core beyond its ``threads_per_rank`` compute
+    threads for Gloo's; ``world_size`` ranks are assumed on this one machine,
+    as ``compare.py`` starts them.
+    """
+    if device == "cuda":
+        return "max"
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return "max" if cores >= world_size * (threads_per_rank + 1) else "sum"
+
+
+def flat_allreduce_step(params: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """A step that all-reduces one flat buffer holding as many elements as ``params``, in ``dtype``."""
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+
+    def step() -> None:
+        dist.all_reduce(buffer)
+
+    step.count = [0]
+    return step
+
+
+def bound_figures(blocks: dict[str, list[float]], rule: str, wrappers: list[str]) -> dict[str, float]:
+    """One run's ``bound_ms`` and each wrapper's ``over_bound_<w>_ms`` (and ``allreduce_flat_ms``)."""
+    if rule not in RULES:
+        raise ValueError(f"bound rule must be one of {', '.join(RULES)}, got {rule!r}")
+    combine = (lambda a, b: a + b) if rule == "sum" else max
+    per_round = [combine(a, b) for a, b in zip(blocks["local"], blocks[FLAT])]
+    out = {"bound_ms": statistics.median(per_round)}
+    for name in wrappers:
+        out[f"over_bound_{name}_ms"] = statistics.median(t - b for t, b in zip(blocks[name], per_round))
+    return out
