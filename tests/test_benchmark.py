@@ -97,6 +97,64 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     assert "ms over bound" in shown.stdout
 
 
+def test_overhead_is_paired_by_round_and_spread_is_over_runs():
+    """Overhead subtracts the bare step of the *same round*: with drift between
+    rounds that differs from subtracting medians. Ratios are taken within a
+    run, then reported as median, min and max over runs. The bound pairs by
+    round the same way."""
+    cfg = {"backend": "gloo", "device": "cpu", "world_size": 2, "bucket_views": ["copy"], "bound_rule": "sum"}
+
+    def run(scale: float) -> list[dict]:
+        local = [10.0, 30.0, 50.0]  # the machine slowed down between rounds
+        blocks = {
+            "local": local, "allreduce": [5.0] * 3, "naive": [60.0] * 3, "allreduce_flat": [4.0] * 3,
+            "torch_copy": [20.0, 40.0, 60.0], "minddp_copy": [20.0 * scale, 40.0 * scale, 60.0 * scale],
+            "torch_copy_nocomm": [12.0, 31.0, 53.0], "minddp_copy_nocomm": [11.0, 30.5, 51.0],
+        }  # fmt: skip
+        return [{"model": "m", "bucket_cap_mb": 25.0, "block_ms": blocks, "max_param_diff": 0.0}]
+
+    memory = [{"model": "m", "bucket_cap_mb": 25.0, "peak_mb": {"torch_copy": 1.0, "minddp_copy": 2.0}}]
+    (row,) = _spread.make_rows(cfg, [run(0.9), run(1.2), run(1.0)], memory)
+    assert row["overhead_torch_copy_ms"] == 2.0  # rounds: 2, 1, 3 (medians would say 31 - 30 = 1)
+    assert row["overhead_minddp_copy_ms"] == 1.0  # rounds: 1, 0.5, 1
+    assert row["overhead_gap_copy_ms"] == -1.0  # rounds: -1, -0.5, -2
+    assert row["overhead_torch_copy_fraction"] == 2.0 / 30.0
+    assert row["per_run"]["ratio_copy"] == pytest.approx([0.9, 1.2, 1.0])
+    assert (row["ratio_copy"], row["ratio_copy_min"], row["ratio_copy_max"]) == pytest.approx((1.0, 0.9, 1.2))
+    assert row["runs"] == 3 and row["peak_mem_minddp_copy_mb"] == 2.0
+    # The bound of each round is that round's local + flat all-reduce: 14, 34, 54.
+    assert (row["bound_ms"], row["bound_rule"], row["allreduce_flat_ms"]) == (34.0, "sum", 4.0)
+    assert row["per_run"]["over_bound_torch_copy_ms"] == [6.0, 6.0, 6.0]  # 20 - 14, 40 - 34, 60 - 54
+    assert row["per_run"]["over_bound_minddp_copy_ms"] == pytest.approx([2.0, 14.0, 6.0])  # 40 * scale - 34
+    assert (row["over_bound_minddp_copy_ms"], row["over_bound_minddp_copy_ms_min"],
+            row["over_bound_minddp_copy_ms_max"]) == pytest.approx((6.0, 2.0, 14.0))
+    assert row["over_bound_torch_copy_fraction"] == pytest.approx(6.0 / 34.0)
+
+
+def test_bound_is_the_sum_without_a_spare_core_and_the_max_with_one():
+    """2 ranks of 1 thread on 2 cores: Gloo's thread takes turns with backward, nothing overlaps."""
+    assert _bound.bound_rule("cpu", 2, 1, cpu_count=2) == "sum"
+    assert _bound.bound_rule("cpu", 2, 1, cpu_count=4) == "max"
+    assert _bound.bound_rule("cpu", 2, 2, cpu_count=4) == "sum"  # 2 compute threads per rank fill the cores
+    assert _bound.bound_rule("cuda", 8, 1, cpu_count=2) == "max"  # NCCL runs on the GPU's own streams
+    blocks = {"local": [10.0, 12.0, 11.0], "allreduce_flat": [3.0, 20.0, 3.0], "torch_copy": [15.0, 25.0, 16.0]}
+    summed = _bound.bound_figures(blocks, "sum", ["torch_copy"])
+    assert (summed["bound_ms"], summed["over_bound_torch_copy_ms"]) == (14.0, 2.0)  # rounds: 13, 32, 14; 2, -7, 2
+    most = _bound.bound_figures(blocks, "max", ["torch_copy"])
+    assert (most["bound_ms"], most["over_bound_torch_copy_ms"]) == (11.0, 5.0)  # rounds: 10, 20, 11; 5, 5, 5
+    with pytest.raises(ValueError, match="bound rule"):
+        _bound.bound_figures(blocks, "min", [])
+
+
+def test_ratio_auto_is_auto_over_torch_at_its_defaults():
+    """MiniDDP(bucket_cap_mb="auto") is set against torch's DDP with gradient_as_bucket_view=False."""
+    blocks = {"local": [10.0], "allreduce": [5.0], "naive": [30.0], "torch_copy": [20.0], "minddp_copy": [21.0],
+              "torch_view": [18.0], "minddp_view": [19.0], "minddp_auto": [17.0]}  # fmt: skip
+    figures = _spread.run_figures(blocks, ["copy", "view"])
+    assert figures["ratio_auto"] == 17.0 / 20.0
+    assert "ratio_auto" not in _spread.run_figures({k: v for k, v in blocks.items() if k != "minddp_auto"}, ["copy"])
+
+
 def test_show_reads_a_json_written_before_the_bound(tmp_path):
     """A compare.json from before the bound column (docs/compare.json, its bound taken out) still prints."""
     data = json.loads(open(os.path.join(ROOT, "docs", "compare.json")).read())
