@@ -47,7 +47,7 @@ def _paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x - y for x, y in zip(a, b))
 
 
-def run_figures(blocks: dict[str, list[float]], views: list[str], bound_rule: str = "sum") -> dict[str, float]:
+def run_figures(blocks: dict[str, list[float]], views: list[str], bound_rule: str | None = None) -> dict[str, float]:
     """One run's figures for one row (see the module docstring)."""
     med = {f"{name}_ms": statistics.median(times) for name, times in blocks.items()}
     out = dict(med)
@@ -116,7 +116,7 @@ def make_rows(cfg: dict, runs: list[list[dict]], memory: list[dict]) -> list[dic
             blocks = dict(entry["block_ms"])
             if "naive" not in blocks:  # measured at the model's first cap only
                 blocks["naive"] = next(e["block_ms"]["naive"] for e in entries if e["model"] == entry["model"])
-            figures = run_figures(blocks, cfg["bucket_views"], cfg.get("bound_rule", "sum"))
+            figures = run_figures(blocks, cfg["bucket_views"], cfg["bound_rule"])
             if "auto_buckets" in entry:  # how many buckets bucket_cap_mb="auto" chose in this run
                 figures["auto_buckets"] = entry["auto_buckets"]
                 auto_diff = max(auto_diff or 0.0, entry["max_param_diff_auto"])
