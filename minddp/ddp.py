@@ -200,6 +200,7 @@ class MiniDDP(nn.Module):
         # forward with require_backward_grad_sync False (inside no_sync())
         # makes its backward skip communication.
         sync = self.reducer.sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.reducer.forward_inside_backward = sync and torch._C._current_graph_task_id() != -1
         buffer_source = self._before_synchronized_forward() if sync else 0
         # torch's rule for buffers: broadcast before a forward when the forward
         # before it synchronized, whatever this one's grad mode. So an
@@ -217,7 +218,11 @@ class MiniDDP(nn.Module):
         output = self.module(*args, **kwargs)
         if sync:
             self._observer.forward_done(started)
-            if self.find_unused_parameters:
+            if self.find_unused_parameters and not self.static_graph:
+                # (A static graph learns its unused parameters from its first
+                # backward, so torch skips this walk then, and so do we: it
+                # would count a parameter behind a reentrant checkpoint as
+                # unused before its gradient comes.)
                 reached = params_reached_from(output)
                 self.reducer.unused = [p for p in self._params if id(p) not in reached]
         return output

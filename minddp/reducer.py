@@ -96,6 +96,11 @@ class Reducer:
             p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
 
         self.sync_this_backward = False  # set at each forward
+        # Also set at each synchronized forward: did it run inside a backward
+        # pass? A reentrant checkpoint around the whole wrapped model
+        # recomputes its forward there, and then every gradient of that
+        # forward comes from the one nested pass that follows.
+        self.forward_inside_backward = False
         self.unused: list[nn.Parameter] = []  # no gradient will come for these (graph walk, static graph)
         self.divisor = self.world_size  # what each gradient is divided by before the sum (join changes it)
         self.backward_started = False
@@ -110,6 +115,7 @@ class Reducer:
         self._locally_used = [True] * len(params)
         self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
         self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
+        self._static_used: list[bool] | None = None  # ... and which parameters some rank uses
 
     @property
     def bucket_reduced_hook(self) -> Callable[[GradBucket], bool] | None:
@@ -313,8 +319,8 @@ class Reducer:
             return  # an earlier pass's callback already finished this backward
         if self._next_to_launch == len(self.buckets):
             self._finish_backward()  # every gradient is in, whichever pass this was
-        elif torch._C._current_autograd_node() is None:
-            self._finish_backward()  # the outermost pass ended: what is missing stays missing
+        elif torch._C._current_autograd_node() is None or self.forward_inside_backward:
+            self._finish_backward()  # the outermost pass ended (or this forward's only pass): what is missing stays missing
         # else: a nested (reentrant checkpoint) pass ended inside a node of the
         # outer pass, which goes on and will deliver the remaining gradients.
 
@@ -387,9 +393,17 @@ class Reducer:
                 torch._foreach_copy_(grads, slots)
 
     def _globally_used(self) -> list[bool] | None:
+        """Which parameters got a gradient on some rank (the others keep their ``.grad``, None stays None)."""
+        if self._static_graph:
+            if self._static_used is None:  # learned once, by the first backward; the graph does not change
+                self._static_used = self._used_on_any_rank([n > 0 for n in self._hooks_expected or self._hooks_seen])
+            return self._static_used
         if not self.options.find_unused_parameters:
             return None  # every parameter produced a gradient, or we raised above
-        used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.device)
+        return self._used_on_any_rank(self._locally_used)
+
+    def _used_on_any_rank(self, used_here: list[bool]) -> list[bool]:
+        used = torch.tensor(used_here, dtype=torch.int32, device=self.device)
         dist.all_reduce(used, group=self.process_group)
         return [bool(u) for u in used.tolist()]
 
@@ -463,8 +477,9 @@ class Reducer:
             bucket.launch_unconditionally(self._communicate)
             bucket.wait()
             bucket.reset()
-        if self.options.find_unused_parameters:
+        if self.options.find_unused_parameters or (self._static_graph and self._static_used is None):
             self._locally_used = [False] * len(self.params)
+            self._hooks_seen = [0] * len(self.params)
             self._globally_used()
         if self._rebuild_after_first_step:
             self._rebuild_in_arrival_order()

@@ -9,6 +9,7 @@ identical lives in :mod:`minddp.replicas`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -153,6 +154,8 @@ def _chunks(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
+    """Every tensor in a forward's output: nested in lists, tuples (named too),
+    dicts (a HuggingFace ``ModelOutput`` is one) and dataclass fields, as torch's DDP looks."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -161,6 +164,9 @@ def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _tensors_in(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, field.name))
 
 
 def params_reached_from(outputs: Any) -> set[int]:
