@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minddp.bucket_planner import AutoBuckets
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_replicas_in_sync, check_same_parameters
@@ -158,8 +159,12 @@ class MiniDDP(nn.Module):
         # 2. The reducer: buckets, and one hook per parameter (minddp/reducer.py).
         self._observer = StepObserver(dist.get_rank(self.process_group), trace, self.device)
         options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, gradient_as_bucket_view,
-                                 find_unused_parameters, static_graph, reduce_dtype, learn_bucket_order, auto_buckets)
+                                 find_unused_parameters, static_graph, reduce_dtype, learn_bucket_order)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options, self._observer)
+        # bucket_cap_mb="auto": a policy above the reducer, driving it through its hook points.
+        self.bucket_planner = None
+        if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
+            self.bucket_planner = AutoBuckets(self.reducer)
 
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)

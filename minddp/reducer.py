@@ -20,13 +20,20 @@ the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
                   _account_for_missing_gradients   (zeros, or an error naming them)
                   wait for every bucket
                   _write_averages_into_grads
-                  after the first: buckets rebuilt in arrival order;
-                  with bucket_cap_mb="auto", after a few more: rebuilt
-                  with the cap the measured network asks for
+                  after the first: buckets rebuilt in arrival order
+                  then: backward_done_callbacks (a policy above, such
+                  as bucket_cap_mb="auto", may call rebuild())
 
 The buckets themselves (a flat buffer and its life cycle) are in
 :mod:`minddp.buckets`; what "communicate" means (all-reduce, or a compressed
 one) in :mod:`minddp.comm_hooks`.
+
+What code above the reducer may use (mechanism here, policy there): the
+arrival log of the last backward (``record_arrivals``, ``arrival_log``),
+``rebuild(order, cap_bytes, first_cap_bytes)``, ``backward_done_callbacks``,
+``communicate_buffer`` (a scratch buffer sent the way buckets travel), and
+``bucket_reduced_hook`` (ZeRO stage 2). ``bucket_cap_mb="auto"``
+(:mod:`minddp.bucket_planner`) is built on the first four.
 
 Why dividing *before* summing: the sum of N half-precision gradients can
 overflow where their average would not.
@@ -43,7 +50,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.bucket_planner import AutoBuckets
 from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, TensorSpec, assign_buckets
 from minddp.comm_hooks import GradBucket
 from minddp.sync import global_rank
@@ -66,7 +72,6 @@ class ReducerOptions:
     static_graph: bool = False
     reduce_dtype: torch.dtype | None = None
     learn_bucket_order: bool = True
-    auto_buckets: bool = False  # bucket_cap_mb="auto": start at bucket_cap_mb, then choose (bucket_planner)
 
 
 class Reducer:
@@ -85,12 +90,15 @@ class Reducer:
         # Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(params)))))
         self._rebuild_after_first_step = options.learn_bucket_order
-        self._auto: AutoBuckets | None = None
-        if options.auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
-            specs = [self._bucket_spec(p) for p in params]
-            self._auto = AutoBuckets(names, [s.nbytes for s in specs], [s.dtype for s in specs])
-        self._arrival: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while recording
-        self._recording = self._rebuild_after_first_step or self._auto is not None
+        self.arrival_log: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while recording
+        self._record_arrivals = False
+        self._recording = self._rebuild_after_first_step  # read by every hook: one attribute
+        # Called at the end of every synchronized backward (and a joined
+        # rank's stand-in for one), after .grad is written: the place for a
+        # policy that watches steps and may rebuild the buckets.
+        self.backward_done_callbacks: list[Callable[[], None]] = []
+        # Why the buckets will still change, if a policy above plans to rebuild them.
+        self.planned_rebuild: str | None = None
         self._static_graph = options.static_graph  # read by every hook: one attribute, not two
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
@@ -123,14 +131,42 @@ class Reducer:
 
     @bucket_reduced_hook.setter
     def bucket_reduced_hook(self, hook: Callable[[GradBucket], bool] | None) -> None:
-        if hook is not None and self._auto is not None:
+        if hook is not None and self.planned_rebuild is not None:
             raise ValueError(
-                "MiniDDP(bucket_cap_mb='auto') rebuilds its buckets after its first measured steps, and "
-                "ZeRO stage 2 (shard_gradients=True) partitions gradients by those buckets: give MiniDDP "
-                "a fixed bucket_cap_mb to use them together")
+                f"{self.planned_rebuild}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
+                "those buckets: give MiniDDP a fixed bucket_cap_mb to use them together")
         self._bucket_reduced_hook = hook
 
+    @property
+    def record_arrivals(self) -> bool:
+        """Keep ``arrival_log``, when each gradient came, for every backward (a policy above asks for it)."""
+        return self._record_arrivals
+
+    @record_arrivals.setter
+    def record_arrivals(self, on: bool) -> None:
+        self._record_arrivals = on
+        self._recording = on or self._rebuild_after_first_step
+
     # ------------------------------------------------------------------ buckets
+    @property
+    def bucket_order(self) -> list[int]:
+        """Parameter indices in the order the buckets hold them."""
+        return [i for indices in self._indices for i in indices]
+
+    def rebuild(self, order: list[int], cap_bytes: int, first_cap_bytes: int | None) -> None:
+        """Bucket the parameters anew: indices in expected-arrival ``order``, these caps.
+
+        Between backwards only, and with the same arguments on every rank
+        (the caller broadcasts its decision): buckets are what keeps the
+        ranks' collectives matched.
+        """
+        if self.backward_started:
+            raise RuntimeError("Reducer.rebuild during a backward: buckets change only between steps")
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
+        self._caps = (cap_bytes, first_cap_bytes)
+        self._build_buckets(order)
+
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [self._bucket_spec(self.params[i]) for i in order]
@@ -187,8 +223,8 @@ class Reducer:
         if self._static_graph and not self._last_expected_hook(index):
             return  # more of this parameter's gradient is still to come
         self.observer.gradient_ready(self.names[index], param.grad)
-        if self._recording:  # the first backwards: learned order, "auto" measurements
-            self._arrival.append((index, time.perf_counter()))
+        if self._recording:  # the first backward (learned order), or asked for from above
+            self.arrival_log.append((index, time.perf_counter()))
         if self._as_view[index]:
             grad, slot = param.grad, self._slot(index)
             if grad is not None and not grad.is_sparse and grad is not slot:
@@ -206,7 +242,7 @@ class Reducer:
         self._watched_passes = set()
         self._locally_used = [True] * len(self.params)
         self._hooks_seen = [0] * len(self.params)
-        self._arrival = []  # only this backward's order counts (an earlier one may have failed)
+        self.arrival_log = []  # only this backward's order counts (an earlier one may have failed)
         for p in self.unused:  # no gradient will come for these: count them now
             self._mark_ready(self._index[p])
 
@@ -337,8 +373,8 @@ class Reducer:
         self._reset_buckets()
         if self._rebuild_after_first_step:
             self._rebuild_in_arrival_order()
-        if self._auto is not None and self._auto.measuring:
-            self._measure_for_auto()
+        for callback in self.backward_done_callbacks:
+            callback()
 
     def _account_for_missing_gradients(self) -> None:
         if self.options.static_graph and self._hooks_expected is None:
@@ -429,45 +465,19 @@ class Reducer:
         observed order is broadcast, so all ranks build identical buckets.
         """
         self._rebuild_after_first_step = False
-        self._recording = self._auto is not None and self._auto.measuring
-        arrival = list(dict.fromkeys(i for i, _ in self._arrival))
+        self._recording = self._record_arrivals
+        arrival = list(dict.fromkeys(i for i, _ in self.arrival_log))
         seen = set(arrival)
         order = arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order_t, src=global_rank(self.process_group, 0), group=self.process_group)
         order = order_t.tolist()
-        if order != [i for indices in self._indices for i in indices]:
+        if order != self.bucket_order:
             self._build_buckets(order)
 
-    # -------------------------------------------------- bucket_cap_mb="auto"
-    def _measure_for_auto(self) -> None:
-        """Hand this backward's arrival times to the planner; once it has seen
-        enough, probe, let rank 0 choose, and rebuild on every rank."""
-        if not self._auto.backward_done(self._arrival, time.perf_counter()):
-            return
-        self._recording = False
-        rank0 = global_rank(self.process_group, 0)
-        is_rank0 = dist.get_rank() == rank0
-        dtype = self.options.reduce_dtype or self.params[0].dtype
-        choice, why = None, ""
-        try:  # only rank 0 can fail here, after every probe collective: the broadcast below still matches
-            choice = self._auto.decide(self._probe, self.world_size, self.device, dtype, is_rank0,
-                                       comm_hook=self.comm_hook is not None)
-        except ValueError as error:
-            why = str(error)
-        caps = [choice.cap_mb, choice.first_cap_mb] if choice else [self.options.bucket_cap_mb, FIRST_BUCKET_CAP_MB]
-        caps_t = torch.tensor(caps, dtype=torch.float64, device=self.device)
-        dist.broadcast(caps_t, src=rank0, group=self.process_group)
-        if is_rank0:
-            print(choice.describe() if choice else f"MiniDDP bucket_cap_mb='auto': kept the default ({why})",
-                  flush=True)
-        cap_mb, first_mb = caps_t.tolist()
-        self._caps = (int(cap_mb * MiB), int(first_mb * MiB))
-        self._build_buckets([i for indices in self._indices for i in indices])  # same order, new caps
-
-    def _probe(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """One all-reduce of a scratch ``buffer`` the way buckets travel (comm hook included)."""
-        return self._communicate(_ProbeBucket(buffer, len(self.buckets)))
+    def communicate_buffer(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """Send a scratch ``buffer`` the way buckets travel (comm hook included), e.g. to time the link."""
+        return self._communicate(_ScratchBucket(buffer, len(self.buckets)))
 
     # ---------------------------------------------------------- uneven inputs
     def shadow_backward(self) -> None:
@@ -481,16 +491,16 @@ class Reducer:
             self._locally_used = [False] * len(self.params)
             self._hooks_seen = [0] * len(self.params)
             self._globally_used()
+        self.arrival_log = []  # nothing arrived here; the step still counts, as on the other ranks
         if self._rebuild_after_first_step:
             self._rebuild_in_arrival_order()
-        if self._auto is not None and self._auto.measuring:
-            self._arrival = []  # nothing arrived here; the step still counts, as on the other ranks
-            self._measure_for_auto()
+        for callback in self.backward_done_callbacks:
+            callback()
 
 
 @dataclass
-class _ProbeBucket:
-    """A stand-in :class:`~minddp.buckets.Bucket` for the "auto" link probe: a scratch buffer, no parameters.
+class _ScratchBucket:
+    """A stand-in :class:`~minddp.buckets.Bucket` for :meth:`Reducer.communicate_buffer`: a buffer, no parameters.
 
     Its index is past the real buckets', so no hook mistakes it for one of them.
     """
