@@ -147,7 +147,7 @@ class AutoBuckets:
         self.decided = False
         self.choice: BucketChoice | None = None  # rank 0's, once decided
 
-        reducer.record_arrivals = True
+        reducer.watch_arrivals(self)
         reducer.planned_rebuild = "MiniDDP(bucket_cap_mb='auto') rebuilds its buckets after its first measured steps"
         reducer.backward_done_callbacks.append(self._after_backward)
 
@@ -160,7 +160,7 @@ class AutoBuckets:
         reducer = self.reducer
         if not self.backward_done(reducer.arrival_log, time.perf_counter()):
             return
-        reducer.record_arrivals = False
+        reducer.watch_arrivals(self, on=False)
         reducer.backward_done_callbacks.remove(self._after_backward)
         group = reducer.process_group
         rank0 = global_rank(group, 0)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minddp.bucket_order import LearnedBucketOrder
 from minddp.bucket_planner import AutoBuckets
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
@@ -161,7 +162,10 @@ class MiniDDP(nn.Module):
         options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, gradient_as_bucket_view,
                                  find_unused_parameters, static_graph, reduce_dtype, learn_bucket_order)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options, self._observer)
-        # bucket_cap_mb="auto": a policy above the reducer, driving it through its hook points.
+        # Policies above the reducer, driving it through its hook points: the
+        # learned bucket order (torch's), then bucket_cap_mb="auto".
+        if learn_bucket_order:
+            LearnedBucketOrder(self.reducer)
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
             self.bucket_planner = AutoBuckets(self.reducer)

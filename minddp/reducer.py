@@ -20,20 +20,23 @@ the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
                   _account_for_missing_gradients   (zeros, or an error naming them)
                   wait for every bucket
                   _write_averages_into_grads
-                  after the first: buckets rebuilt in arrival order
-                  then: backward_done_callbacks (a policy above, such
-                  as bucket_cap_mb="auto", may call rebuild())
+                  backward_done_callbacks: policies above may rebuild
+                  the buckets (after the first backward, in the order
+                  gradients arrived: minddp.bucket_order; and
+                  bucket_cap_mb="auto": minddp.bucket_planner)
 
 The buckets themselves (a flat buffer and its life cycle) are in
 :mod:`minddp.buckets`; what "communicate" means (all-reduce, or a compressed
 one) in :mod:`minddp.comm_hooks`.
 
 What code above the reducer may use (mechanism here, policy there): the
-arrival log of the last backward (``record_arrivals``, ``arrival_log``),
+arrival log of the last backward (``watch_arrivals``, ``arrival_log``),
 ``rebuild(order, cap_bytes, first_cap_bytes)``, ``backward_done_callbacks``,
 ``communicate_buffer`` (a scratch buffer sent the way buckets travel), and
-``bucket_reduced_hook`` (ZeRO stage 2). ``bucket_cap_mb="auto"``
-(:mod:`minddp.bucket_planner`) is built on the first four.
+``bucket_reduced_hook`` and ``use_bucket_storage`` (ZeRO stage 2). The
+learned bucket order (:mod:`minddp.bucket_order`) and
+``bucket_cap_mb="auto"`` (:mod:`minddp.bucket_planner`) are built on the
+first four.
 
 Why dividing *before* summing: the sum of N half-precision gradients can
 overflow where their average would not.
@@ -50,16 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, TensorSpec, assign_buckets
+from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, BucketStorage, ScratchBucket, TensorSpec, assign_buckets
 from minddp.comm_hooks import GradBucket
-from minddp.sync import global_rank
 from minddp.trace import StepObserver, profiler_range
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
-
-# Above this mean size (elements), a bucket's gradients are copied and scaled
-# one by one in a single fused pass each; below, in two batched calls.
-LARGE_GRADIENT_NUMEL = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -87,12 +85,13 @@ class Reducer:
         self._index = {p: i for i, p in enumerate(params)}
         self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
         self._caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))  # bytes: cap, first cap
+        self._storage = BucketStorage()  # where bucket buffers come from (use_bucket_storage)
+        self._reclaimed: set[int] = set()  # buckets whose result was taken, and buffer given back, this backward
         # Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(params)))))
-        self._rebuild_after_first_step = options.learn_bucket_order
-        self.arrival_log: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while recording
-        self._record_arrivals = False
-        self._recording = self._rebuild_after_first_step  # read by every hook: one attribute
+        self.arrival_log: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while watched
+        self._arrival_watchers: set[object] = set()
+        self._recording = False  # anyone watching? Read by every hook: one attribute
         # Called at the end of every synchronized backward (and a joined
         # rank's stand-in for one), after .grad is written: the place for a
         # policy that watches steps and may rebuild the buckets.
@@ -114,10 +113,8 @@ class Reducer:
         self.backward_started = False
         self.backwards_done = 0
         self.comm_hook: tuple[Any, Callable] | None = None
-        # The one hook point for code beyond DDP (ZeRO stage 2, minddp/zero/stage2.py):
-        # called with each bucket once its communication is done, at the end of
-        # backward; returning True means "the result is taken care of" and the
-        # reducer writes no .grad for that bucket's parameters.
+        # ZeRO stage 2's hook point: called with each bucket once its communication
+        # is done; True means "the result is taken care of": no .grad is written.
         self._bucket_reduced_hook: Callable[[GradBucket], bool] | None = None
         self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
         self._locally_used = [True] * len(params)
@@ -137,17 +134,17 @@ class Reducer:
                 "those buckets: give MiniDDP a fixed bucket_cap_mb to use them together")
         self._bucket_reduced_hook = hook
 
-    @property
-    def record_arrivals(self) -> bool:
-        """Keep ``arrival_log``, when each gradient came, for every backward (a policy above asks for it)."""
-        return self._record_arrivals
-
-    @record_arrivals.setter
-    def record_arrivals(self, on: bool) -> None:
-        self._record_arrivals = on
-        self._recording = on or self._rebuild_after_first_step
+    def watch_arrivals(self, watcher: object, on: bool = True) -> None:
+        """Keep ``arrival_log`` (which gradient came when) for every backward while some ``watcher`` asks."""
+        (self._arrival_watchers.add if on else self._arrival_watchers.discard)(watcher)
+        self._recording = bool(self._arrival_watchers)
 
     # ------------------------------------------------------------------ buckets
+    @property
+    def caps(self) -> tuple[int, int | None]:
+        """Bucket cap and first-bucket cap, in bytes."""
+        return self._caps
+
     @property
     def bucket_order(self) -> list[int]:
         """Parameter indices in the order the buckets hold them."""
@@ -167,13 +164,21 @@ class Reducer:
         self._caps = (cap_bytes, first_cap_bytes)
         self._build_buckets(order)
 
+    def use_bucket_storage(self, storage: BucketStorage) -> None:
+        """Take bucket buffers from ``storage`` from now on (see :class:`~minddp.buckets.BucketStorage`):
+        with ``keep_buffers`` False, a buffer goes back as soon as the ``bucket_reduced_hook`` took its result."""
+        for bucket in self.buckets:
+            bucket.release()
+        self._storage = storage
+        self._build_buckets(self.bucket_order)
+
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [self._bucket_spec(self.params[i]) for i in order]
         groups = assign_buckets(specs, *self._caps)
         self.buckets = [
             Bucket(k, [self.params[order[j]] for j in group], [self.names[order[j]] for j in group],
-                   dtype=specs[group[0]].dtype)
+                   dtype=specs[group[0]].dtype, storage=self._storage)
             for k, group in enumerate(groups)
         ]
         # The plan every hook follows, worked out once here instead of at
@@ -186,24 +191,25 @@ class Reducer:
                 self._plan[i] = (bucket, position)
         self._next_to_launch = 0
         # Parameters whose .grad becomes their slot (bucket views, same dtype).
-        self._as_view = [self._grad_is_slot_view(i, self._slot(i)) for i in range(len(self.params))]
+        self._as_view = [self._grad_is_slot_view(i, self._plan[i][0].dtype) for i in range(len(self.params))]
         for i, p in enumerate(self.params):  # gradients kept across a rebuild move into their new slots
-            slot = self._slot(i)
-            if p.grad is not None and self._grad_is_slot_view(i, slot):
-                p.grad = slot.copy_(p.grad)
+            if p.grad is not None and self._as_view[i]:
+                p.grad = self._slot(i).copy_(p.grad)
 
     def _slot(self, index: int) -> torch.Tensor:
         bucket, position = self._plan[index]
+        if bucket.buffer is None:  # a storage that lends buffers: the bucket's first use this backward
+            bucket.acquire()
         return bucket.views[position]
 
     def _bucket_spec(self, p: nn.Parameter) -> TensorSpec:
         dtype = self.options.reduce_dtype or p.dtype
         return TensorSpec(p.numel(), dtype.itemsize, dtype, p.device)
 
-    def _grad_is_slot_view(self, index: int, slot: torch.Tensor) -> bool:
+    def _grad_is_slot_view(self, index: int, bucket_dtype: torch.dtype) -> bool:
         """Should ``params[index].grad`` *be* its bucket slot? Only with bucket
         views, a dense gradient, and a bucket in the parameter's own dtype."""
-        return (self.options.gradient_as_bucket_view and slot.dtype == self.params[index].dtype
+        return (self.options.gradient_as_bucket_view and bucket_dtype == self.params[index].dtype
                 and index not in self._sparse_dim)
 
     # -------------------------------------------------- the path of a gradient
@@ -226,8 +232,8 @@ class Reducer:
         if self._recording:  # the first backward (learned order), or asked for from above
             self.arrival_log.append((index, time.perf_counter()))
         if self._as_view[index]:
-            grad, slot = param.grad, self._slot(index)
-            if grad is not None and not grad.is_sparse and grad is not slot:
+            grad = param.grad
+            if grad is not None and not grad.is_sparse and grad is not (slot := self._slot(index)):
                 # gradient_as_bucket_view after zero_grad(set_to_none=True):
                 # autograd made a fresh .grad. Into its slot now, so its memory
                 # goes back at once, not when the whole bucket is complete (as
@@ -275,9 +281,10 @@ class Reducer:
         from overflowing, and multiplying by 1/N is what torch's reducer does
         (so results are bit-equal to its). A comm hook does its own averaging.
         Done once per bucket, when its last gradient is in (it could not leave
-        earlier anyway), so the work can be batched; see :meth:`_scale_copies`.
+        earlier anyway), so the work can be batched: :meth:`Bucket.copy_in`.
         """
         scale = 1.0 if self.comm_hook is not None else 1.0 / self.divisor
+        bucket.acquire()
         copies, slots, copied = [], [], []
         for index, param, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
             grad = param.grad
@@ -293,40 +300,11 @@ class Reducer:
                 copies.append(param)
                 slots.append(slot)
                 copied.append(index)
-        self._scale_copies(bucket, copies, slots, scale)
+        bucket.copy_in([p.grad for p in copies], slots, scale)
         if self.options.gradient_as_bucket_view:
             for index, param, slot in zip(copied, copies, slots):  # only now: .grad held the gradient until the copy
-                if self._grad_is_slot_view(index, slot):  # e.g. after zero_grad(set_to_none=True)
+                if self._as_view[index]:  # e.g. after zero_grad(set_to_none=True)
                     param.grad = slot
-
-    def _scale_copies(self, bucket: Bucket, params: list[nn.Parameter], slots: list[torch.Tensor],
-                      scale: float) -> None:
-        # Every Python-dispatched tensor operation costs microseconds, every
-        # pass over memory costs bytes / bandwidth. Measured on this project's
-        # CPU (a 25 MB bucket of 5 MLP gradients; 48 transformer gradients):
-        # a fused ``slot = grad * scale`` per gradient is fastest for large
-        # gradients (1.0 ms against 1.4), one ``_foreach_copy_`` plus one
-        # ``buffer.mul_`` for many small ones (0.08 ms against 0.17).
-        grads = [p.grad for p in params]
-        large = bool(grads) and sum(g.numel() for g in grads) >= LARGE_GRADIENT_NUMEL * len(grads)
-        if not large:
-            if grads:
-                torch._foreach_copy_(slots, grads)  # casts too, with reduce_dtype
-            if scale != 1.0:
-                bucket.buffer.mul_(scale)  # the whole bucket: copies, views, zeros, densified
-            return
-        for grad, slot in zip(grads, slots):
-            if scale == 1.0:  # a comm hook averages: a plain copy (casts too)
-                slot.copy_(grad)
-            elif grad.dtype == slot.dtype:
-                torch.mul(grad, scale, out=slot)
-            else:  # reduce_dtype: cast first, so the scaling rounds only once
-                slot.copy_(grad).mul_(scale)
-        if scale != 1.0:  # the rest of the bucket (views, densified sparse) is scaled in place
-            copied = {id(slot) for slot in slots}
-            for slot in bucket.views:
-                if id(slot) not in copied:
-                    slot.mul_(scale)
 
     def _launch_ready_buckets(self) -> None:
         # Strict bucket order: a ready bucket waits for the ones before it, so
@@ -338,6 +316,24 @@ class Reducer:
                 bucket.launch(self._communicate)
             self.observer.bucket_launched(bucket.index, bucket.buffer.nbytes, launched, bucket.future)
             self._next_to_launch += 1
+        if not self._storage.keep_buffers:
+            self._reclaim_finished_buckets()
+
+    def _reclaim_finished_buckets(self) -> None:
+        """Buffers lent by the storage go back as soon as their result is taken (not at the end of backward)."""
+        for bucket in self.buckets[: self._next_to_launch]:
+            if bucket.index not in self._reclaimed and bucket.future is not None and bucket.future.done():
+                bucket.wait()
+                self._hand_over(bucket)
+
+    def _hand_over(self, bucket: Bucket) -> bool:
+        """Offer a reduced bucket to the ``bucket_reduced_hook``; True if taken (its buffer may then go back)."""
+        if self.bucket_reduced_hook is None or not self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
+            return False
+        self._reclaimed.add(bucket.index)
+        if not self._storage.keep_buffers:
+            bucket.release()
+        return True
 
     def _communicate(self, bucket: Bucket) -> torch.futures.Future:
         if self.comm_hook is None:
@@ -366,14 +362,13 @@ class Reducer:
         self._account_for_missing_gradients()
         with profiler_range("minddp.wait_buckets"):
             for bucket in self.buckets:
-                bucket.wait()
+                if bucket.index not in self._reclaimed:
+                    bucket.wait()
         self._write_averages_into_grads(self._globally_used())
         self.observer.backward_done()
         self.backwards_done += 1
         self._reset_buckets()
-        if self._rebuild_after_first_step:
-            self._rebuild_in_arrival_order()
-        for callback in self.backward_done_callbacks:
+        for callback in list(self.backward_done_callbacks):  # a callback may remove itself
             callback()
 
     def _account_for_missing_gradients(self) -> None:
@@ -406,7 +401,7 @@ class Reducer:
 
     def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
-            if self.bucket_reduced_hook is not None and self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
+            if bucket.index in self._reclaimed or self._hand_over(bucket):
                 continue
             grads, slots = [], []  # dense same-dtype copies: one call per bucket (see _fill_bucket)
             for index, p, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
@@ -416,7 +411,7 @@ class Reducer:
                     continue  # gradient_as_bucket_view: the average is already in .grad
                 if index in self._sparse_dim:
                     p.grad = slot.to(p.dtype).to_sparse(self._sparse_dim[index])
-                elif self._grad_is_slot_view(index, slot):
+                elif self._as_view[index]:
                     p.grad = slot
                 elif p.grad is None:
                     p.grad = slot.to(p.dtype, copy=True)
@@ -447,6 +442,7 @@ class Reducer:
         return [name for b in self.buckets for name in b.unready_names()]
 
     def _reset_buckets(self) -> None:
+        self._reclaimed = set()
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0
@@ -458,54 +454,25 @@ class Reducer:
         self._reset_buckets()
         return missing
 
-    def _rebuild_in_arrival_order(self) -> None:
-        """After the first backward, bucket parameters in the order their gradients came.
-
-        Registration order is only a guess at execution order. Rank 0's
-        observed order is broadcast, so all ranks build identical buckets.
-        """
-        self._rebuild_after_first_step = False
-        self._recording = self._record_arrivals
-        arrival = list(dict.fromkeys(i for i, _ in self.arrival_log))
-        seen = set(arrival)
-        order = arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
-        order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
-        dist.broadcast(order_t, src=global_rank(self.process_group, 0), group=self.process_group)
-        order = order_t.tolist()
-        if order != self.bucket_order:
-            self._build_buckets(order)
-
     def communicate_buffer(self, buffer: torch.Tensor) -> torch.futures.Future:
         """Send a scratch ``buffer`` the way buckets travel (comm hook included), e.g. to time the link."""
-        return self._communicate(_ScratchBucket(buffer, len(self.buckets)))
+        return self._communicate(ScratchBucket(buffer, len(self.buckets)))
 
     # ---------------------------------------------------------- uneven inputs
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for a backward: the same collectives, contributing zeros."""
         for bucket in self.buckets:
+            bucket.acquire()
             bucket.buffer.zero_()
             bucket.launch_unconditionally(self._communicate)
             bucket.wait()
             bucket.reset()
+            if not self._storage.keep_buffers:
+                bucket.release()
         if self.options.find_unused_parameters or (self._static_graph and self._static_used is None):
             self._locally_used = [False] * len(self.params)
             self._hooks_seen = [0] * len(self.params)
             self._globally_used()
         self.arrival_log = []  # nothing arrived here; the step still counts, as on the other ranks
-        if self._rebuild_after_first_step:
-            self._rebuild_in_arrival_order()
-        for callback in self.backward_done_callbacks:
+        for callback in list(self.backward_done_callbacks):
             callback()
-
-
-@dataclass
-class _ScratchBucket:
-    """A stand-in :class:`~minddp.buckets.Bucket` for :meth:`Reducer.communicate_buffer`: a buffer, no parameters.
-
-    Its index is past the real buckets', so no hook mistakes it for one of them.
-    """
-
-    buffer: torch.Tensor
-    index: int
-    params: tuple = ()
-    views: tuple = ()
