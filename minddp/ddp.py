@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.bucket_order import LearnedBucketOrder
+from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.bucket_planner import AutoBuckets
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
@@ -193,12 +194,15 @@ class MiniDDP(nn.Module):
         averaging (MiniDDP no longer divides by the world size for it).
         """
         if self.reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once")
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         if self.reducer.backwards_done or self.reducer.backward_started:
             raise RuntimeError("register_comm_hook must be called before the first backward")
-        if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        check_comm_hook(hook)
         self.reducer.comm_hook = (state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
+        self.register_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type))
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):

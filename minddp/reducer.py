@@ -343,7 +343,11 @@ class Reducer:
                 return done
             return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
         state, hook = self.comm_hook
-        return hook(state, GradBucket(bucket, len(self.buckets)))
+        future = hook(state, GradBucket(bucket, len(self.buckets)))
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future and what collectives return
+            raise TypeError(f"MiniDDP's comm hook {getattr(hook, '__name__', hook)!r}: callback must return a "
+                            f"torch.futures.Future object, but got {type(future).__name__}")
+        return future
 
     def _on_backward_pass_end(self) -> None:
         """Autograd finished a pass that delivered gradients: is the backward over?"""

@@ -162,3 +162,63 @@ def test_find_unused_parameters_sees_tensors_inside_dataclasses_and_nesting(rank
     build = functools.partial(Containers, kind)
     kwargs = {"find_unused_parameters": True}
     assert ranks(2).run(_train_three_ways, build, _container_step, kwargs) == [True, True]
+
+
+# ------------------------------------------------ 4. the comm hook contract
+def _bucket_annotated_int(state, bucket: int) -> torch.futures.Future[torch.Tensor]:
+    return torch.futures.Future()
+
+
+def _returns_annotated_int(state, bucket: torch.distributed.GradBucket) -> int:
+    return 0
+
+
+def _returns_one(state, bucket):
+    return 1
+
+
+def _hook_contract(rank, world_size):
+    from minddp import MiniDDP
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    seen = {}
+    for name, wrapper in (("minddp", MiniDDP), ("torch", TorchDDP)):
+        for hook in (_bucket_annotated_int, _returns_annotated_int, 42):
+            with pytest.raises((ValueError, TypeError)) as raised:
+                wrapper(nn.Linear(4, 4)).register_comm_hook(None, hook)
+            seen[(name, getattr(hook, "__name__", "not callable"))] = type(raised.value).__name__
+        model = wrapper(nn.Linear(4, 4))
+        model.register_comm_hook(None, _returns_one)
+        with pytest.raises((TypeError, RuntimeError), match="callback must return a torch.futures.Future"):
+            model(torch.randn(2, 4)).sum().backward()
+    return seen
+
+
+def test_comm_hooks_are_checked_at_registration_and_their_return_at_launch(ranks):
+    # Not vacuous: MiniDDP accepted both wrong annotations, and a hook that
+    # returned 1 failed later with "'int' object has no attribute 'wait'".
+    for seen in ranks(2).run(_hook_contract):
+        for hook in ("_bucket_annotated_int", "_returns_annotated_int", "not callable"):
+            assert seen[("minddp", hook)] == seen[("torch", hook)], (hook, seen)
+
+
+def _builtin_hooks(rank, world_size, kind):
+    from minddp import MiniDDP
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    hook_type = getattr(torch.distributed.BuiltinCommHookType, kind)
+    grads = {}
+    for name, wrapper in (("minddp", MiniDDP), ("torch", TorchDDP)):
+        torch.manual_seed(0)
+        model = wrapper(nn.Linear(8, 8))
+        model._register_builtin_comm_hook(hook_type)  # torch names it so
+        x, y = _batch(rank, PER_RANK)
+        F.mse_loss(model(x), y).backward()
+        grads[name] = model.module.weight.grad
+    torch.testing.assert_close(grads["minddp"], grads["torch"], rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("kind", ["ALLREDUCE", "FP16_COMPRESS"])
+def test_builtin_comm_hooks_equal_torch(ranks, kind):
+    assert ranks(2).run(_builtin_hooks, kind) == [True, True]
