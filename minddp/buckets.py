@@ -172,14 +172,16 @@ class Bucket:
 
     def __init__(
         self, index: int, params: list[torch.nn.Parameter], names: list[str], dtype: torch.dtype | None = None,
-        storage: BucketStorage | None = None,
+        storage: BucketStorage | None = None, extra_numel: int = 0,
     ):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
         self.params = params
         self.names = names
-        self.numel = sum(p.numel() for p in params)
+        # ``extra_numel``: room after the gradients for a passenger (the reducer's ``carry_in_last_bucket``).
+        self.extra_numel = extra_numel
+        self.numel = sum(p.numel() for p in params) + extra_numel
         self.dtype = dtype or params[0].dtype  # what the gradients are reduced in (default: the parameters')
         self.storage = storage or BucketStorage()
         self.buffer: torch.Tensor | None = None
@@ -200,6 +202,11 @@ class Bucket:
         for p in self.params:
             self.views.append(_slot(self.buffer, offset, p))
             offset += p.numel()
+
+    @property
+    def tail(self) -> torch.Tensor:
+        """The ``extra_numel`` elements after the gradients' slots."""
+        return self.buffer[self.numel - self.extra_numel:]
 
     def release(self) -> None:
         """Give the buffer back to the storage; a ``.grad`` that was a slot of it is dropped

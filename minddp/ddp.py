@@ -23,6 +23,7 @@ from torch import nn
 from minddp.bucket_order import LearnedBucketOrder
 from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.bucket_planner import AutoBuckets
+from minddp.buffers_in_bucket import BuffersInLastBucket
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_replicas_in_sync, check_same_parameters
@@ -74,6 +75,10 @@ class MiniDDP(nn.Module):
       them and back. Twice the bytes of bf16 on the wire, one rounding at the
       end instead of one per addition. (torch: ``mixed_precision.reduce_dtype``.)
     * ``buffer_sync``: ``"broadcast"`` (rank 0's buffers, torch's way),
+      ``"with_gradients"`` (the same values, but sent in the last gradient
+      bucket of each synchronized backward instead of a broadcast before the
+      next forward: one collective fewer per step; see
+      :mod:`minddp.buffers_in_bucket` for the one case where it differs),
       ``"average"`` (average floating-point buffers over ranks) or ``"off"``;
       defaults to ``"broadcast"`` or ``"off"`` following ``broadcast_buffers``.
     * ``check_sync_every``: every N synchronized forwards, verify that all
@@ -167,6 +172,9 @@ class MiniDDP(nn.Module):
         # learned bucket order (torch's), then bucket_cap_mb="auto".
         if learn_bucket_order:
             LearnedBucketOrder(self.reducer)
+        if self.buffer_sync == "with_gradients" and self.world_size > 1 and self._buffers_to_sync:
+            self.reducer.carry_in_last_bucket(
+                BuffersInLastBucket(self._buffers_to_sync, is_source=dist.get_rank(self.process_group) == 0))
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
             self.bucket_planner = AutoBuckets(self.reducer)
@@ -199,6 +207,8 @@ class MiniDDP(nn.Module):
             raise RuntimeError("register_comm_hook must be called before the first backward")
         check_comm_hook(hook)
         self.reducer.comm_hook = (state, hook)
+        if self.reducer.passenger is not None:  # a hook need not be a sum: buffers go back to their broadcast
+            self.reducer.carry_in_last_bucket(None)
 
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
@@ -223,10 +233,15 @@ class MiniDDP(nn.Module):
         # Inside join() every synchronized forward broadcasts: a rank that ran
         # out of data shadows each one with a broadcast, not knowing what the
         # others' previous forward was.
+        # With buffer_sync="with_gradients" the last backward may have brought
+        # exactly these buffers already, in its last bucket.
         in_join = sync and self.join_context is not None
-        if (self.require_forward_param_sync or in_join) and self.world_size > 1:
+        delivered = self.reducer.passenger_delivered and not in_join
+        if (self.require_forward_param_sync or in_join) and self.world_size > 1 and not delivered:
             sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
         self.require_forward_param_sync = sync
+        self.reducer.passenger_delivered = False
+        self.reducer.carry_passenger = sync and not in_join  # read only if a passenger is set up
         started = self._observer.forward_started()
         output = self.module(*args, **kwargs)
         if sync:

@@ -87,6 +87,10 @@ class Reducer:
         self._caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))  # bytes: cap, first cap
         self._storage = BucketStorage()  # where bucket buffers come from (use_bucket_storage)
         self._reclaimed: set[int] = set()  # buckets whose result was taken, and buffer given back, this backward
+        # A passenger in the last bucket (carry_in_last_bucket): MiniDDP's buffers, with buffer_sync="with_gradients".
+        self.passenger = None
+        self.carry_passenger = False  # set at each synchronized forward: does this backward carry it?
+        self.passenger_delivered = False  # did the last backward deliver it? (MiniDDP resets it at forward)
         # Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(params)))))
         self.arrival_log: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while watched
@@ -164,6 +168,12 @@ class Reducer:
         self._caps = (cap_bytes, first_cap_bytes)
         self._build_buckets(order)
 
+    def carry_in_last_bucket(self, passenger) -> None:
+        """Send ``passenger`` (``numel``, ``fits(dtype)``, ``pack(tail)``, ``unpack(tail)``) in the last
+        bucket's communication, in ``numel`` extra elements after its gradients; None stops it."""
+        self.passenger = passenger
+        self._build_buckets(self.bucket_order)
+
     def use_bucket_storage(self, storage: BucketStorage) -> None:
         """Take bucket buffers from ``storage`` from now on (see :class:`~minddp.buckets.BucketStorage`):
         with ``keep_buffers`` False, a buffer goes back as soon as the ``bucket_reduced_hook`` took its result."""
@@ -176,9 +186,12 @@ class Reducer:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [self._bucket_spec(self.params[i]) for i in order]
         groups = assign_buckets(specs, *self._caps)
+        last_dtype = specs[groups[-1][0]].dtype
+        self._passenger_fits = self.passenger is not None and self.passenger.fits(last_dtype)
         self.buckets = [
             Bucket(k, [self.params[order[j]] for j in group], [self.names[order[j]] for j in group],
-                   dtype=specs[group[0]].dtype, storage=self._storage)
+                   dtype=specs[group[0]].dtype, storage=self._storage,
+                   extra_numel=self.passenger.numel if self._passenger_fits and k == len(groups) - 1 else 0)
             for k, group in enumerate(groups)
         ]
         # The plan every hook follows, worked out once here instead of at
@@ -301,6 +314,11 @@ class Reducer:
                 slots.append(slot)
                 copied.append(index)
         bucket.copy_in([p.grad for p in copies], slots, scale)
+        if bucket.extra_numel:  # the last bucket, with room for the passenger
+            if self.carry_passenger:
+                self.passenger.pack(bucket.tail)
+            else:
+                bucket.tail.zero_()
         if self.options.gradient_as_bucket_view:
             for index, param, slot in zip(copied, copies, slots):  # only now: .grad held the gradient until the copy
                 if self._as_view[index]:  # e.g. after zero_grad(set_to_none=True)
@@ -368,6 +386,9 @@ class Reducer:
             for bucket in self.buckets:
                 if bucket.index not in self._reclaimed:
                     bucket.wait()
+        if self._passenger_fits and self.carry_passenger:
+            self.passenger.unpack(self.buckets[-1].tail)
+            self.passenger_delivered = True
         self._write_averages_into_grads(self._globally_used())
         self.observer.backward_done()
         self.backwards_done += 1

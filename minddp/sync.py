@@ -21,7 +21,7 @@ __all__ = [
     "global_rank",
 ]
 
-BUFFER_POLICIES = ("broadcast", "average", "off")
+BUFFER_POLICIES = ("broadcast", "with_gradients", "average", "off")
 
 # torch's DDP broadcasts in chunks of 250 MiB: few collectives, bounded extra memory.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -112,10 +112,13 @@ def sync_buffers(buffers: Sequence[torch.Tensor], group: dist.ProcessGroup, poli
       rank's data counts); integer buffers such as ``num_batches_tracked``,
       equal everywhere anyway, are broadcast.
     * ``"off"``: nothing.
+
+    (``"with_gradients"`` is ``"broadcast"`` sent in the last gradient bucket,
+    :mod:`minddp.buffers_in_bucket`; where it cannot be, it is this broadcast.)
     """
     if policy == "off" or not buffers:
         return
-    if policy == "broadcast":
+    if policy in ("broadcast", "with_gradients"):
         broadcast_coalesced(buffers, group, src)
         return
     floating = [b for b in buffers if b.is_floating_point()]
