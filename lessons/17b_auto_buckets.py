@@ -157,7 +157,7 @@ def main(rank: int, world_size: int, args) -> None:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, ddp_auto.bucket_names)
         assert all(b == everyone[0] for b in everyone), f"link {name}: ranks built different buckets: {everyone}"
-        choice = [ddp_auto.reducer._auto.choice]  # rank 0's; the others rebuilt from its broadcast
+        choice = [ddp_auto.bucket_planner.choice]  # rank 0's; the others rebuilt from its broadcast
         dist.broadcast_object_list(choice, src=0)
         assert choice[0].predicted_ms <= choice[0].default_ms, f"link {name}: the choice must not be predicted slower"
         rows.append((name, choice[0], step_ms(ddp_default), step_ms(ddp_auto)))
