@@ -58,7 +58,8 @@ import torch.distributed as dist
 
 from _common import FEATURES, add_link_option, is_exact, make_model, parse_args, print0, print_results, run, train_and_compare
 from minddp import MiniDDP
-from minddp.bucket_planner import BucketChoice, choose_plan
+from minddp.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan
+from minddp.buckets import FIRST_BUCKET_CAP_MB
 from minddp.network import Link, get_link
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
 from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
@@ -70,7 +71,7 @@ LINKS = {
 WIDTH, DEPTH, PER_RANK = 256, 12, 256  # 12 layers of 256: 3.2 MB of gradients, a backward to hide behind
 STEPS = 7  # 1 warm-up + 3 measured backwards, the choice, then 3 steps with the chosen buckets
 ROUNDS = 6  # timed forward + backward passes per wrapper; the fastest counts
-DEFAULT_PLAN = (25.0, 1.0)  # torch's: 25 MB buckets, the first 1 MB
+DEFAULT_PLAN = (DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)  # torch's: 25 MB buckets, the first 1 MB
 # The simulated link waits on its own thread: the "wire" runs while backward computes.
 OVERLAP = True
 
