@@ -127,19 +127,21 @@ def clock_verdict(same_plan: bool, model_gain_ms: float, clock_gain_ms: float) -
     return "agrees" if (model_gain_ms < 0) == (clock_gain_ms < 0) else "differs this time"
 
 
-def step_ms(ddp, rounds: int = ROUNDS) -> float:
-    """The clock: the fastest forward + backward (communication included) of ``rounds``, slowest rank."""
+def step_ms(wrappers: list, rounds: int = ROUNDS) -> list[float]:
+    """The clock: forward + backward (communication included) of each wrapper in turn, ``rounds``
+    times, so that all meet the same load; per wrapper the fastest, slowest rank."""
     x = torch.randn(PER_RANK, FEATURES)
-    times = []
+    times = [[] for _ in wrappers]
     for _ in range(rounds):
-        ddp.zero_grad()
-        dist.barrier()
-        start = time.perf_counter()
-        ddp(x).sum().backward()
-        times.append(time.perf_counter() - start)
-    t = torch.tensor([1e3 * min(times)])
+        for ddp, own in zip(wrappers, times):
+            ddp.zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            ddp(x).sum().backward()
+            own.append(time.perf_counter() - start)
+    t = torch.tensor([1e3 * min(own) for own in times])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return t.tolist()
 
 
 def main(rank: int, world_size: int, args) -> None:
@@ -161,7 +163,7 @@ def main(rank: int, world_size: int, args) -> None:
         choice = [ddp_auto.bucket_planner.choice]  # rank 0's; the others rebuilt from its broadcast
         dist.broadcast_object_list(choice, src=0)
         assert choice[0].predicted_ms <= choice[0].default_ms, f"link {name}: the choice must not be predicted slower"
-        rows.append((name, choice[0], step_ms(ddp_default), step_ms(ddp_auto)))
+        rows.append((name, choice[0], *step_ms([ddp_default, ddp_auto])))
 
     profile = measure_compute()
     picks = model_choices(profile, links, world_size)
@@ -182,13 +184,12 @@ def main(rank: int, world_size: int, args) -> None:
     for cells in [titles] + table:
         print0("  " + " | ".join(c.ljust(w) if i in (0, 6) else c.rjust(w)
                                  for i, (c, w) in enumerate(zip(cells, widths))))
-    print0("  auto: what MiniDDP chose from what it measured itself (its first steps, a probe of the link);")
-    print0("  the model: the backward above and the link's true numbers, each plan replayed by the simulator")
-    print0("  (the model's pick: the same rule as auto's on these). The clock: the fastest of "
-           f"{ROUNDS} passes here.")
-    print0("  It also pays what the model leaves out: per bucket, a real Gloo all-reduce and a thread")
-    print0("  hand-off under the simulated wire, which a busy machine stretches to milliseconds, so many")
-    print0("  buckets can lose on the clock. With the same buckets the two clock figures differ by noise.")
+    print0("  auto: what MiniDDP chose from what it measured itself (its first steps, a probe of the link).")
+    print0("  The model: the backward above and each link's true numbers, every plan replayed by the simulator;")
+    print0(f"  the model's pick: auto's rule applied to these. The clock: the fastest of {ROUNDS} passes, default")
+    print0("  and auto taking turns; it also pays what the model leaves out (per bucket a real Gloo all-reduce")
+    print0("  and a thread hand-off under the simulated wire: milliseconds on a busy machine, so many buckets")
+    print0("  can lose on the clock). With the same buckets the two clock figures differ by noise alone.")
 
     assert all(is_exact(r) for r in results), "buckets change when gradients travel, never what they add up to"
     assert picks["slow"].buckets < picks["fast"].buckets, (
