@@ -119,6 +119,7 @@ def test_17b_the_model_picks_fewer_buckets_on_the_slow_link_for_any_backward(bac
 
 def test_17b_says_where_the_clock_disagrees_with_the_model():
     verdict = lesson("17b_auto_buckets").clock_verdict
-    assert verdict(True, 0.0, 5.0) == "same buckets"  # the same plan: any difference is noise
-    assert verdict(False, -3.0, -1.0) == "agrees"
-    assert verdict(False, -3.0, 2.0) == "differs this time"
+    assert verdict(True, (50.0, 50.0), (40.0, 45.0)) == "same buckets"  # the same plan: any difference is noise
+    assert verdict(False, (50.0, 40.0), (60.0, 55.0)) == "agrees"
+    assert verdict(False, (50.0, 40.0), (55.0, 60.0)) == "differs this time"
+    assert verdict(False, (50.0, 49.0), (55.0, 60.0)) == "a tie in the model"  # 2%: below the clock's noise
