@@ -35,7 +35,8 @@ from minddp.comm_hooks import GradBucket
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.partition import FlatUnit
 
-__all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "reduce_scatter_hook"]
+__all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "missing_from",
+           "reduce_scatter_hook"]
 
 
 def bucket_units(ddp, world_size: int) -> list[FlatUnit]:
@@ -52,17 +53,26 @@ def check_attachable(zero, ddp) -> None:
     if ddp.process_group is not zero.process_group and \
             dist.get_process_group_ranks(ddp.process_group) != dist.get_process_group_ranks(zero.process_group):
         raise ValueError("shard_gradients=True: the optimizer and MiniDDP must use the same process group")
-    mine = {id(p) for g in zero.param_groups for p in zero._trainable(g)}
-    missing = [name for bucket in reducer.buckets for p, name in zip(bucket.params, bucket.names) if id(p) not in mine]
-    if missing:
-        raise ValueError(f"shard_gradients=True: MiniDDP parameters {missing} are not in the optimizer; stage 2 "
-                         "keeps no full gradient for any bucketed parameter, so all must be optimized here")
+
+
+def missing_from(zero) -> list[str]:
+    """Names of MiniDDP's parameters that are in no group of ``zero``.
+
+    Stage 2 keeps no full gradient of any bucketed parameter, so each must be
+    optimized here. Checked where the partition becomes final (the first
+    step), not at construction: torch's usual order builds the optimizer on
+    one group and adds the others with ``add_param_group``.
+    """
+    mine = {id(p) for g in zero.param_groups for p in g["params"]}
+    return [name for bucket in zero.ddp.reducer.buckets for p, name in zip(bucket.params, bucket.names)
+            if id(p) not in mine]
 
 
 def attach(zero, ddp) -> None:
     """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards."""
     reducer = ddp.reducer
     zero._scattered = set()  # buckets whose piece the optimizer took in this backward
+    zero._reducer_index = {id(p): i for i, p in enumerate(reducer.params)}  # where globally_used says it
     ddp.register_comm_hook(zero, reduce_scatter_hook)
     reducer.bucket_reduced_hook = lambda bucket: _took(zero, bucket)
 
@@ -108,21 +118,28 @@ def _took(zero, bucket: GradBucket) -> bool:
     if bucket.index() not in zero._scattered:
         return False  # all-reduced (the first backward): the reducer writes .grad as usual
     zero._scattered.discard(bucket.index())
+    used = zero.ddp.reducer.globally_used  # None: every parameter had a gradient
     for p in bucket.parameters():
+        if used is None or used[zero._reducer_index[id(p)]]:
+            zero._used_in_round.add(id(p))  # stepped; one with no gradient anywhere is not (torch's rule)
         p.grad = None  # its average lives, sharded, in the optimizer; no full gradient is kept
     return True
 
 
 def check_buckets_unchanged(zero) -> None:
     """Retake the partition if MiniDDP rebuilt its buckets since; an error once that would lose state."""
+    missing = missing_from(zero)
+    if missing:
+        raise ValueError(f"shard_gradients=True: MiniDDP parameters {missing} are in no parameter group of the "
+                         "optimizer; stage 2 keeps no full gradient of a bucketed parameter, so all must be "
+                         "optimized here (add them with add_param_group before the first step)")
     now = [[id(p) for p in b.params] for b in zero.ddp.reducer.buckets]
-    if now == [[id(p) for p in u.params] for u in zero.layout.units]:
+    if now == [[id(p) for p in u.params] for u in zero.layout.units[:len(now)]]:
         return
     if (zero.optim.state and zero._pending_load is None) or zero._grads_in_shards:  # a loaded state is re-applied
         raise RuntimeError("ZeroRedundancyOptimizer(shard_gradients=True): MiniDDP's buckets changed after the "
                            "partition was fixed on them (the first synchronized backward must come before the "
                            "first step)")
-    zero.layout = zero._build_layout()
-    zero._build_local_optimizer()
+    zero._repartition()
     if zero._pending_load is not None:
         zero._load(*zero._pending_load)
