@@ -108,6 +108,9 @@ class Reducer:
         self._bucket_reduced_hook: Callable[[GradBucket], bool] | None = None
         self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
         self._locally_used = [True] * len(params)
+        # Per parameter, did the last synchronized backward see a gradient on some rank?
+        # None: all did (without find_unused_parameters a missing one is an error).
+        self.globally_used: list[bool] | None = None
         self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
         self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
 
@@ -325,7 +328,8 @@ class Reducer:
         with profiler_range("minddp.wait_buckets"):
             for bucket in self.buckets:
                 bucket.wait()
-        self._write_averages_into_grads(self._globally_used())
+        self.globally_used = self._globally_used()
+        self._write_averages_into_grads(self.globally_used)
         self.observer.backward_done()
         self.backwards_done += 1
         self._reset_buckets()
@@ -465,7 +469,7 @@ class Reducer:
             bucket.reset()
         if self.options.find_unused_parameters:
             self._locally_used = [False] * len(self.params)
-            self._globally_used()
+            self.globally_used = self._globally_used()
         if self._rebuild_after_first_step:
             self._rebuild_in_arrival_order()
         if self._auto is not None and self._auto.measuring:
