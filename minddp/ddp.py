@@ -318,11 +318,19 @@ class _MiniDDPJoinHook(JoinHook):
         """Gradients are divided by the initial world size (torch's default) or by the active ranks."""
         return len(active) if self.divide_by_initial_world_size else sum(active)
 
-    def main_hook(self, active: list[bool]) -> None:
-        self.ddp._shadow_synchronized_step(buffer_source=max(r for r, a in enumerate(active) if a))
+    def main_hook(self) -> None:
+        self.ddp._shadow_synchronized_step(buffer_source=self._join().last_active)
 
-    def post_hook(self, last_active: int) -> None:
+    def post_hook(self, is_last_joiner: bool) -> None:
         # Everyone is done: the last rank to train has the newest parameters.
         ddp = self.ddp
-        broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_to_sync, ddp.process_group, last_active)
+        broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_to_sync, ddp.process_group,
+                            self._join().last_active)
         ddp.reducer.divisor = ddp.world_size
+
+    def _join(self) -> Join:
+        """Who trains, and who trained last: minddp's Join knows (torch's does not tell its hooks)."""
+        if self.ddp.join_context is None:
+            raise RuntimeError("MiniDDP's join hook runs under minddp's Join (model.join(), or "
+                               "minddp.join.Join): torch's Join does not tell it which rank trained last")
+        return self.ddp.join_context

@@ -23,7 +23,13 @@ and knows nothing about DDP:
   joinable's :meth:`JoinHook.main_hook`, which issues the same collectives
   as a real step, with nothing to contribute;
 * when no rank is active, each :meth:`JoinHook.post_hook` runs once, told
-  which rank trained last.
+  whether this rank was among the last to join.
+
+The hooks follow torch's ``JoinHook`` contract (``main_hook()``,
+``post_hook(is_last_joiner)``), so one hook serves both context managers: a
+joinable's hook runs under torch's ``Join`` too. What torch's does not tell
+(who is still training, the last rank that trained) a hook reads from
+minddp's :class:`Join`, its joinable's ``join_context``.
 
 What a joinable does while shadowing (for MiniDDP: all-reduce zeros in bucket
 order, then make the replicas agree) lives with the joinable, behind its
@@ -36,6 +42,7 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms import join as torch_join
 
 __all__ = ["Join", "JoinHook", "Joinable", "Flags"]
 
@@ -65,14 +72,14 @@ class Flags(Sequence[bool]):
         return self._values[rank]
 
 
-class JoinHook:
-    """What one joinable does once its rank has run out of inputs."""
+class JoinHook(torch_join.JoinHook):
+    """What one joinable does once its rank has run out of inputs (torch's contract, so torch's ``Join`` runs it)."""
 
-    def main_hook(self, active: list[bool]) -> None:
-        """Shadow one step of the ranks still training (``active[r]``: is rank ``r``?)."""
+    def main_hook(self) -> None:
+        """Shadow one step of the ranks still training."""
 
-    def post_hook(self, last_active: int) -> None:
-        """Once every rank has joined; ``last_active`` is the last rank that trained."""
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Once every rank has joined; ``is_last_joiner``: this rank shadowed no step."""
 
 
 class Joinable(Protocol):
@@ -126,6 +133,9 @@ class Join:
         """
         join = joinable.join_context
         if join is None:
+            torch_config = getattr(joinable, "_join_config", None)  # set by torch's Join on its joinables
+            if torch_config is not None and torch_config.enable:
+                torch_join.Join.notify_join_context(joinable)  # torch's Join counts the steps itself
             return None
         if joinable is not join.joinables[0]:
             return join.active
@@ -144,8 +154,10 @@ class Join:
         return who
 
     def _shadow_until_everyone_joined(self) -> None:
+        is_last_joiner = True
         while any(self._exchange(active=False)):
+            is_last_joiner = False
             for hook in self.hooks:
-                hook.main_hook(self.active)
+                hook.main_hook()
         for hook in self.hooks:
-            hook.post_hook(self.last_active)
+            hook.post_hook(is_last_joiner)
