@@ -42,6 +42,27 @@ without a wrapper).
 
 A step consumes the shards' gradients: the next backward starts a fresh sum,
 whether or not ``zero_grad`` was called (as DeepSpeed).
+
+Which parameters a step moves, as ``torch.optim`` and torch's ZeRO decide:
+every parameter given is sharded, frozen or not (``requires_grad`` is read
+at each step, so a layer unfrozen later trains); a parameter whose gradient
+is ``None`` this step (frozen, or unused by the forward) is not stepped and
+its ``step`` count does not advance, while a zero gradient is a step. The
+local optimizer steps one view per parameter segment
+(:class:`~minddp.zero.shards.Shard`), so each keeps its own state. Where the
+gradient travelled through MiniDDP's buckets, MiniDDP's reducer says which
+parameters had one (on some rank); without a wrapper, any rank's gradient
+counts (a small all-reduce). Parameters MiniDDP does not reduce (frozen
+when it was built) are stepped from their own ``.grad``, not averaged, as
+torch's ZeRO does beside torch's DDP.
+
+Uneven inputs: ``Join([model, opt])``, torch's ``Join`` or minddp's (the
+join hook follows torch's ``JoinHook`` contract). A rank out of data steps
+its shard with the others' average where it can get it (MiniDDP, or no
+wrapper). With ``average_gradients=False`` the averaging is a wrapper's we
+were not given, so, as torch's ZeRO, the joined rank steps its shard with
+whatever its ``.grad`` holds (its last gradient; ``None`` after
+``zero_grad()``: not stepped).
 """
 
 from __future__ import annotations
@@ -57,6 +78,7 @@ from minddp.join import Join, JoinHook
 from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
 from minddp.zero.partition import PARTITIONS, FlatUnit, Segment, flat_units, greedy_units
+from minddp.zero.presence import stepped_parameters
 from minddp.zero.shards import Shard, ShardLayout
 from minddp.zero.stage1_hook import attach_allreduce
 from minddp.zero.stage2 import attach, bucket_units, check_attachable, check_buckets_unchanged, missing_from
@@ -201,30 +223,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         inside = {id(p) for b in self.ddp.reducer.buckets for p in b.params}
         return [p for p in self.layout.params if id(p) not in inside]
 
-    def _stepped_parameters(self, shadow: bool) -> set[int]:
-        """ids of the parameters that had a gradient this round: only these are stepped.
-
-        torch's rule: a ``None`` gradient is no step (and no ``step`` count),
-        a zero gradient is a step. Through a comm hook, ``.grad`` is not where
-        the gradient went (stage 2 drops it), so the wrapper's reducer says
-        which parameters got one (``find_unused_parameters``: used on some
-        rank; else all). Without a wrapper, a parameter is stepped if any rank
-        has a gradient for it (one small all-reduce: every owner must agree).
-        """
-        params = self.layout.params
-        if self._round_from_hook:
-            reducer = self.ddp.reducer
-            # Stage 2 drops .grad bucket by bucket, noting what was used (summed over backwards); a joined
-            # rank's shadow backward writes nothing, and the reducer's last record is the others' answer.
-            stepped = set(self._used_in_round) if self.shard_gradients and not shadow else _used_by(reducer)
-            return stepped | {id(p) for p in self._outside_wrapper() if p.grad is not None}
-        has = [p.grad is not None and not (shadow and self.average_gradients) for p in params]
-        if self.average_gradients and self.world_size > 1:
-            flags = torch.tensor(has, dtype=torch.int32, device=self.join_device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-            has = [bool(f) for f in flags.tolist()]
-        return {id(p) for p, h in zip(params, has) if h}
-
     def _receive_piece(self, unit_index: int, piece: torch.Tensor) -> None:
         """Stage 2: a bucket's reduce-scattered piece, into the shards (summed over backwards)."""
         self._begin_gradient_round()
@@ -296,7 +294,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _gradients_into_views(self, shadow: bool) -> None:
         self._collect_gradients(shadow)
-        stepped = self._stepped_parameters(shadow)
+        stepped = stepped_parameters(self, shadow)
         for shard in self.layout.shards:
             shard.attach_gradients(stepped)
 
@@ -380,12 +378,6 @@ class _ZeroJoinHook(JoinHook):
 
 def _where(segment: Segment) -> tuple:
     return id(segment.param), segment.param_start, segment.length
-
-
-def _used_by(reducer) -> set[int]:
-    """ids of the reducer's parameters that had a gradient on some rank in its last synchronized backward."""
-    used = getattr(reducer, "globally_used", None)
-    return {id(p) for i, p in enumerate(reducer.params) if used is None or used[i]}
 
 
 def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
