@@ -102,7 +102,7 @@ def main(rank: int, world_size: int, args) -> None:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, ddp_auto.bucket_names)
         assert all(b == everyone[0] for b in everyone), f"link {name}: ranks built different buckets: {everyone}"
-        choice = ddp_auto.reducer._auto.choice  # rank 0's (the others took it from the broadcast)
+        choice = ddp_auto.bucket_planner.choice  # rank 0's (the others took it from the broadcast)
         if rank == 0:
             assert choice.predicted_ms <= choice.default_ms, f"link {name}: the choice must not be predicted slower"
         rows.append((name, len(ddp_default.bucket_names), len(ddp_auto.bucket_names),

@@ -9,7 +9,12 @@ few buckets; a fast link with compute to hide behind wants several, so that
 most of the all-reduce happens while backward is still running.
 
 MiniDDP already owns the pieces to decide this, so ``"auto"`` strings them
-together once, early in training (:class:`AutoBuckets`, driven by the reducer):
+together once, early in training. :class:`AutoBuckets` is a policy that
+drives the reducer from outside, through its narrow interface (the reducer
+knows nothing of "auto"): it asks for the arrival log, is called back at
+the end of every backward, sends its probes with ``communicate_buffer`` and
+finally calls ``rebuild``. :class:`~minddp.ddp.MiniDDP` sets it up when
+``bucket_cap_mb="auto"``.
 
 1. **compute**: during a few synchronized backwards (after the first, which
    pays one-time costs and learns the gradient order), when each gradient is
@@ -52,11 +57,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB
 from minddp.network import Link, fit_link
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step
+from minddp.sync import global_rank
 
 __all__ = ["CANDIDATE_CAPS_MB", "BucketChoice", "choose_plan", "communication_overlaps", "AutoBuckets",
            "MEASURED_BACKWARDS"]
@@ -118,26 +125,63 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: b
 
 # ----------------------------------------------------------- measuring it
 class AutoBuckets:
-    """What the reducer measures for ``"auto"``, and the probes at decision time.
+    """``bucket_cap_mb="auto"`` on one reducer: measure a few backwards, probe, choose, rebuild once.
 
-    The reducer calls :meth:`backward_done` at the end of every synchronized
-    backward with that backward's ``(parameter index, perf_counter)`` arrivals;
-    it returns True once enough backwards are in, and the reducer then calls
-    :meth:`decide` on every rank (it runs collectives through ``communicate``).
+    Its life cycle: attached (the reducer records arrivals and calls
+    :meth:`_after_backward` at the end of every backward), measuring (each
+    call hands the arrivals to :meth:`backward_done`), deciding (once enough
+    backwards are in: :meth:`decide` on every rank, since it runs
+    collectives; rank 0's choice is broadcast and every rank rebuilds the
+    same buckets), detached.
     """
 
-    def __init__(self, names: list[str], nbytes: list[int], dtypes: list[torch.dtype]):
-        self.names, self.nbytes, self.dtypes = names, nbytes, dtypes
+    def __init__(self, reducer):
+        self.reducer = reducer
+        dtypes = [reducer.options.reduce_dtype or p.dtype for p in reducer.params]
+        self.names, self.dtypes = reducer.names, dtypes
+        self.nbytes = [p.numel() * dtype.itemsize for p, dtype in zip(reducer.params, dtypes)]
         self.backwards_seen = 0
-        self._ready_ms: list[list[float]] = [[] for _ in names]
+        self._ready_ms: list[list[float]] = [[] for _ in self.names]
         self._outside_ms: list[float] = []  # end of one backward to the first hook of the next
         self._last_finished: float | None = None
         self.decided = False
         self.choice: BucketChoice | None = None  # rank 0's, once decided
 
+        reducer.watch_arrivals(self)
+        reducer.planned_rebuild = "MiniDDP(bucket_cap_mb='auto') rebuilds its buckets after its first measured steps"
+        reducer.backward_done_callbacks.append(self._after_backward)
+
     @property
     def measuring(self) -> bool:
         return not self.decided
+
+    def _after_backward(self) -> None:
+        """The reducer's callback: record this backward; once enough are in, decide and rebuild."""
+        reducer = self.reducer
+        if not self.backward_done(reducer.arrival_log, time.perf_counter()):
+            return
+        reducer.watch_arrivals(self, on=False)
+        reducer.backward_done_callbacks.remove(self._after_backward)
+        group = reducer.process_group
+        rank0 = global_rank(group, 0)
+        is_rank0 = dist.get_rank() == rank0
+        dtype = reducer.options.reduce_dtype or reducer.params[0].dtype
+        choice, why = None, ""
+        try:  # only rank 0 can fail here, after every probe collective: the broadcast below still matches
+            choice = self.decide(reducer.communicate_buffer, reducer.world_size, reducer.device, dtype, is_rank0,
+                                 comm_hook=reducer.comm_hook is not None)
+        except ValueError as error:
+            why = str(error)
+        caps = [choice.cap_mb, choice.first_cap_mb] if choice else [reducer.options.bucket_cap_mb,
+                                                                    FIRST_BUCKET_CAP_MB]
+        caps_t = torch.tensor(caps, dtype=torch.float64, device=reducer.device)
+        dist.broadcast(caps_t, src=rank0, group=group)
+        if is_rank0:
+            print(choice.describe() if choice else f"MiniDDP bucket_cap_mb='auto': kept the default ({why})",
+                  flush=True)
+        cap_mb, first_mb = caps_t.tolist()
+        reducer.planned_rebuild = None
+        reducer.rebuild(reducer.bucket_order, int(cap_mb * MiB), int(first_mb * MiB))  # same order, new caps
 
     def backward_done(self, arrivals: list[tuple[int, float]], finished: float) -> bool:
         """Record one backward; True when it is time to decide.

@@ -26,9 +26,12 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["TensorSpec", "assign_buckets", "Bucket", "MiB", "FIRST_BUCKET_CAP_MB"]
+__all__ = ["TensorSpec", "assign_buckets", "Bucket", "BucketStorage", "ScratchBucket", "MiB", "FIRST_BUCKET_CAP_MB"]
 
 MiB = 1024 * 1024
+# Above this mean size (elements), a bucket's gradients are copied and scaled
+# one by one in a single fused pass each; below, in two batched calls.
+LARGE_GRADIENT_NUMEL = 64 * 1024
 # torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
 FIRST_BUCKET_CAP_MB = 1.0
 
@@ -123,6 +126,27 @@ def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
+class BucketStorage:
+    """Where bucket buffers come from, and where they go back: a hook point.
+
+    This default allocates one buffer per bucket, and the bucket keeps it
+    for the whole run (``keep_buffers``), as torch's DDP does. A storage
+    with ``keep_buffers = False`` (ZeRO stage 2's pool, in
+    :mod:`minddp.zero`) gets every buffer back as soon as its bucket's
+    result has been taken elsewhere, and lends it out again when a bucket
+    next needs one: a few buffers in flight instead of a full gradient copy.
+    Buffers come back dirty: every slot is overwritten before it is sent.
+    """
+
+    keep_buffers = True
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        pass
+
+
 class Bucket:
     """A flat gradient buffer for a few parameters, and its life cycle.
 
@@ -136,32 +160,95 @@ class Bucket:
     * *done*: :meth:`wait` blocked until it finished and left the reduced
       values in ``buffer``.
 
-    :meth:`reset` returns it to *filling* for the next step. Misuse (a
+    :meth:`reset` returns it to *filling* for the next step. The buffer
+    itself comes from a :class:`BucketStorage`: :meth:`acquire` before the
+    first slot is written, :meth:`release` once the result is no longer
+    needed (with the default storage, acquired once and never released).
+    Misuse (a
     parameter marked twice, a launch before all are ready, a wait without a
     launch) raises ``RuntimeError``: it would mean gradients were summed
     twice, or sent before they existed.
     """
 
     def __init__(
-        self, index: int, params: list[torch.nn.Parameter], names: list[str], dtype: torch.dtype | None = None
+        self, index: int, params: list[torch.nn.Parameter], names: list[str], dtype: torch.dtype | None = None,
+        storage: BucketStorage | None = None, extra_numel: int = 0,
     ):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
         self.params = params
         self.names = names
-        total = sum(p.numel() for p in params)
-        # ``dtype``: what the gradients are reduced in (default: the parameters').
-        self.buffer = torch.zeros(total, dtype=dtype or params[0].dtype, device=params[0].device)
+        # ``extra_numel``: room after the gradients for a passenger (the reducer's ``carry_in_last_bucket``).
+        self.extra_numel = extra_numel
+        self.numel = sum(p.numel() for p in params) + extra_numel
+        self.dtype = dtype or params[0].dtype  # what the gradients are reduced in (default: the parameters')
+        self.storage = storage or BucketStorage()
+        self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []  # each parameter's slot, in ``params`` order
-        offset = 0
-        for p in params:
-            self.views.append(_slot(self.buffer, offset, p))
-            offset += p.numel()
+        if self.storage.keep_buffers:
+            self.acquire()
         self._position = {id(p): i for i, p in enumerate(params)}
         self._ready = [False] * len(params)
         self._pending = len(params)
         self._future: torch.futures.Future | None = None
+
+    def acquire(self) -> None:
+        """Have a buffer (from the storage) and the slots into it."""
+        if self.buffer is not None:
+            return
+        self.buffer = self.storage.take(self.numel, self.dtype, self.params[0].device)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(_slot(self.buffer, offset, p))
+            offset += p.numel()
+
+    @property
+    def tail(self) -> torch.Tensor:
+        """The ``extra_numel`` elements after the gradients' slots."""
+        return self.buffer[self.numel - self.extra_numel:]
+
+    def release(self) -> None:
+        """Give the buffer back to the storage; a ``.grad`` that was a slot of it is dropped
+        (the buffer will hold another bucket's gradients)."""
+        if self.buffer is None:
+            return
+        for p, slot in zip(self.params, self.views):
+            if p.grad is slot:
+                p.grad = None
+        self.storage.give_back(self.buffer)
+        self.buffer, self.views = None, []
+
+    def copy_in(self, grads: list[torch.Tensor], slots: list[torch.Tensor], scale: float) -> None:
+        """Copy ``grads`` into their ``slots``, and leave the whole buffer scaled by ``scale``.
+
+        Every Python-dispatched tensor operation costs microseconds, every
+        pass over memory costs bytes / bandwidth. Measured on this project's
+        CPU (a 25 MB bucket of 5 MLP gradients; 48 transformer gradients):
+        a fused ``slot = grad * scale`` per gradient is fastest for large
+        gradients (1.0 ms against 1.4), one ``_foreach_copy_`` plus one
+        ``buffer.mul_`` for many small ones (0.08 ms against 0.17). Slots not
+        in ``slots`` (gradients already there, zeros) are scaled in place.
+        """
+        large = bool(grads) and sum(g.numel() for g in grads) >= LARGE_GRADIENT_NUMEL * len(grads)
+        if not large:
+            if grads:
+                torch._foreach_copy_(slots, grads)  # casts too, with reduce_dtype
+            if scale != 1.0:
+                self.buffer.mul_(scale)
+            return
+        for grad, slot in zip(grads, slots):
+            if scale == 1.0:  # a comm hook averages: a plain copy (casts too)
+                slot.copy_(grad)
+            elif grad.dtype == slot.dtype:
+                torch.mul(grad, scale, out=slot)
+            else:  # reduce_dtype: cast first, so the scaling rounds only once
+                slot.copy_(grad).mul_(scale)
+        if scale != 1.0:
+            copied = {id(slot) for slot in slots}
+            for slot in self.views:
+                if id(slot) not in copied:
+                    slot.mul_(scale)
 
     def view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This parameter's slot in the buffer, shaped like the parameter."""
@@ -227,3 +314,14 @@ class Bucket:
         self._ready = [False] * len(self.params)
         self._pending = len(self.params)
         self._future = None
+
+
+@dataclass
+class ScratchBucket:
+    """A stand-in :class:`Bucket` with no parameters: a scratch buffer sent the way buckets travel
+    (``Reducer.communicate_buffer``). Its index is past the real buckets', so no comm hook mistakes it for one."""
+
+    buffer: torch.Tensor
+    index: int
+    params: tuple = ()
+    views: tuple = ()

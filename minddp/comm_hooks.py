@@ -18,12 +18,16 @@ from overflowing. bf16 keeps fp32's range and has even less precision.
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
 
 from minddp.buckets import Bucket
 
-__all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
+__all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "check_comm_hook",
+           "builtin_comm_hook"]
 
 
 class GradBucket:
@@ -85,3 +89,41 @@ def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBuck
 def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
     """All-reduce in bfloat16: half the bytes, float32's range, about 2 significant digits."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def check_comm_hook(hook: Callable) -> None:
+    """The checks torch's DDP makes when a hook is registered, with its words.
+
+    A hook must be callable; if it annotates ``bucket``, the annotation names
+    a ``GradBucket`` (torch's ``dist.GradBucket`` or this module's); if it
+    annotates its return, a ``Future``. (Annotations may be strings, under
+    ``from __future__ import annotations``.)
+    """
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable. Got {type(hook).__name__}")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin: nothing to read
+        return
+    bucket = signature.parameters.get("bucket")
+    if bucket is not None and bucket.annotation is not inspect.Parameter.empty \
+            and "GradBucket" not in _annotation_name(bucket.annotation):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket, "
+                         f"got {_annotation_name(bucket.annotation)}")
+    returned = signature.return_annotation
+    if returned is not inspect.Signature.empty and "Future" not in _annotation_name(returned):
+        raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor], "
+                         f"got {_annotation_name(returned)}")
+
+
+def _annotation_name(annotation: Any) -> str:
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+
+
+def builtin_comm_hook(comm_hook_type: dist.BuiltinCommHookType) -> Callable:
+    """This module's hook for torch's ``dist.BuiltinCommHookType`` (``register_builtin_comm_hook``)."""
+    hooks = {dist.BuiltinCommHookType.ALLREDUCE: allreduce_hook,
+             dist.BuiltinCommHookType.FP16_COMPRESS: fp16_compress_hook}
+    if comm_hook_type not in hooks:
+        raise ValueError(f"unknown built-in comm hook {comm_hook_type!r}; known: {list(hooks)}")
+    return hooks[comm_hook_type]

@@ -20,6 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minddp.bucket_order import LearnedBucketOrder
+from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
+from minddp.bucket_planner import AutoBuckets
+from minddp.buffers_in_bucket import BuffersInLastBucket
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_replicas_in_sync, check_same_parameters
@@ -71,6 +75,10 @@ class MiniDDP(nn.Module):
       them and back. Twice the bytes of bf16 on the wire, one rounding at the
       end instead of one per addition. (torch: ``mixed_precision.reduce_dtype``.)
     * ``buffer_sync``: ``"broadcast"`` (rank 0's buffers, torch's way),
+      ``"with_gradients"`` (the same values, but sent in the last gradient
+      bucket of each synchronized backward instead of a broadcast before the
+      next forward: one collective fewer per step; see
+      :mod:`minddp.buffers_in_bucket` for the one case where it differs),
       ``"average"`` (average floating-point buffers over ranks) or ``"off"``;
       defaults to ``"broadcast"`` or ``"off"`` following ``broadcast_buffers``.
     * ``check_sync_every``: every N synchronized forwards, verify that all
@@ -158,8 +166,18 @@ class MiniDDP(nn.Module):
         # 2. The reducer: buckets, and one hook per parameter (minddp/reducer.py).
         self._observer = StepObserver(dist.get_rank(self.process_group), trace, self.device)
         options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, gradient_as_bucket_view,
-                                 find_unused_parameters, static_graph, reduce_dtype, learn_bucket_order, auto_buckets)
+                                 find_unused_parameters, static_graph, reduce_dtype, learn_bucket_order)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options, self._observer)
+        # Policies above the reducer, driving it through its hook points: the
+        # learned bucket order (torch's), then bucket_cap_mb="auto".
+        if learn_bucket_order:
+            LearnedBucketOrder(self.reducer)
+        if self.buffer_sync == "with_gradients" and self.world_size > 1 and self._buffers_to_sync:
+            self.reducer.carry_in_last_bucket(
+                BuffersInLastBucket(self._buffers_to_sync, is_source=dist.get_rank(self.process_group) == 0))
+        self.bucket_planner = None
+        if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
+            self.bucket_planner = AutoBuckets(self.reducer)
 
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
@@ -184,12 +202,17 @@ class MiniDDP(nn.Module):
         averaging (MiniDDP no longer divides by the world size for it).
         """
         if self.reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once")
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         if self.reducer.backwards_done or self.reducer.backward_started:
             raise RuntimeError("register_comm_hook must be called before the first backward")
-        if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        check_comm_hook(hook)
         self.reducer.comm_hook = (state, hook)
+        if self.reducer.passenger is not None:  # a hook need not be a sum: buffers go back to their broadcast
+            self.reducer.carry_in_last_bucket(None)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
+        self.register_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type))
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
@@ -200,6 +223,7 @@ class MiniDDP(nn.Module):
         # forward with require_backward_grad_sync False (inside no_sync())
         # makes its backward skip communication.
         sync = self.reducer.sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.reducer.forward_inside_backward = sync and torch._C._current_graph_task_id() != -1
         buffer_source = self._before_synchronized_forward() if sync else 0
         # torch's rule for buffers: broadcast before a forward when the forward
         # before it synchronized, whatever this one's grad mode. So an
@@ -209,15 +233,24 @@ class MiniDDP(nn.Module):
         # Inside join() every synchronized forward broadcasts: a rank that ran
         # out of data shadows each one with a broadcast, not knowing what the
         # others' previous forward was.
+        # With buffer_sync="with_gradients" the last backward may have brought
+        # exactly these buffers already, in its last bucket.
         in_join = sync and self.join_context is not None
-        if (self.require_forward_param_sync or in_join) and self.world_size > 1:
+        delivered = self.reducer.passenger_delivered and not in_join
+        if (self.require_forward_param_sync or in_join) and self.world_size > 1 and not delivered:
             sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
         self.require_forward_param_sync = sync
+        self.reducer.passenger_delivered = False
+        self.reducer.carry_passenger = sync and not in_join  # read only if a passenger is set up
         started = self._observer.forward_started()
         output = self.module(*args, **kwargs)
         if sync:
             self._observer.forward_done(started)
-            if self.find_unused_parameters:
+            if self.find_unused_parameters and not self.static_graph:
+                # (A static graph learns its unused parameters from its first
+                # backward, so torch skips this walk then, and so do we: it
+                # would count a parameter behind a reentrant checkpoint as
+                # unused before its gradient comes.)
                 reached = params_reached_from(output)
                 self.reducer.unused = [p for p in self._params if id(p) not in reached]
         return output

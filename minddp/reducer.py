@@ -20,13 +20,23 @@ the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
                   _account_for_missing_gradients   (zeros, or an error naming them)
                   wait for every bucket
                   _write_averages_into_grads
-                  after the first: buckets rebuilt in arrival order;
-                  with bucket_cap_mb="auto", after a few more: rebuilt
-                  with the cap the measured network asks for
+                  backward_done_callbacks: policies above may rebuild
+                  the buckets (after the first backward, in the order
+                  gradients arrived: minddp.bucket_order; and
+                  bucket_cap_mb="auto": minddp.bucket_planner)
 
 The buckets themselves (a flat buffer and its life cycle) are in
 :mod:`minddp.buckets`; what "communicate" means (all-reduce, or a compressed
 one) in :mod:`minddp.comm_hooks`.
+
+What code above the reducer may use (mechanism here, policy there): the
+arrival log of the last backward (``watch_arrivals``, ``arrival_log``),
+``rebuild(order, cap_bytes, first_cap_bytes)``, ``backward_done_callbacks``,
+``communicate_buffer`` (a scratch buffer sent the way buckets travel), and
+``bucket_reduced_hook`` and ``use_bucket_storage`` (ZeRO stage 2). The
+learned bucket order (:mod:`minddp.bucket_order`) and
+``bucket_cap_mb="auto"`` (:mod:`minddp.bucket_planner`) are built on the
+first four.
 
 Why dividing *before* summing: the sum of N half-precision gradients can
 overflow where their average would not.
@@ -43,17 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.bucket_planner import AutoBuckets
-from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, TensorSpec, assign_buckets
+from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, BucketStorage, ScratchBucket, TensorSpec, assign_buckets
 from minddp.comm_hooks import GradBucket
-from minddp.sync import global_rank
 from minddp.trace import StepObserver, profiler_range
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
-
-# Above this mean size (elements), a bucket's gradients are copied and scaled
-# one by one in a single fused pass each; below, in two batched calls.
-LARGE_GRADIENT_NUMEL = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,6 @@ class ReducerOptions:
     static_graph: bool = False
     reduce_dtype: torch.dtype | None = None
     learn_bucket_order: bool = True
-    auto_buckets: bool = False  # bucket_cap_mb="auto": start at bucket_cap_mb, then choose (bucket_planner)
 
 
 class Reducer:
@@ -82,29 +85,40 @@ class Reducer:
         self._index = {p: i for i, p in enumerate(params)}
         self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
         self._caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))  # bytes: cap, first cap
+        self._storage = BucketStorage()  # where bucket buffers come from (use_bucket_storage)
+        self._reclaimed: set[int] = set()  # buckets whose result was taken, and buffer given back, this backward
+        # A passenger in the last bucket (carry_in_last_bucket): MiniDDP's buffers, with buffer_sync="with_gradients".
+        self.passenger = None
+        self.carry_passenger = False  # set at each synchronized forward: does this backward carry it?
+        self.passenger_delivered = False  # did the last backward deliver it? (MiniDDP resets it at forward)
         # Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(params)))))
-        self._rebuild_after_first_step = options.learn_bucket_order
-        self._auto: AutoBuckets | None = None
-        if options.auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
-            specs = [self._bucket_spec(p) for p in params]
-            self._auto = AutoBuckets(names, [s.nbytes for s in specs], [s.dtype for s in specs])
-        self._arrival: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while recording
-        self._recording = self._rebuild_after_first_step or self._auto is not None
+        self.arrival_log: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while watched
+        self._arrival_watchers: set[object] = set()
+        self._recording = False  # anyone watching? Read by every hook: one attribute
+        # Called at the end of every synchronized backward (and a joined
+        # rank's stand-in for one), after .grad is written: the place for a
+        # policy that watches steps and may rebuild the buckets.
+        self.backward_done_callbacks: list[Callable[[], None]] = []
+        # Why the buckets will still change, if a policy above plans to rebuild them.
+        self.planned_rebuild: str | None = None
         self._static_graph = options.static_graph  # read by every hook: one attribute, not two
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
 
         self.sync_this_backward = False  # set at each forward
+        # Also set at each synchronized forward: did it run inside a backward
+        # pass? A reentrant checkpoint around the whole wrapped model
+        # recomputes its forward there, and then every gradient of that
+        # forward comes from the one nested pass that follows.
+        self.forward_inside_backward = False
         self.unused: list[nn.Parameter] = []  # no gradient will come for these (graph walk, static graph)
         self.divisor = self.world_size  # what each gradient is divided by before the sum (join changes it)
         self.backward_started = False
         self.backwards_done = 0
         self.comm_hook: tuple[Any, Callable] | None = None
-        # The one hook point for code beyond DDP (ZeRO stage 2, minddp/zero/stage2.py):
-        # called with each bucket once its communication is done, at the end of
-        # backward; returning True means "the result is taken care of" and the
-        # reducer writes no .grad for that bucket's parameters.
+        # ZeRO stage 2's hook point: called with each bucket once its communication
+        # is done; True means "the result is taken care of": no .grad is written.
         self._bucket_reduced_hook: Callable[[GradBucket], bool] | None = None
         self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
         self._locally_used = [True] * len(params)
@@ -113,6 +127,7 @@ class Reducer:
         self.globally_used: list[bool] | None = None
         self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
         self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
+        self._static_used: list[bool] | None = None  # ... and which parameters some rank uses
 
     @property
     def bucket_reduced_hook(self) -> Callable[[GradBucket], bool] | None:
@@ -120,21 +135,66 @@ class Reducer:
 
     @bucket_reduced_hook.setter
     def bucket_reduced_hook(self, hook: Callable[[GradBucket], bool] | None) -> None:
-        if hook is not None and self._auto is not None:
+        if hook is not None and self.planned_rebuild is not None:
             raise ValueError(
-                "MiniDDP(bucket_cap_mb='auto') rebuilds its buckets after its first measured steps, and "
-                "ZeRO stage 2 (shard_gradients=True) partitions gradients by those buckets: give MiniDDP "
-                "a fixed bucket_cap_mb to use them together")
+                f"{self.planned_rebuild}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
+                "those buckets: give MiniDDP a fixed bucket_cap_mb to use them together")
         self._bucket_reduced_hook = hook
 
+    def watch_arrivals(self, watcher: object, on: bool = True) -> None:
+        """Keep ``arrival_log`` (which gradient came when) for every backward while some ``watcher`` asks."""
+        (self._arrival_watchers.add if on else self._arrival_watchers.discard)(watcher)
+        self._recording = bool(self._arrival_watchers)
+
     # ------------------------------------------------------------------ buckets
+    @property
+    def caps(self) -> tuple[int, int | None]:
+        """Bucket cap and first-bucket cap, in bytes."""
+        return self._caps
+
+    @property
+    def bucket_order(self) -> list[int]:
+        """Parameter indices in the order the buckets hold them."""
+        return [i for indices in self._indices for i in indices]
+
+    def rebuild(self, order: list[int], cap_bytes: int, first_cap_bytes: int | None) -> None:
+        """Bucket the parameters anew: indices in expected-arrival ``order``, these caps.
+
+        Between backwards only, and with the same arguments on every rank
+        (the caller broadcasts its decision): buckets are what keeps the
+        ranks' collectives matched.
+        """
+        if self.backward_started:
+            raise RuntimeError("Reducer.rebuild during a backward: buckets change only between steps")
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
+        self._caps = (cap_bytes, first_cap_bytes)
+        self._build_buckets(order)
+
+    def carry_in_last_bucket(self, passenger) -> None:
+        """Send ``passenger`` (``numel``, ``fits(dtype)``, ``pack(tail)``, ``unpack(tail)``) in the last
+        bucket's communication, in ``numel`` extra elements after its gradients; None stops it."""
+        self.passenger = passenger
+        self._build_buckets(self.bucket_order)
+
+    def use_bucket_storage(self, storage: BucketStorage) -> None:
+        """Take bucket buffers from ``storage`` from now on (see :class:`~minddp.buckets.BucketStorage`):
+        with ``keep_buffers`` False, a buffer goes back as soon as the ``bucket_reduced_hook`` took its result."""
+        for bucket in self.buckets:
+            bucket.release()
+        self._storage = storage
+        self._build_buckets(self.bucket_order)
+
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [self._bucket_spec(self.params[i]) for i in order]
         groups = assign_buckets(specs, *self._caps)
+        last_dtype = specs[groups[-1][0]].dtype
+        self._passenger_fits = self.passenger is not None and self.passenger.fits(last_dtype)
         self.buckets = [
             Bucket(k, [self.params[order[j]] for j in group], [self.names[order[j]] for j in group],
-                   dtype=specs[group[0]].dtype)
+                   dtype=specs[group[0]].dtype, storage=self._storage,
+                   extra_numel=self.passenger.numel if self._passenger_fits and k == len(groups) - 1 else 0)
             for k, group in enumerate(groups)
         ]
         # The plan every hook follows, worked out once here instead of at
@@ -147,24 +207,25 @@ class Reducer:
                 self._plan[i] = (bucket, position)
         self._next_to_launch = 0
         # Parameters whose .grad becomes their slot (bucket views, same dtype).
-        self._as_view = [self._grad_is_slot_view(i, self._slot(i)) for i in range(len(self.params))]
+        self._as_view = [self._grad_is_slot_view(i, self._plan[i][0].dtype) for i in range(len(self.params))]
         for i, p in enumerate(self.params):  # gradients kept across a rebuild move into their new slots
-            slot = self._slot(i)
-            if p.grad is not None and self._grad_is_slot_view(i, slot):
-                p.grad = slot.copy_(p.grad)
+            if p.grad is not None and self._as_view[i]:
+                p.grad = self._slot(i).copy_(p.grad)
 
     def _slot(self, index: int) -> torch.Tensor:
         bucket, position = self._plan[index]
+        if bucket.buffer is None:  # a storage that lends buffers: the bucket's first use this backward
+            bucket.acquire()
         return bucket.views[position]
 
     def _bucket_spec(self, p: nn.Parameter) -> TensorSpec:
         dtype = self.options.reduce_dtype or p.dtype
         return TensorSpec(p.numel(), dtype.itemsize, dtype, p.device)
 
-    def _grad_is_slot_view(self, index: int, slot: torch.Tensor) -> bool:
+    def _grad_is_slot_view(self, index: int, bucket_dtype: torch.dtype) -> bool:
         """Should ``params[index].grad`` *be* its bucket slot? Only with bucket
         views, a dense gradient, and a bucket in the parameter's own dtype."""
-        return (self.options.gradient_as_bucket_view and slot.dtype == self.params[index].dtype
+        return (self.options.gradient_as_bucket_view and bucket_dtype == self.params[index].dtype
                 and index not in self._sparse_dim)
 
     # -------------------------------------------------- the path of a gradient
@@ -184,11 +245,11 @@ class Reducer:
         if self._static_graph and not self._last_expected_hook(index):
             return  # more of this parameter's gradient is still to come
         self.observer.gradient_ready(self.names[index], param.grad)
-        if self._recording:  # the first backwards: learned order, "auto" measurements
-            self._arrival.append((index, time.perf_counter()))
+        if self._recording:  # the first backward (learned order), or asked for from above
+            self.arrival_log.append((index, time.perf_counter()))
         if self._as_view[index]:
-            grad, slot = param.grad, self._slot(index)
-            if grad is not None and not grad.is_sparse and grad is not slot:
+            grad = param.grad
+            if grad is not None and not grad.is_sparse and grad is not (slot := self._slot(index)):
                 # gradient_as_bucket_view after zero_grad(set_to_none=True):
                 # autograd made a fresh .grad. Into its slot now, so its memory
                 # goes back at once, not when the whole bucket is complete (as
@@ -203,7 +264,7 @@ class Reducer:
         self._watched_passes = set()
         self._locally_used = [True] * len(self.params)
         self._hooks_seen = [0] * len(self.params)
-        self._arrival = []  # only this backward's order counts (an earlier one may have failed)
+        self.arrival_log = []  # only this backward's order counts (an earlier one may have failed)
         for p in self.unused:  # no gradient will come for these: count them now
             self._mark_ready(self._index[p])
 
@@ -236,9 +297,10 @@ class Reducer:
         from overflowing, and multiplying by 1/N is what torch's reducer does
         (so results are bit-equal to its). A comm hook does its own averaging.
         Done once per bucket, when its last gradient is in (it could not leave
-        earlier anyway), so the work can be batched; see :meth:`_scale_copies`.
+        earlier anyway), so the work can be batched: :meth:`Bucket.copy_in`.
         """
         scale = 1.0 if self.comm_hook is not None else 1.0 / self.divisor
+        bucket.acquire()
         copies, slots, copied = [], [], []
         for index, param, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
             grad = param.grad
@@ -254,40 +316,16 @@ class Reducer:
                 copies.append(param)
                 slots.append(slot)
                 copied.append(index)
-        self._scale_copies(bucket, copies, slots, scale)
+        bucket.copy_in([p.grad for p in copies], slots, scale)
+        if bucket.extra_numel:  # the last bucket, with room for the passenger
+            if self.carry_passenger:
+                self.passenger.pack(bucket.tail)
+            else:
+                bucket.tail.zero_()
         if self.options.gradient_as_bucket_view:
             for index, param, slot in zip(copied, copies, slots):  # only now: .grad held the gradient until the copy
-                if self._grad_is_slot_view(index, slot):  # e.g. after zero_grad(set_to_none=True)
+                if self._as_view[index]:  # e.g. after zero_grad(set_to_none=True)
                     param.grad = slot
-
-    def _scale_copies(self, bucket: Bucket, params: list[nn.Parameter], slots: list[torch.Tensor],
-                      scale: float) -> None:
-        # Every Python-dispatched tensor operation costs microseconds, every
-        # pass over memory costs bytes / bandwidth. Measured on this project's
-        # CPU (a 25 MB bucket of 5 MLP gradients; 48 transformer gradients):
-        # a fused ``slot = grad * scale`` per gradient is fastest for large
-        # gradients (1.0 ms against 1.4), one ``_foreach_copy_`` plus one
-        # ``buffer.mul_`` for many small ones (0.08 ms against 0.17).
-        grads = [p.grad for p in params]
-        large = bool(grads) and sum(g.numel() for g in grads) >= LARGE_GRADIENT_NUMEL * len(grads)
-        if not large:
-            if grads:
-                torch._foreach_copy_(slots, grads)  # casts too, with reduce_dtype
-            if scale != 1.0:
-                bucket.buffer.mul_(scale)  # the whole bucket: copies, views, zeros, densified
-            return
-        for grad, slot in zip(grads, slots):
-            if scale == 1.0:  # a comm hook averages: a plain copy (casts too)
-                slot.copy_(grad)
-            elif grad.dtype == slot.dtype:
-                torch.mul(grad, scale, out=slot)
-            else:  # reduce_dtype: cast first, so the scaling rounds only once
-                slot.copy_(grad).mul_(scale)
-        if scale != 1.0:  # the rest of the bucket (views, densified sparse) is scaled in place
-            copied = {id(slot) for slot in slots}
-            for slot in bucket.views:
-                if id(slot) not in copied:
-                    slot.mul_(scale)
 
     def _launch_ready_buckets(self) -> None:
         # Strict bucket order: a ready bucket waits for the ones before it, so
@@ -299,6 +337,24 @@ class Reducer:
                 bucket.launch(self._communicate)
             self.observer.bucket_launched(bucket.index, bucket.buffer.nbytes, launched, bucket.future)
             self._next_to_launch += 1
+        if not self._storage.keep_buffers:
+            self._reclaim_finished_buckets()
+
+    def _reclaim_finished_buckets(self) -> None:
+        """Buffers lent by the storage go back as soon as their result is taken (not at the end of backward)."""
+        for bucket in self.buckets[: self._next_to_launch]:
+            if bucket.index not in self._reclaimed and bucket.future is not None and bucket.future.done():
+                bucket.wait()
+                self._hand_over(bucket)
+
+    def _hand_over(self, bucket: Bucket) -> bool:
+        """Offer a reduced bucket to the ``bucket_reduced_hook``; True if taken (its buffer may then go back)."""
+        if self.bucket_reduced_hook is None or not self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
+            return False
+        self._reclaimed.add(bucket.index)
+        if not self._storage.keep_buffers:
+            bucket.release()
+        return True
 
     def _communicate(self, bucket: Bucket) -> torch.futures.Future:
         if self.comm_hook is None:
@@ -308,7 +364,11 @@ class Reducer:
                 return done
             return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
         state, hook = self.comm_hook
-        return hook(state, GradBucket(bucket, len(self.buckets)))
+        future = hook(state, GradBucket(bucket, len(self.buckets)))
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future and what collectives return
+            raise TypeError(f"MiniDDP's comm hook {getattr(hook, '__name__', hook)!r}: callback must return a "
+                            f"torch.futures.Future object, but got {type(future).__name__}")
+        return future
 
     def _on_backward_pass_end(self) -> None:
         """Autograd finished a pass that delivered gradients: is the backward over?"""
@@ -316,8 +376,8 @@ class Reducer:
             return  # an earlier pass's callback already finished this backward
         if self._next_to_launch == len(self.buckets):
             self._finish_backward()  # every gradient is in, whichever pass this was
-        elif torch._C._current_autograd_node() is None:
-            self._finish_backward()  # the outermost pass ended: what is missing stays missing
+        elif torch._C._current_autograd_node() is None or self.forward_inside_backward:
+            self._finish_backward()  # the outermost pass ended (or this forward's only pass): what is missing stays missing
         # else: a nested (reentrant checkpoint) pass ended inside a node of the
         # outer pass, which goes on and will deliver the remaining gradients.
 
@@ -327,16 +387,18 @@ class Reducer:
         self._account_for_missing_gradients()
         with profiler_range("minddp.wait_buckets"):
             for bucket in self.buckets:
-                bucket.wait()
+                if bucket.index not in self._reclaimed:
+                    bucket.wait()
+        if self._passenger_fits and self.carry_passenger:
+            self.passenger.unpack(self.buckets[-1].tail)
+            self.passenger_delivered = True
         self.globally_used = self._globally_used()
         self._write_averages_into_grads(self.globally_used)
         self.observer.backward_done()
         self.backwards_done += 1
         self._reset_buckets()
-        if self._rebuild_after_first_step:
-            self._rebuild_in_arrival_order()
-        if self._auto is not None and self._auto.measuring:
-            self._measure_for_auto()
+        for callback in list(self.backward_done_callbacks):  # a callback may remove itself
+            callback()
 
     def _account_for_missing_gradients(self) -> None:
         if self.options.static_graph and self._hooks_expected is None:
@@ -368,7 +430,7 @@ class Reducer:
 
     def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
-            if self.bucket_reduced_hook is not None and self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
+            if bucket.index in self._reclaimed or self._hand_over(bucket):
                 continue
             grads, slots = [], []  # dense same-dtype copies: one call per bucket (see _fill_bucket)
             for index, p, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
@@ -378,7 +440,7 @@ class Reducer:
                     continue  # gradient_as_bucket_view: the average is already in .grad
                 if index in self._sparse_dim:
                     p.grad = slot.to(p.dtype).to_sparse(self._sparse_dim[index])
-                elif self._grad_is_slot_view(index, slot):
+                elif self._as_view[index]:
                     p.grad = slot
                 elif p.grad is None:
                     p.grad = slot.to(p.dtype, copy=True)
@@ -391,9 +453,17 @@ class Reducer:
                 torch._foreach_copy_(grads, slots)
 
     def _globally_used(self) -> list[bool] | None:
+        """Which parameters got a gradient on some rank (the others keep their ``.grad``, None stays None)."""
+        if self._static_graph:
+            if self._static_used is None:  # learned once, by the first backward; the graph does not change
+                self._static_used = self._used_on_any_rank([n > 0 for n in self._hooks_expected or self._hooks_seen])
+            return self._static_used
         if not self.options.find_unused_parameters:
             return None  # every parameter produced a gradient, or we raised above
-        used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.device)
+        return self._used_on_any_rank(self._locally_used)
+
+    def _used_on_any_rank(self, used_here: list[bool]) -> list[bool]:
+        used = torch.tensor(used_here, dtype=torch.int32, device=self.device)
         dist.all_reduce(used, group=self.process_group)
         return [bool(u) for u in used.tolist()]
 
@@ -401,6 +471,7 @@ class Reducer:
         return [name for b in self.buckets for name in b.unready_names()]
 
     def _reset_buckets(self) -> None:
+        self._reclaimed = set()
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0
@@ -412,79 +483,25 @@ class Reducer:
         self._reset_buckets()
         return missing
 
-    def _rebuild_in_arrival_order(self) -> None:
-        """After the first backward, bucket parameters in the order their gradients came.
-
-        Registration order is only a guess at execution order. Rank 0's
-        observed order is broadcast, so all ranks build identical buckets.
-        """
-        self._rebuild_after_first_step = False
-        self._recording = self._auto is not None and self._auto.measuring
-        arrival = list(dict.fromkeys(i for i, _ in self._arrival))
-        seen = set(arrival)
-        order = arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
-        order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
-        dist.broadcast(order_t, src=global_rank(self.process_group, 0), group=self.process_group)
-        order = order_t.tolist()
-        if order != [i for indices in self._indices for i in indices]:
-            self._build_buckets(order)
-
-    # -------------------------------------------------- bucket_cap_mb="auto"
-    def _measure_for_auto(self) -> None:
-        """Hand this backward's arrival times to the planner; once it has seen
-        enough, probe, let rank 0 choose, and rebuild on every rank."""
-        if not self._auto.backward_done(self._arrival, time.perf_counter()):
-            return
-        self._recording = False
-        rank0 = global_rank(self.process_group, 0)
-        is_rank0 = dist.get_rank() == rank0
-        dtype = self.options.reduce_dtype or self.params[0].dtype
-        choice, why = None, ""
-        try:  # only rank 0 can fail here, after every probe collective: the broadcast below still matches
-            choice = self._auto.decide(self._probe, self.world_size, self.device, dtype, is_rank0,
-                                       comm_hook=self.comm_hook is not None)
-        except ValueError as error:
-            why = str(error)
-        caps = [choice.cap_mb, choice.first_cap_mb] if choice else [self.options.bucket_cap_mb, FIRST_BUCKET_CAP_MB]
-        caps_t = torch.tensor(caps, dtype=torch.float64, device=self.device)
-        dist.broadcast(caps_t, src=rank0, group=self.process_group)
-        if is_rank0:
-            print(choice.describe() if choice else f"MiniDDP bucket_cap_mb='auto': kept the default ({why})",
-                  flush=True)
-        cap_mb, first_mb = caps_t.tolist()
-        self._caps = (int(cap_mb * MiB), int(first_mb * MiB))
-        self._build_buckets([i for indices in self._indices for i in indices])  # same order, new caps
-
-    def _probe(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """One all-reduce of a scratch ``buffer`` the way buckets travel (comm hook included)."""
-        return self._communicate(_ProbeBucket(buffer, len(self.buckets)))
+    def communicate_buffer(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """Send a scratch ``buffer`` the way buckets travel (comm hook included), e.g. to time the link."""
+        return self._communicate(ScratchBucket(buffer, len(self.buckets)))
 
     # ---------------------------------------------------------- uneven inputs
     def shadow_backward(self) -> None:
         """A joined rank's stand-in for a backward: the same collectives, contributing zeros."""
         for bucket in self.buckets:
+            bucket.acquire()
             bucket.buffer.zero_()
             bucket.launch_unconditionally(self._communicate)
             bucket.wait()
             bucket.reset()
-        if self.options.find_unused_parameters:
+            if not self._storage.keep_buffers:
+                bucket.release()
+        if self.options.find_unused_parameters or (self._static_graph and self._static_used is None):
             self._locally_used = [False] * len(self.params)
+            self._hooks_seen = [0] * len(self.params)
             self.globally_used = self._globally_used()
-        if self._rebuild_after_first_step:
-            self._rebuild_in_arrival_order()
-        if self._auto is not None and self._auto.measuring:
-            self._arrival = []  # nothing arrived here; the step still counts, as on the other ranks
-            self._measure_for_auto()
-
-
-@dataclass
-class _ProbeBucket:
-    """A stand-in :class:`~minddp.buckets.Bucket` for the "auto" link probe: a scratch buffer, no parameters.
-
-    Its index is past the real buckets', so no hook mistakes it for one of them.
-    """
-
-    buffer: torch.Tensor
-    index: int
-    params: tuple = ()
-    views: tuple = ()
+        self.arrival_log = []  # nothing arrived here; the step still counts, as on the other ranks
+        for callback in list(self.backward_done_callbacks):
+            callback()

@@ -9,6 +9,7 @@ identical lives in :mod:`minddp.replicas`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -20,7 +21,7 @@ __all__ = [
     "global_rank",
 ]
 
-BUFFER_POLICIES = ("broadcast", "average", "off")
+BUFFER_POLICIES = ("broadcast", "with_gradients", "average", "off")
 
 # torch's DDP broadcasts in chunks of 250 MiB: few collectives, bounded extra memory.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -111,10 +112,13 @@ def sync_buffers(buffers: Sequence[torch.Tensor], group: dist.ProcessGroup, poli
       rank's data counts); integer buffers such as ``num_batches_tracked``,
       equal everywhere anyway, are broadcast.
     * ``"off"``: nothing.
+
+    (``"with_gradients"`` is ``"broadcast"`` sent in the last gradient bucket,
+    :mod:`minddp.buffers_in_bucket`; where it cannot be, it is this broadcast.)
     """
     if policy == "off" or not buffers:
         return
-    if policy == "broadcast":
+    if policy in ("broadcast", "with_gradients"):
         broadcast_coalesced(buffers, group, src)
         return
     floating = [b for b in buffers if b.is_floating_point()]
@@ -153,6 +157,8 @@ def _chunks(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
+    """Every tensor in a forward's output: nested in lists, tuples (named too),
+    dicts (a HuggingFace ``ModelOutput`` is one) and dataclass fields, as torch's DDP looks."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -161,6 +167,9 @@ def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _tensors_in(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, field.name))
 
 
 def params_reached_from(outputs: Any) -> set[int]:

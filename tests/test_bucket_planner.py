@@ -104,7 +104,7 @@ def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps):
             F.mse_loss(model(x), y).backward()
             opt.step()
     diff = max((p - q).abs().max().item() for p, q in zip(mini.parameters(), native.parameters()))
-    choice = mini.reducer._auto.choice
+    choice = mini.bucket_planner.choice
     return {"buckets": mini.bucket_names, "default_buckets": default_buckets, "diff": diff,
             "choice": None if choice is None else (choice.predicted_ms, choice.default_ms, choice.overlap)}
 

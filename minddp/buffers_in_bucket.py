@@ -1,0 +1,79 @@
+"""Rank 0's buffers ride in the last gradient bucket: one collective fewer per step.
+
+torch's DDP broadcasts the module's buffers (BatchNorm's running statistics)
+at the start of every forward that follows a synchronized one: a collective
+of its own, and on Gloo each collective costs a fixed latency (about a
+millisecond here, several per cent of a small model's step). Two facts make
+that collective unnecessary:
+
+* a sum over the ranks in which every rank but 0 contributes zeros *is* a
+  broadcast of rank 0's values (x + 0 = x, exactly);
+* the buffers torch would broadcast before forward k+1 are rank 0's buffers
+  as forward k left them, and backward k does not change them.
+
+So the buffers are appended to the last bucket of backward k, which is
+all-reduced anyway, and written back when backward k ends
+(``MiniDDP(buffer_sync="with_gradients")``). The values before every forward
+are then torch's, unless something other than the wrapped forward changes a
+buffer between a backward and the next forward (a ``load_state_dict`` on
+rank 0 alone): that is why it is an option and not the default.
+
+Bit for bit, whatever the buffer's dtype: each buffer travels as its raw
+bytes, read as 16-bit integers and carried as float32 values. Every int16
+is exactly a float32, and adding zeros changes no value, so integer
+counters (``num_batches_tracked``), a -0.0 or a NaN arrive as they left.
+The price: 4 bytes on the wire per 2 bytes of buffer, for tensors that are
+a few KB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BuffersInLastBucket", "CARRIER_DTYPES"]
+
+# Bucket dtypes that hold every int16 exactly (bf16 and fp16 do not: 8 and 11 bits of mantissa).
+CARRIER_DTYPES = (torch.float32, torch.float64)
+
+
+class BuffersInLastBucket:
+    """The reducer's passenger: ``numel`` extra elements at the end of the last bucket.
+
+    :meth:`pack` fills them before the bucket is sent (rank 0: its buffers'
+    bytes; every other rank: zeros), :meth:`unpack` writes the sum, rank 0's
+    bytes, into every rank's buffers once the bucket has arrived.
+    """
+
+    def __init__(self, buffers: list[torch.Tensor], is_source: bool):
+        self.buffers = [b for b in buffers if b.numel() > 0]
+        self.is_source = is_source
+        # Whole 16-bit words of contiguous memory (a 1-byte bool buffer is not).
+        self._whole_words = all(b.is_contiguous() and b.numel() * b.element_size() % 2 == 0 for b in self.buffers)
+        self._words = [_as_int16(b) for b in self.buffers] if self._whole_words else []
+        self.numel = sum(w.numel() for w in self._words)
+
+    def fits(self, bucket_dtype: torch.dtype) -> bool:
+        """Can a bucket of ``bucket_dtype`` carry these buffers exactly?"""
+        return self._whole_words and bucket_dtype in CARRIER_DTYPES
+
+    def pack(self, tail: torch.Tensor) -> None:
+        if not self.is_source:
+            tail.zero_()
+            return
+        offset = 0
+        for words in self._words:
+            tail[offset: offset + words.numel()].copy_(words)  # int16 -> float: exact
+            offset += words.numel()
+
+    def unpack(self, tail: torch.Tensor) -> None:
+        offset = 0
+        for words in self._words:
+            # Written through .data (see _as_int16): a forward's graph that
+            # saved a buffer must not see its version counter move.
+            words.copy_(tail[offset: offset + words.numel()])  # float -> int16: exact
+            offset += words.numel()
+
+
+def _as_int16(buffer: torch.Tensor) -> torch.Tensor:
+    """The buffer's bytes as a flat int16 view (shares its memory; ``.data``: no version bump)."""
+    return buffer.data.reshape(-1).view(torch.int16)
