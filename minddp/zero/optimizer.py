@@ -81,7 +81,7 @@ from minddp.zero.partition import PARTITIONS, FlatUnit, Segment, flat_units, gre
 from minddp.zero.presence import stepped_parameters
 from minddp.zero.shards import Shard, ShardLayout
 from minddp.zero.stage1_hook import attach_allreduce
-from minddp.zero.stage2 import attach, bucket_units, check_attachable, check_buckets_unchanged, missing_from
+from minddp.zero.stage2 import attach, bucket_units, check_attachable, check_buckets_unchanged, missing_from, use_pool
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -288,6 +288,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._end_gradient_round()
         self._pending_load = None
+        if self.shard_gradients:
+            use_pool(self)
         with torch.no_grad():
             all_gather_params(self.layout, lambda s: s.master, lambda p: p.data, self.process_group)
         return loss

@@ -28,15 +28,21 @@ the first ``step()``, before any optimizer state exists.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 
 from minddp.comm_hooks import GradBucket
+from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.partition import FlatUnit
 
+# Reduce-scatters in flight at once (each holds a pool buffer): one on the wire, one being filled.
+BUCKETS_IN_FLIGHT = 2
+
 __all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "missing_from",
-           "reduce_scatter_hook"]
+           "reduce_scatter_hook", "use_pool"]
 
 
 def bucket_units(ddp, world_size: int) -> list[FlatUnit]:
@@ -69,12 +75,37 @@ def missing_from(zero) -> list[str]:
 
 
 def attach(zero, ddp) -> None:
-    """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards."""
+    """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards, from a pool of buffers."""
     reducer = ddp.reducer
-    zero._scattered = set()  # buckets whose piece the optimizer took in this backward
+    zero._scattered = set()  # buckets whose piece arrived in this backward, not yet taken
+    zero._in_flight = deque()  # this backward's reduce-scatters not yet waited for, oldest first
+    zero._taken = []  # parameters of the buckets taken in this backward
     zero._reducer_index = {id(p): i for i, p in enumerate(reducer.params)}  # where globally_used says it
     ddp.register_comm_hook(zero, reduce_scatter_hook)
     reducer.bucket_reduced_hook = lambda bucket: _took(zero, bucket)
+    zero.bucket_pool = BucketPool(zero.world_size)
+    zero._pool_in_use = False
+    if not _provisional(zero):
+        use_pool(zero)
+    reducer.backward_done_callbacks.append(lambda: _note_used(zero))
+
+
+def use_pool(zero) -> None:
+    """Buckets take their buffers from the pool from now on (after a step: its gradients were consumed).
+
+    Not during the first backward when MiniDDP learns its bucket order: that
+    one is all-reduced into ``.grad`` as in DDP, and its buckets are rebuilt
+    at its end. Its ``.grad`` (bucket slots, with bucket views) are dropped
+    here, once the first step has read them: stage 2 keeps no full gradient.
+    """
+    if zero._pool_in_use or _provisional(zero):
+        return
+    reducer = zero.ddp.reducer
+    for bucket in reducer.buckets:
+        for p in bucket.params:
+            p.grad = None
+    reducer.use_bucket_storage(zero.bucket_pool)
+    zero._pool_in_use = True
 
 
 def _provisional(zero) -> bool:
@@ -95,12 +126,17 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     index = bucket.index()
     if index == 0:  # buckets launch in order: once per backward is enough
         check_buckets_unchanged(zero)
+        zero._in_flight.clear()
+    _wait_for_room(zero)
     unit = zero.layout.units[index]
-    if n * unit.piece == buffer.numel():
-        send = buffer.mul_(1.0 / divisor)
-    else:  # pad to N equal pieces (a copy: the bucket's buffer has no room)
+    buffer.mul_(1.0 / divisor)
+    send = buffer if n * unit.piece == buffer.numel() else zero.bucket_pool.padded(buffer, n * unit.piece)
+    if send is None:  # pad to N equal pieces (a copy: the bucket's buffer has no room)
         send = torch.zeros(n * unit.piece, dtype=buffer.dtype, device=buffer.device)
-        torch.mul(buffer, 1.0 / divisor, out=send[: buffer.numel()])
+        send[: buffer.numel()] = buffer
+    for p, slot in zip(bucket.parameters(), bucket.gradients()):
+        if p.grad is not slot:  # copied into the bucket: not needed any more (a slot goes with its buffer)
+            p.grad = None
     piece = torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
     work = _reduce_scatter(piece, send, group=group, async_op=True) if n > 1 else None
     if work is None:
@@ -110,7 +146,23 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
         zero._receive_piece(index, piece)
         zero._scattered.add(index)
 
-    return WorkFuture(work, buffer, arrived)
+    future = WorkFuture(work, buffer, arrived)
+    zero._in_flight.append(future)
+    return future
+
+
+def _wait_for_room(zero) -> None:
+    """At most ``BUCKETS_IN_FLIGHT`` reduce-scatters at once: wait for the oldest before sending another.
+
+    The pool lends a buffer to every bucket between its first gradient and
+    its arrival. When backward outruns the network (here: small layers, two
+    CPU cores), every bucket would be in flight at once and the pool would
+    grow to the whole model. Waiting bounds it to a few buckets, at the cost
+    of some overlap (DeepSpeed's ``overlap_comm`` makes the same trade).
+    """
+    in_flight = zero._in_flight
+    while in_flight and (in_flight[0].done() or len(in_flight) >= BUCKETS_IN_FLIGHT):
+        in_flight.popleft().wait()  # arrived: the reducer gives its buffer back at the next launch
 
 
 def _took(zero, bucket: GradBucket) -> bool:
@@ -118,12 +170,18 @@ def _took(zero, bucket: GradBucket) -> bool:
     if bucket.index() not in zero._scattered:
         return False  # all-reduced (the first backward): the reducer writes .grad as usual
     zero._scattered.discard(bucket.index())
-    used = zero.ddp.reducer.globally_used  # None: every parameter had a gradient
     for p in bucket.parameters():
-        if used is None or used[zero._reducer_index[id(p)]]:
-            zero._used_in_round.add(id(p))  # stepped; one with no gradient anywhere is not (torch's rule)
         p.grad = None  # its average lives, sharded, in the optimizer; no full gradient is kept
+    zero._taken += bucket.parameters()
     return True
+
+
+def _note_used(zero) -> None:
+    """End of a backward: which taken parameters had a gradient on some rank (known only now; a bucket
+    may have been taken during backward). Those are stepped; one with no gradient anywhere is not."""
+    used = zero.ddp.reducer.globally_used  # None: every parameter had a gradient
+    zero._used_in_round.update(id(p) for p in zero._taken if used is None or used[zero._reducer_index[id(p)]])
+    zero._taken = []
 
 
 def check_buckets_unchanged(zero) -> None:
