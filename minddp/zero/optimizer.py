@@ -33,6 +33,10 @@ Options after torch's signature (popped from ``defaults``):
   (torch's assumption; it would otherwise average them twice).
 * ``shard_gradients``: stage 2, on a MiniDDP passed as ``ddp``.
 * ``partition``: ``"flat"`` (default) or ``"greedy"`` (torch's).
+* ``overlap_comm`` (stage 2, default True): reduce-scatter a bucket while
+  backward goes on, at most two at once, each holding a buffer of the pool
+  (:mod:`minddp.zero.bucket_pool`). False waits for each as it is sent:
+  one buffer in all, no overlap (DeepSpeed's option of the same name).
 
 Gradient clipping must see every shard: call ``opt.clip_grad_norm_(max_norm)``
 between ``backward()`` and ``step()`` (the norm's squares are summed over the
@@ -93,6 +97,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                  **defaults: Any):
         self.ddp = defaults.pop("ddp", None)
         self.shard_gradients = bool(defaults.pop("shard_gradients", False))
+        self.overlap_comm = bool(defaults.pop("overlap_comm", True))
         self.partition = defaults.pop("partition", "flat")
         average = defaults.pop("average_gradients", None)
         if self.partition not in PARTITIONS:

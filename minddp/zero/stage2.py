@@ -38,7 +38,8 @@ from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.partition import FlatUnit
 
-# Reduce-scatters in flight at once (each holds a pool buffer): one on the wire, one being filled.
+# Reduce-scatters in flight at once (each holds a pool buffer), with overlap_comm=True (the default):
+# one on the wire while the next is sent. With overlap_comm=False each is waited for as it is sent.
 BUCKETS_IN_FLIGHT = 2
 
 __all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "missing_from",
@@ -148,6 +149,8 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
 
     future = WorkFuture(work, buffer, arrived)
     zero._in_flight.append(future)
+    if not zero.overlap_comm:  # one buffer in all: the next bucket fills it once this one has arrived
+        future.wait()
     return future
 
 
