@@ -126,6 +126,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._gradients_from_hook = False  # stage 1 on MiniDDP: its buckets' all-reduce fills the shards
         self._round_from_hook = False  # this round's gradients came through a comm hook (not from .grad)
         self._used_in_round: set[int] = set()  # stage 2: ids of the parameters the reducer saw a gradient for
+        self._written_units: set[int] = set()  # stage 2: units whose piece is in the shards this round
         self._clipped = self._last_clip = None  # clip_grad_norm_'s arguments this step, and last step
         self.optim: Optimizer | None = None
         self.layout: ShardLayout | None = None
@@ -309,6 +310,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         """A step consumed the shards' gradients: the next backward allocates them again (1/N of the grads)."""
         self._grads_in_shards = self._round_from_hook = False
         self._used_in_round = set()
+        self._written_units = set()
         for shard in self.layout.shards:
             shard.detach_gradients()
 

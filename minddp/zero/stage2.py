@@ -10,14 +10,22 @@ So the partition follows MiniDDP's buckets: each bucket (zero padded to a
 multiple of N) is cut into N equal pieces, rank r owning piece r of every
 bucket. The reduce-scatter of a bucket then lands exactly in its owner's
 shard, and it still starts as soon as the bucket is full: the overlap of
-communication with backward stays. Two narrow contacts with MiniDDP:
+communication with backward stays. Three narrow contacts with MiniDDP:
 
 * a comm hook (:func:`reduce_scatter_hook`, torch's contract) that divides
-  the bucket by N, reduce-scatters it and passes this rank's piece to the
-  optimizer when it arrives;
+  the bucket by N, drops the ``.grad`` just copied into it, and
+  reduce-scatters it, this rank's piece landing in the optimizer's shard
+  gradient (straight into it where the piece lies there end to end);
 * the reducer's ``bucket_reduced_hook`` (:mod:`minddp.reducer`): told that
   the optimizer took the bucket, the reducer does not write ``.grad``, and
-  the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced.
+  the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
+* the reducer's bucket storage: buffers lent by a small pool
+  (:mod:`minddp.zero.bucket_pool`), given back as soon as a bucket's piece
+  has arrived, during backward. At most ``BUCKETS_IN_FLIGHT`` buckets hold
+  one at a time (``overlap_comm=False``: one), so the peak is the shard
+  gradients (4 psi / N bytes in fp32) plus a few buckets, not a second copy
+  of the model's gradients (measured: ``tests/test_zero_stage2_memory.py``,
+  ``benchmarks/zero_memory_peers.py``).
 
 The first backward is special when MiniDDP learns its bucket order
 (``learn_bucket_order=True``, the default): the buckets are rebuilt at its
@@ -138,13 +146,17 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     for p, slot in zip(bucket.parameters(), bucket.gradients()):
         if p.grad is not slot:  # copied into the bucket: not needed any more (a slot goes with its buffer)
             p.grad = None
-    piece = torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
+    zero._begin_gradient_round()
+    direct = _shard_slice(zero, index)  # received straight into the shard gradient, when it can be
+    zero._written_units.add(index)
+    piece = direct if direct is not None else torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
     work = _reduce_scatter(piece, send, group=group, async_op=True) if n > 1 else None
     if work is None:
         piece.copy_(send)
 
     def arrived() -> None:
-        zero._receive_piece(index, piece)
+        if direct is None:
+            zero._receive_piece(index, piece)
         zero._scattered.add(index)
 
     future = WorkFuture(work, buffer, arrived)
@@ -152,6 +164,25 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     if not zero.overlap_comm:  # one buffer in all: the next bucket fills it once this one has arrived
         future.wait()
     return future
+
+
+def _shard_slice(zero, index: int) -> torch.Tensor | None:
+    """The slice of the shard gradient this rank's piece of bucket ``index`` is, if the reduce-scatter
+    may write it there: the piece lies whole (no padding) in one shard, end to end, and nothing of
+    this round is there yet (a second backward before the step adds to it: through a temporary)."""
+    segments = zero.layout.unit_segments[index]
+    unit = zero.layout.units[index]
+    if index in zero._written_units or not segments:
+        return None
+    shard, start = segments[0][1], segments[0][2]
+    at = start
+    for seg, in_shard, offset in segments:
+        if in_shard is not shard or offset != at:
+            return None
+        at += seg.length
+    if at - start != unit.piece:
+        return None
+    return zero._shard_grad(shard)[start:at]
 
 
 def _wait_for_room(zero) -> None:
