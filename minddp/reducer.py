@@ -252,16 +252,17 @@ class Reducer:
             self.arrival_log.append((index, time.perf_counter()))
         if self._tracing:
             self.observer.gradient_ready(self.names[index], param.grad)
-        if self._as_view[index]:
-            grad = param.grad
-            if grad is not None and not grad.is_sparse and grad is not (slot := self._slot(index)):
+        bucket, position = self._plan[index]
+        if self._as_view[index] and (grad := param.grad) is not None and not grad.is_sparse:
+            if bucket.buffer is None:  # a storage that lends buffers: the bucket's first use this backward
+                bucket.acquire()
+            if grad is not (slot := bucket.views[position]):
                 # gradient_as_bucket_view after zero_grad(set_to_none=True):
                 # autograd made a fresh .grad. Into its slot now, so its memory
                 # goes back at once, not when the whole bucket is complete (as
                 # torch's reducer; batching these copies per bucket measured no
                 # faster, and held up to a bucket of gradients twice).
                 param.grad = slot.copy_(grad)
-        bucket, position = self._plan[index]
         if bucket.mark_ready_at(position):
             self._bucket_complete(bucket)
 
