@@ -92,7 +92,7 @@ class Reducer:
         # A passenger in the last bucket (carry_in_last_bucket): MiniDDP's buffers, with buffer_sync="with_gradients".
         self.passenger = None
         self.carry_passenger = False  # set at each synchronized forward: does this backward carry it?
-        self.passenger_delivered = False  # did the last backward deliver it? (MiniDDP resets it at forward)
+        self.passenger_arrived = False  # did the last backward bring it? (MiniDDP delivers it at forward)
         # Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(params)))))
         self.arrival_log: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while watched
@@ -173,7 +173,7 @@ class Reducer:
         self._build_buckets(order)
 
     def carry_in_last_bucket(self, passenger) -> None:
-        """Send ``passenger`` (``numel``, ``fits(dtype)``, ``pack(tail)``, ``unpack(tail)``) in the last
+        """Send ``passenger`` (``numel``, ``fits(dtype)``, ``pack(tail)``, ``receive(tail)``) in the last
         bucket's communication, in ``numel`` extra elements after its gradients; None stops it."""
         self.passenger = passenger
         self._build_buckets(self.bucket_order)
@@ -403,8 +403,8 @@ class Reducer:
                 if bucket.index not in self._reclaimed:
                     bucket.wait()
         if self._passenger_fits and self.carry_passenger:
-            self.passenger.unpack(self.buckets[-1].tail)
-            self.passenger_delivered = True
+            self.passenger.receive(self.buckets[-1].tail)
+            self.passenger_arrived = True
         self._write_averages_into_grads(self._globally_used())
         self.observer.backward_done()
         self.backwards_done += 1
