@@ -9,8 +9,11 @@ of backward) -> :mod:`minddp.fsdp.fully_shard` (the API: which parameters
 make a unit, the hooks) -> :mod:`minddp.fsdp.state_dict` -> :mod:`minddp.fsdp.checks`.
 """
 
-from minddp.fsdp.fully_shard import FSDPModule, fully_shard
+from minddp.fsdp.checkpoint import load_sharded, save_sharded
+from minddp.fsdp.clip import clip_grad_norm_
+from minddp.fsdp.fully_shard import FSDPModule, fully_shard, is_sharded
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.fsdp.state_dict import full_state_dict, load_full_state_dict
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard", "full_state_dict", "load_full_state_dict"]
+__all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict", "fully_shard", "is_sharded",
+           "load_full_state_dict", "load_sharded", "save_sharded"]

@@ -63,6 +63,9 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
         self.requires_gradient_sync = True
         self.borrowed: list[tuple[Place, "ShardedUnit", int]] = []  # tied parameters owned by another unit
+        self.reshard_after_forward = True
+        self.is_root = False  # around other units: kept gathered from its forward into backward
+        self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
         self._gather_work = None
         self.pending = None  # (work, piece) of a launched reduce-scatter
