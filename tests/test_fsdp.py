@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minddp.fsdp import FSDPModule, clip_grad_norm_, full_state_dict, fully_shard, is_sharded
+from minddp.fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, full_state_dict, fully_shard, is_sharded
 from minddp.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -44,13 +44,30 @@ def shard_gpt(model: GPT, how: str = "blocks+root", **kwargs) -> GPT:
         fully_shard(model.wte, **kwargs)
         fully_shard(model.head, **kwargs)
     if how == "leaves":  # only Linear and Embedding layers; LayerNorms stay replicated; no root
-        for module in list(model.modules()):
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                fully_shard(module, **kwargs)
-        return model
+        return get_fsdp(model)
     for block in model.blocks:
         fully_shard(block, **kwargs)
     return fully_shard(model, **kwargs)
+
+
+# The adapter of minddp/fsdp/__init__.py's docstring, as a course's tests would use it.
+def get_fsdp(module, compute_dtype=None):
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype)
+    for sub in list(module.modules()):
+        if isinstance(sub, (nn.Linear, nn.Embedding)):
+            fully_shard(sub, mp_policy=policy)
+    return module
+
+
+def fsdp_on_after_backward(model, optimizer):
+    for p in model.parameters():
+        if p.grad is not None and not is_sharded(p):
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+
+
+def fsdp_gather_full_params(model):
+    return full_state_dict(model)
 
 
 def sgd(params):
@@ -104,14 +121,11 @@ def _train_gpt(rank, world_size, steps, variant):
         for index, (x, y) in enumerate(batches):
             model.set_requires_gradient_sync(index == len(batches) - 1) if isinstance(model, FSDPModule) else None
             model(x, y).backward()
-        for p in model.parameters():  # outside every unit: replicated, averaged by the caller
-            if p.grad is not None and not is_sharded(p):
-                dist.all_reduce(p.grad)
-                p.grad.div_(world_size)
+        fsdp_on_after_backward(model, opt)  # outside every unit: replicated, averaged here
         if "clip" in variant:
             norms.append(clip_grad_norm_(model, variant["clip"]).item())
         opt.step()
-        states.append(full_state_dict(model))
+        states.append(fsdp_gather_full_params(model))
     return states, norms
 
 
