@@ -45,7 +45,7 @@ def shard_gpt(model: GPT, how: str = "blocks+root", **kwargs) -> GPT:
         fully_shard(model.head, **kwargs)
     if how == "leaves":  # only Linear and Embedding layers; LayerNorms stay replicated; no root
         return get_fsdp(model)
-    for block in model.blocks:
+    for block in dict.fromkeys(model.blocks):  # a block used twice is sharded once
         fully_shard(block, **kwargs)
     return fully_shard(model, **kwargs)
 
@@ -76,6 +76,8 @@ def sgd(params):
 
 def build(variant: dict) -> GPT:
     model = gpt(**variant.get("config", {}))
+    if variant.get("block_used_twice"):  # one unit, two forwards and two backwards per step
+        model.blocks[1] = model.blocks[0]
     if variant.get("frozen"):
         model.wpe.requires_grad_(False)
         model.blocks[0].fc.requires_grad_(False)
@@ -142,6 +144,7 @@ VARIANTS = {
     "tied-apart": {"shard": "tied-apart"},
     "leaves-only": {"shard": "leaves"},
     "frozen": {"frozen": True},
+    "block-used-twice": {"block_used_twice": True, "config": {"checkpoint": "non-reentrant"}},
     "accumulate": {"accumulate": 2},
     "clip": {"clip": 0.05},
 }

@@ -8,6 +8,8 @@
   reduce-scatters, as torch's FSDP2 does (17 and 9 for 8 blocks); activation
   checkpointing adds none (the recomputed forward finds its unit gathered);
   gradient accumulation with sync off reduces nothing;
+* with ``reshard_after_forward=False`` a unit stays gathered from its
+  forward to the end of its backward: one all-gather per unit;
 * from the second step, a block's all-gather has started before its forward
   (prefetched while the previous block computed);
 * between steps, every unit holds only its shard (the full storage is 0 bytes).
@@ -47,9 +49,9 @@ def test_names_stay_and_each_holds_this_ranks_piece(ranks):
         assert sum(r[2][name][2] for r in results) == numel, name
 
 
-def _count_collectives(rank, world_size, checkpoint, accumulate_off):
+def _count_collectives(rank, world_size, checkpoint, accumulate_off, reshard_after_forward=True):
     torch.set_num_threads(1)
-    model = shard_gpt(gpt(checkpoint=checkpoint))
+    model = shard_gpt(gpt(checkpoint=checkpoint), reshard_after_forward=reshard_after_forward)
     units = units_of(model)
     counts = []
     for step in range(2):
@@ -68,6 +70,12 @@ def test_collectives_per_step(ranks, checkpoint):
     blocks = 2
     for counts in ranks(2).run(_count_collectives, checkpoint, False, timeout_s=60):
         assert counts == [(1 + 2 * blocks, 1 + blocks)] * 2
+
+
+def test_without_reshard_after_forward_each_unit_is_gathered_once(ranks):
+    blocks = 2
+    for counts in ranks(2).run(_count_collectives, None, False, False, timeout_s=60):
+        assert counts == [(1 + blocks, 1 + blocks)] * 2
 
 
 def test_accumulating_without_sync_reduces_nothing(ranks):
