@@ -78,6 +78,8 @@ def build(variant: dict) -> GPT:
     model = gpt(**variant.get("config", {}))
     if variant.get("block_used_twice"):  # one unit, two forwards and two backwards per step
         model.blocks[1] = model.blocks[0]
+    if variant.get("unused"):  # the root unit never gets all its gradients: reduced at the end of backward
+        model.unused = nn.Linear(4, 4)
     if variant.get("frozen"):
         model.wpe.requires_grad_(False)
         model.blocks[0].fc.requires_grad_(False)
@@ -144,6 +146,7 @@ VARIANTS = {
     "tied-apart": {"shard": "tied-apart"},
     "leaves-only": {"shard": "leaves"},
     "frozen": {"frozen": True},
+    "unused-parameter": {"unused": True},
     "block-used-twice": {"block_used_twice": True, "config": {"checkpoint": "non-reentrant"}},
     "accumulate": {"accumulate": 2},
     "clip": {"clip": 0.05},
