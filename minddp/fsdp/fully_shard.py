@@ -51,6 +51,10 @@ class FSDPModule:
         for unit in (units_of(self) if recurse else [self._fsdp_unit]):
             unit.reshard_after_forward = reshard_after_forward
 
+    def set_prefetch(self, enabled: bool) -> None:
+        """Start the next unit's all-gather while this one computes (on by default; off to measure it)."""
+        self._fsdp_unit.schedule.prefetch = enabled
+
     def unshard(self) -> None:
         """Gather this unit's full parameters now (they stay until :meth:`reshard`)."""
         self._fsdp_unit.wait_gathered()
