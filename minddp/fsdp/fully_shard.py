@@ -82,6 +82,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard: this {type(module).__name__} is already sharded")
     check_not_data_parallel(module)
+    mp_policy = MixedPrecisionPolicy.like(mp_policy)
     group = _process_group(mesh)
     own, places, borrowed, inner = _parameters_of(module)
     name = f"fully_shard({type(module).__name__})"
