@@ -145,6 +145,7 @@ VARIANTS = {
     "checkpoint-reentrant": {"config": {"checkpoint": "reentrant"}},
     "tied-apart": {"shard": "tied-apart"},
     "leaves-only": {"shard": "leaves"},
+    "leaves-only-reentrant": {"shard": "leaves", "config": {"checkpoint": "reentrant"}},
     "frozen": {"frozen": True},
     "unused-parameter": {"unused": True},
     "block-used-twice": {"block_used_twice": True, "config": {"checkpoint": "non-reentrant"}},

@@ -38,9 +38,11 @@ def check_not_data_parallel(module: nn.Module) -> None:
 
 
 def check_same_on_every_rank(unit_name: str, signature: list[tuple[str, tuple[int, ...], str]],
-                             group: dist.ProcessGroup) -> None:
-    """Every rank must shard the same parameters (names, shapes, dtypes) in this call."""
-    digest = torch.tensor([zlib.crc32(repr(signature).encode())], dtype=torch.int64)
+                             group: dist.ProcessGroup, device: torch.device) -> None:
+    """Every rank must shard the same parameters (names, shapes, dtypes) in this call.
+
+    ``device``: where the parameters live (NCCL only moves CUDA tensors)."""
+    digest = torch.tensor([zlib.crc32(repr(signature).encode())], dtype=torch.int64, device=device)
     if dist.get_world_size(group) == 1:
         return
     everyone = [torch.zeros_like(digest) for _ in range(dist.get_world_size(group))]

@@ -88,7 +88,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     name = f"fully_shard({type(module).__name__})"
     signature = [(qualname, tuple(p.shape), str(p.dtype)) for p, qualname in own]
     signature += [(f"{qualname} (tied)", tuple(p.shape), str(p.dtype)) for _, p, qualname in borrowed]
-    check_same_on_every_rank(name, signature, group)
+    device = own[0][0].device if own else torch.device("cpu")
+    check_same_on_every_rank(name, signature, group, device)
     _check_one_dtype(name, own)
 
     unit = ShardedUnit(name, [p for p, _ in own], places, group, mp_policy,
