@@ -1,14 +1,17 @@
 """When units gather, free and reduce: the step as the units of one model see it.
 
 Every unit of a model shares one :class:`Schedule` (``fully_shard`` on an
-outer module merges the schedules of the units inside it). It is told four
-things by the hooks of :mod:`minddp.fsdp.hooks`, and decides the rest:
+outer module merges the schedules of the units inside it; units with no
+common sharded ancestor keep one each). It is told four things, by the
+module hooks of :mod:`minddp.fsdp.fully_shard`, a gradient hook on the unit's
+outputs, and a hook on each full parameter's gradient accumulation; it
+decides the rest:
 
 * ``before_forward(unit)``: gather the unit (the prefetch may have started
   it), and start gathering the unit that came next last time;
-* ``after_forward(unit, output)``: free the unit (unless it is the outermost
-  one, whose backward comes first), and ask to be told when a gradient
-  reaches the output;
+* ``after_forward(unit, output)``: free the unit (unless it is the root,
+  the outermost unit, whose backward comes first), and ask to be told when
+  a gradient reaches the output (``register_multi_grad_hook``);
 * ``before_backward(unit)``: gather it again, prefetch the next unit of the
   last backward's order;
 * ``gradients_done(unit)`` (every parameter's gradient is in): launch its
@@ -24,7 +27,16 @@ collectives stay in the same order everywhere.
 
 Activation checkpointing runs a unit's forward again *inside* backward;
 there (``_in_backward``) a forward gathers but never frees and never hooks
-the output: the unit is freed when its gradients are done.
+the output: the unit is freed when its gradients are done. The reentrant
+kind runs a nested backward pass per checkpoint: the step ends with the
+first pass a unit saw, or with any pass after which no unit waits for a
+gradient. (A model whose first unit to see a gradient sits inside a
+reentrant checkpoint, with no unit around it, would end the step too early:
+wrap the root, or use ``use_reentrant=False``.)
+
+A unit used twice in one forward is gathered twice; its parameters'
+gradients accumulate over both uses before their hooks fire, so it is
+reduced once.
 """
 
 from __future__ import annotations

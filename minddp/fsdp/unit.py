@@ -68,7 +68,7 @@ class ShardedUnit:
         self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
         self._gather_work = None
-        self.pending = None  # (work, piece) of a launched reduce-scatter
+        self.pending = None  # (work, piece, send) of a launched reduce-scatter: kept alive until waited
         self.gradients_in = 0
         self.gathers = self.reduce_scatters = 0  # collectives launched so far (for tests and lessons)
         with torch.no_grad():
