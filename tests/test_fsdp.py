@@ -45,6 +45,10 @@ def shard_gpt(model: GPT, how: str = "blocks+root", **kwargs) -> GPT:
         fully_shard(model.head, **kwargs)
     if how == "leaves":  # only Linear and Embedding layers; LayerNorms stay replicated; no root
         return get_fsdp(model)
+    if how == "block-linears":  # the first unit backward meets is inside a block (checkpointed)
+        for block in model.blocks:
+            get_fsdp(block)
+        return model
     for block in dict.fromkeys(model.blocks):  # a block used twice is sharded once
         fully_shard(block, **kwargs)
     return fully_shard(model, **kwargs)
@@ -146,6 +150,7 @@ VARIANTS = {
     "tied-apart": {"shard": "tied-apart"},
     "leaves-only": {"shard": "leaves"},
     "leaves-only-reentrant": {"shard": "leaves", "config": {"checkpoint": "reentrant"}},
+    "block-linears-reentrant": {"shard": "block-linears", "config": {"checkpoint": "reentrant"}},
     "frozen": {"frozen": True},
     "unused-parameter": {"unused": True},
     "block-used-twice": {"block_used_twice": True, "config": {"checkpoint": "non-reentrant"}},

@@ -30,9 +30,11 @@ there (``_in_backward``) a forward gathers but never frees and never hooks
 the output: the unit is freed when its gradients are done. The reentrant
 kind runs a nested backward pass per checkpoint: the step ends with the
 first pass a unit saw, or with any pass after which no unit waits for a
-gradient. (A model whose first unit to see a gradient sits inside a
-reentrant checkpoint, with no unit around it, would end the step too early:
-wrap the root, or use ``use_reentrant=False``.)
+gradient. (When the first unit to see a gradient sits inside a reentrant
+checkpoint, with no unit around it, that first pass is a nested one: each
+nested pass then ends a "step" of its own, which stays correct, each waiting
+for what it launched, but backward prefetching stops and a unit with an
+unused parameter is never reduced. Wrap the root, or use ``use_reentrant=False``.)
 
 A unit used twice in one forward is gathered twice; its parameters'
 gradients accumulate over both uses before their hooks fire, so it is
