@@ -15,7 +15,8 @@ decides the rest:
 * ``before_backward(unit)``: gather it again, prefetch the next unit of the
   last backward's order;
 * ``gradients_done(unit)`` (every parameter's gradient is in): launch its
-  reduce-scatter and free it.
+  reduce-scatter, wait for the previous unit's (one in flight at a time: each
+  holds a full-size gradient buffer), and free it.
 
 At the end of the backward pass (a callback autograd runs when the pass is
 over) it reduces what never got all its gradients, waits for every
@@ -146,10 +147,18 @@ class Schedule:
         self._watch_this_pass()
         self._gradients_done.add(id(unit))
         if unit.requires_gradient_sync:
-            unit.start_reduce_scatter()
-            self._launched.append(unit)
+            self._launch_reduce_scatter(unit)
         unit.free(free_lenders=False)
         unit.gradients_in = 0
+
+    def _launch_reduce_scatter(self, unit: ShardedUnit) -> None:
+        # A launched reduce-scatter holds its full-size send buffer until waited
+        # for. Waiting for the previous one now (it had a unit's backward to
+        # finish) keeps one unit's gradient in flight, not the whole model's.
+        unit.start_reduce_scatter()
+        for earlier in self._launched:
+            earlier.finish_reduce_scatter()
+        self._launched = [unit]
 
     def _prefetch(self, unit: ShardedUnit | None) -> None:
         if unit is not None and self.prefetch:
@@ -174,10 +183,8 @@ class Schedule:
     def finish_backward(self) -> None:
         """Reduce what is left (in a fixed order), wait for every reduce-scatter, free every unit."""
         for unit in self._ran_forward:
-            if id(unit) not in self._gradients_done and unit.has_full_gradients():
-                if unit.requires_gradient_sync:
-                    unit.start_reduce_scatter()
-                    self._launched.append(unit)
+            if id(unit) not in self._gradients_done and unit.has_full_gradients() and unit.requires_gradient_sync:
+                self._launch_reduce_scatter(unit)
             unit.gradients_in = 0
         for unit in self._launched:
             unit.finish_reduce_scatter()
