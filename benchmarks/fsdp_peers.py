@@ -129,7 +129,7 @@ def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
 def formula(setup: str, psi: int, n: int, largest_unit: int) -> float | None:
     """The paper's bytes per rank, fp32 AdamW constants (4 + 4 + 8); stage 3 with its working set."""
     return {"torch-ddp": 16 * psi, "ddp": 16 * psi, "stage1": 8 * psi + 8 * psi / n, "stage2": 4 * psi + 12 * psi / n,
-            "stage3": 16 * psi / n + 2 * 8 * largest_unit}.get(setup)
+            "stage3": 16 * psi / n + 2 * 8 * largest_unit, "fsdp2": 16 * psi / n + 2 * 8 * largest_unit}.get(setup)
 
 
 def _spread(values: list[float]) -> str:
