@@ -29,6 +29,7 @@ What you will learn
 
 What to run
     python lessons/21_fully_sharded.py [--world-size 3] [--depth 8] [--width 512]
+    (``--world-size 1`` runs too: nothing is sharded then, see Try this 3.)
 
 What to look at
     Part 1's table: the bytes held in full at each moment of the step (one
@@ -44,9 +45,11 @@ Try this
     2. ``--world-size 3``: predict the shard bytes per rank and the padding.
        (A third of each unit, rounded up: each unit is padded to a multiple
        of 3 elements, at most 2 per unit.)
-    3. ``--width 512``: fewer, bigger layers in the same model? No: wider
-       layers, so each unit is 4x bigger. Predict the full-unit share of the
-       peak. (It grows: the working set is a whole unit, whatever N.)
+    3. ``--width 512`` makes every unit 16x bigger. Predict the peak's
+       share of DDP's. (Unchanged, 67%: the working set is one unit out of
+       five, whatever its width; only ``--depth`` changes that share.) And
+       ``--world-size 1``: predict it against DDP's. (Above it: nothing is
+       sharded, and a full copy of one unit, with its gradient, comes on top.)
 """
 
 import weakref
@@ -59,21 +62,29 @@ from torch.func import functional_call
 from _common import parse_args, print0, print_ranks, run
 
 STEPS, BATCH, LR = 3, 8, 0.05
+# torch 2.14 renamed these two (the old names warn); either name is the same collective.
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Ledger:
-    """Bytes of gathered tensors alive now: noted when made, forgotten when Python frees them."""
+    """The gathered tensors of the step, and the bytes their storages hold right now."""
 
     def __init__(self):
-        self.held, self.rows = 0, []
+        self.tensors, self.rows = weakref.WeakSet(), []
 
     def note(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.held += tensor.nbytes
-        weakref.finalize(tensor, self._free, tensor.nbytes)
+        self.tensors.add(tensor)
         return tensor
 
-    def _free(self, nbytes: int) -> None:
-        self.held -= nbytes
+    @property
+    def held(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.tensors)
+
+
+def free(tensor: torch.Tensor) -> None:
+    """Give the bytes back now, whoever still holds the tensor (a collective's handle may, for a while)."""
+    tensor.untyped_storage().resize_(0)
 
 
 class Unit:
@@ -90,7 +101,7 @@ class Unit:
 
     def gather(self) -> torch.Tensor:
         full = self.ledger.note(torch.empty(self.piece * self.world_size))
-        dist.all_gather_into_tensor(full, self.shard.detach())
+        all_gather(full, self.shard.detach())
         return full
 
     def run(self, full: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +119,9 @@ class GatherComputeFree(torch.autograd.Function):
         ctx.save_for_backward(x)  # the input, not the full parameters: those are freed on return
         full = unit.gather()
         unit.ledger.rows.append(("forward", unit, unit.ledger.held))
-        return unit.run(full, x)
+        out = unit.run(full, x)
+        free(full)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -120,7 +133,8 @@ class GatherComputeFree(torch.autograd.Function):
         unit.ledger.note(grad_full)
         unit.ledger.rows.append(("backward", unit, unit.ledger.held))
         grad_shard = torch.empty_like(unit.shard)
-        dist.reduce_scatter_tensor(grad_shard, grad_full)  # the sum of this rank's piece only
+        reduce_scatter(grad_shard, grad_full)  # the sum of this rank's piece only
+        free(full), free(grad_full)
         return grad_x, grad_shard / unit.world_size, None
 
 
@@ -177,7 +191,7 @@ def main(rank: int, world_size: int, args) -> None:
     print0(f"  peak {(peak + shards + state) / 1024:.1f} KiB against DDP's {ddp / 1024:.1f} KiB "
            f"(12 bytes per parameter, every rank)")
     assert hand.ledger.held == 0, "after the step nothing is held in full"
-    assert peak <= 2 * largest, "at most one unit in full: its parameters, and in backward its gradient"
+    assert peak == 2 * largest, "at most one unit in full: its parameters, and in backward its gradient"
     assert all(held <= largest for phase, _, held in hand.ledger.rows if phase == "forward"), \
         "in forward only the unit computing is held in full"
     full = torch.cat([u.shard.detach() for u in hand.units])
