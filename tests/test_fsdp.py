@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minddp.fsdp import fully_shard, full_state_dict
+from minddp.fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, full_state_dict, fully_shard, is_sharded
 from minddp.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -39,49 +39,98 @@ def tokens(step: int, size: int):
     return t[:, :-1], t[:, 1:]
 
 
-def shard_gpt(model: GPT, **kwargs) -> GPT:
-    for block in model.blocks:
+def shard_gpt(model: GPT, how: str = "blocks+root", **kwargs) -> GPT:
+    if how == "tied-apart":  # embedding and head (one tied weight) in different units
+        fully_shard(model.wte, **kwargs)
+        fully_shard(model.head, **kwargs)
+    if how == "leaves":  # only Linear and Embedding layers; LayerNorms stay replicated; no root
+        return get_fsdp(model)
+    for block in dict.fromkeys(model.blocks):  # a block used twice is sharded once
         fully_shard(block, **kwargs)
     return fully_shard(model, **kwargs)
+
+
+# The adapter of minddp/fsdp/__init__.py's docstring, as a course's tests would use it.
+def get_fsdp(module, compute_dtype=None):
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype)
+    for sub in list(module.modules()):
+        if isinstance(sub, (nn.Linear, nn.Embedding)):
+            fully_shard(sub, mp_policy=policy)
+    return module
+
+
+def fsdp_on_after_backward(model, optimizer):
+    for p in model.parameters():
+        if p.grad is not None and not is_sharded(p):
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+
+
+def fsdp_gather_full_params(model):
+    return full_state_dict(model)
 
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def one_process_run(steps: int, world_size: int, make=gpt):
-    """Full states after each step of one process on every rank's batch at once."""
-    model = make()
+def build(variant: dict) -> GPT:
+    model = gpt(**variant.get("config", {}))
+    if variant.get("block_used_twice"):  # one unit, two forwards and two backwards per step
+        model.blocks[1] = model.blocks[0]
+    if variant.get("unused"):  # the root unit never gets all its gradients: reduced at the end of backward
+        model.unused = nn.Linear(4, 4)
+    if variant.get("frozen"):
+        model.wpe.requires_grad_(False)
+        model.blocks[0].fc.requires_grad_(False)
+    return model
+
+
+def micro_batches(step: int, world_size: int, variant: dict, rank: int | None = None):
+    """This step's micro-batches (several when accumulating), for one rank or (None) for all."""
+    count = variant.get("accumulate", 1)
+    out = []
+    for micro in range(count):
+        x, y = tokens(step * count + micro, PER_RANK * world_size)
+        if rank is not None:
+            x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        out.append((x, y))
+    return out
+
+
+def one_process_run(steps: int, world_size: int, variant: dict):
+    """Full states (and clipped norms) after each step of one process on every rank's batch at once."""
+    model = build(variant)
     opt = sgd(model.parameters())
-    states = []
+    states, norms = [], []
     for step in range(steps):
-        x, y = tokens(step, PER_RANK * world_size)
         opt.zero_grad()
-        model(x, y).backward()
+        for x, y in micro_batches(step, world_size, variant):
+            model(x, y).backward()
+        if "clip" in variant:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), variant["clip"]).item())
         opt.step()
         states.append({k: v.clone() for k, v in model.state_dict().items()})
-    return states
+    return states, norms
 
 
-def rank_batch(step: int, rank: int, world_size: int):
-    x, y = tokens(step, PER_RANK * world_size)
-    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-
-
-def _train_gpt(rank, world_size, steps, overrides):
+def _train_gpt(rank, world_size, steps, variant):
     torch.set_num_threads(1)
-    model = shard_gpt(gpt(**overrides))
+    model = shard_gpt(build(variant), variant.get("shard", "blocks+root"))
     opt = sgd(model.parameters())
-    states, losses = [], []
+    states, norms = [], []
     for step in range(steps):
-        x, y = rank_batch(step, rank, world_size)
         opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
+        batches = micro_batches(step, world_size, variant, rank)
+        for index, (x, y) in enumerate(batches):
+            model.set_requires_gradient_sync(index == len(batches) - 1) if isinstance(model, FSDPModule) else None
+            model(x, y).backward()
+        fsdp_on_after_backward(model, opt)  # outside every unit: replicated, averaged here
+        if "clip" in variant:
+            norms.append(clip_grad_norm_(model, variant["clip"]).item())
         opt.step()
-        losses.append(loss.item())
-        states.append(full_state_dict(model))
-    return states, losses
+        states.append(fsdp_gather_full_params(model))
+    return states, norms
 
 
 def assert_states_close(ours, reference, rtol=1e-5, atol=1e-6):
@@ -90,10 +139,25 @@ def assert_states_close(ours, reference, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(ours[name], reference[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_gpt_per_block_and_root_equals_one_process(ranks, world_size):
-    results = ranks(world_size).run(_train_gpt, STEPS, {}, timeout_s=60)
-    reference = one_process_run(STEPS, world_size)
-    for states, _ in results:
+VARIANTS = {
+    "blocks+root": {},
+    "checkpoint-non-reentrant": {"config": {"checkpoint": "non-reentrant"}},
+    "checkpoint-reentrant": {"config": {"checkpoint": "reentrant"}},
+    "tied-apart": {"shard": "tied-apart"},
+    "leaves-only": {"shard": "leaves"},
+    "frozen": {"frozen": True},
+    "unused-parameter": {"unused": True},
+    "block-used-twice": {"block_used_twice": True, "config": {"checkpoint": "non-reentrant"}},
+    "accumulate": {"accumulate": 2},
+    "clip": {"clip": 0.05},
+}
+
+
+@pytest.mark.parametrize("world_size, variant", [(2, v) for v in VARIANTS] + [(3, "blocks+root"), (3, "tied-apart")])
+def test_gpt_equals_one_process(ranks, world_size, variant):
+    results = ranks(world_size).run(_train_gpt, STEPS, VARIANTS[variant], timeout_s=60)
+    reference, reference_norms = one_process_run(STEPS, world_size, VARIANTS[variant])
+    for states, norms in results:
         for step in range(STEPS):
             assert_states_close(states[step], reference[step])
+        torch.testing.assert_close(norms, reference_norms, rtol=1e-5, atol=0)

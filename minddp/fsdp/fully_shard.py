@@ -31,7 +31,7 @@ from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.fsdp.schedule import Schedule
 from minddp.fsdp.unit import Place, ShardedUnit
 
-__all__ = ["FSDPModule", "fully_shard", "units_of"]
+__all__ = ["FSDPModule", "fully_shard", "is_sharded", "units_of"]
 
 _OWNER = "_minddp_fsdp_owner"  # on an original parameter: (unit, index) of its shard
 _SHARD_OF = "_minddp_fsdp_shard_of"  # on a shard parameter: its unit
@@ -59,6 +59,11 @@ class FSDPModule:
         self._fsdp_unit.free()
 
 
+def is_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a unit's shard (else: a replicated parameter, whose gradient the caller averages)."""
+    return hasattr(param, _SHARD_OF)
+
+
 def units_of(module: nn.Module) -> list[ShardedUnit]:
     """The units inside ``module`` (itself included), in module order."""
     return [m._fsdp_unit for m in module.modules() if isinstance(m, FSDPModule)]
@@ -84,6 +89,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     unit = ShardedUnit(name, [p for p, _ in own], places, group, mp_policy,
                        on_gradient=lambda u: u.schedule.gradients_done(u))
     unit.reshard_after_forward = reshard_after_forward
+    unit.is_root = bool(inner)
     unit.schedule = Schedule([unit])
     for inner_module in inner:
         unit.schedule.adopt(inner_module._fsdp_unit.schedule)

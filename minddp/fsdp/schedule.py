@@ -114,8 +114,9 @@ class Schedule:
             if needing:
                 register_multi_grad_hook(needing, lambda _: self.before_backward(unit), mode="any")
                 hooked = True
-        # The outermost unit's backward comes first: freeing it would only gather it again.
-        keep = (hooked and self._depth == 0) or not unit.reshard_after_forward
+        # A root (the outermost unit, around others) has its backward first:
+        # freeing it would only gather it again (FSDP2 keeps its root too).
+        keep = (hooked and self._depth == 0 and unit.is_root) or not unit.reshard_after_forward
         if not keep:
             unit.free()
         return output

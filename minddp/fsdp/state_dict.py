@@ -47,7 +47,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     ``rank0_only=True``: the other ranks get an empty dict (they still take part).
     """
     full = full_parameters(model)
-    if rank0_only and dist.get_rank() != 0:
+    units = units_of(model)
+    if rank0_only and dist.get_rank(units[0].group if units else None) != 0:
         return {}
     out = {}
     for name, value in model.state_dict(keep_vars=True).items():

@@ -63,10 +63,14 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
         self.requires_gradient_sync = True
         self.borrowed: list[tuple[Place, "ShardedUnit", int]] = []  # tied parameters owned by another unit
+        self.reshard_after_forward = True
+        self.is_root = False  # around other units: kept gathered from its forward into backward
+        self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
         self._gather_work = None
         self.pending = None  # (work, piece) of a launched reduce-scatter
         self.gradients_in = 0
+        self.gathers = self.reduce_scatters = 0  # collectives launched so far (for tests and lessons)
         with torch.no_grad():
             self._lay_out([p.detach() for p in params], [p.requires_grad for p in params], policy)
 
@@ -108,6 +112,7 @@ class ShardedUnit:
             lender.start_gather()
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         if self.layout is not None:
+            self.gathers += 1
             send = self.shard.to(self.compute_dtype)
             if self.world_size > 1:
                 self._gather_work = _all_gather(self.full, send, group=self.group, async_op=True)
@@ -161,6 +166,7 @@ class ShardedUnit:
             if full.grad is not None:
                 send[offset: offset + full.numel()].copy_(full.grad.reshape(-1))
                 full.grad = None
+        self.reduce_scatters += 1
         send.mul_(1.0 / self.world_size)  # before the sum, as DDP does: the same rounding as its
         piece = torch.empty(self.layout.piece, dtype=self.reduce_dtype, device=send.device)
         work = None
