@@ -82,7 +82,10 @@ class ThroughTheLink:
             if self.link is None:
                 return original(output, input, group=group, async_op=async_op, **kwargs)
             future = getattr(self.link, kind)(output, input)  # a Future waits like a Work
-            return future if async_op else future.wait() and None
+            if async_op:
+                return future
+            future.wait()
+            return None
         return collective
 
 

@@ -1,5 +1,6 @@
 """The simulator's ZeRO: the paper's memory per rank, reduce-scatter and all-gather in the alpha-beta model,
-stage 2's reduce-scatters overlapped with backward, and ``python -m minddp.simulate zero``.
+stage 2's reduce-scatters overlapped with backward, stage 3 unit by unit (prefetch on and off, shared
+cores, its working set), and ``python -m minddp.simulate zero``.
 
 Hand-computed values: the ZeRO paper's (Rajbhandari et al. 2020, section 3.1) for 7.5 B parameters on
 64 ranks, and replays on a link of 1 ms per ring step and 1 GB/s. No process group.
