@@ -74,8 +74,18 @@ def halves_ms(n: int, world_size: int) -> float:
     return (_ms(lambda: all_gather(full, piece), reps) + _ms(lambda: reduce_scatter(piece, full), reps)) / 2
 
 
-def compute_profile(cfg: GPTConfig, tokens: torch.Tensor) -> dict:
-    """This rank alone: each block's forward and backward, the whole model's, AdamW's step (ms)."""
+def compute_profile(cfg: GPTConfig, tokens: torch.Tensor, repeats: int = 3) -> dict:
+    """This rank alone: each block's forward and backward, the whole model's, AdamW's step (ms), the fastest of
+    ``repeats`` (a busy machine only ever adds time)."""
+    runs = [_compute_once(cfg, tokens) for _ in range(repeats)]
+    fastest = lambda pick: min(pick(r) for r in runs)  # noqa: E731
+    blocks = [(fastest(lambda r, i=i: r["blocks"][i][0]), fastest(lambda r, i=i: r["blocks"][i][1]))
+              for i in range(len(runs[0]["blocks"]))]
+    return {"blocks": blocks, "whole": (fastest(lambda r: r["whole"][0]), fastest(lambda r: r["whole"][1])),
+            "optimizer": fastest(lambda r: r["optimizer"])}
+
+
+def _compute_once(cfg: GPTConfig, tokens: torch.Tensor) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     x = torch.randn(BATCH, cfg.block_size, cfg.n_embd, requires_grad=True)
@@ -165,6 +175,7 @@ def predict(raw: dict, world_size: int) -> dict:
         for mode, overlap in (("overlap", True), ("shared", False)):
             step = simulate_stage3(units, link, world_size, optimizer, Stage3Policy(prefetch=prefetch, overlap=overlap))
             row[f"{mode}_ms"], row[f"{mode}_error"] = step.step_ms, step.step_ms / row["measured_ms"] - 1
+            row[f"{mode}_error_fastest"] = step.step_ms / row["min_ms"] - 1
             row["comm_ms"], row["compute_ms"] = step.comm_ms, step.work_ms + step.optimizer_ms
         rows.append(row)
     return {"alpha_us": link.alpha_s * 1e6, "bandwidth_MBps": link.bandwidth_Bps / 1e6, "rows": rows,
@@ -176,12 +187,15 @@ def table(result: dict, world_size: int, rounds: int) -> str:
              f"1 thread per rank; medians over {rounds} rounds",
              f"network fitted to all-gather and reduce-scatter alone: alpha = {result['alpha_us']:.1f} us per ring step, "
              f"bandwidth = {result['bandwidth_MBps']:.0f} MB/s",
+             "compute: each figure the fastest of 3 in its round, then the median over rounds; error against the "
+             "measured median (and against the fastest round)",
              "", "| case | compute ms (model) | comm ms (model) | measured ms (min-max) | predicted overlap | error "
              "| predicted shared cores | error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['case']} | {r['compute_ms']:.1f} | {r['comm_ms']:.1f} | {r['measured_ms']:.1f} "
                      f"({r['min_ms']:.1f}-{r['max_ms']:.1f}) | {r['overlap_ms']:.1f} | {r['overlap_error']:+.0%} "
-                     f"| {r['shared_ms']:.1f} | {r['shared_error']:+.0%} |")
+                     f"({r['overlap_error_fastest']:+.0%}) | {r['shared_ms']:.1f} | {r['shared_error']:+.0%} "
+                     f"({r['shared_error_fastest']:+.0%}) |")
     return "\n".join(lines)
 
 
