@@ -34,14 +34,15 @@ What to run
 What to look at
     Part 1's table: the bytes held in full at each moment of the step (one
     unit's parameters in forward; its parameters and gradient in backward)
-    on top of the shards, against DDP's 16 bytes per parameter. Then part
-    2's differences: zero, or float32 rounding.
+    on top of the shards, against DDP's 12 bytes per parameter (SGD with
+    momentum: 4 of weight, 4 of gradient, 4 of momentum, on every rank).
+    Then part 2's differences: zero, or float32 rounding.
 
 Try this
     1. ``--depth 8``: predict the peak against DDP's. (The shards halve with
-       N = 2 whatever the depth; the full unit on top stays one layer, so
-       the peak falls towards 16/N bytes per parameter as units get smaller
-       against the model.)
+       N = 2 whatever the depth; the full unit on top stays one layer, a
+       smaller part of a deeper model, so the peak falls from 67% towards
+       1/N of DDP's: 58%.)
     2. ``--world-size 3``: predict the shard bytes per rank and the padding.
        (A third of each unit, rounded up: each unit is padded to a multiple
        of 3 elements, at most 2 per unit.)
