@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = {"setups": setups, "quick": a.quick, "rounds": 1 if a.quick else a.rounds, "steps": 1 if a.quick else a.steps,
             "time_world": 2 if a.quick else a.time_world}
     worlds = [2] if a.quick else [int(w) for w in a.world_sizes.split(",")]
-    results = []
+    results, load_before = [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for n in worlds:
             path = os.path.join(tmp, f"{n}.json")
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as f:
                 results.append(json.load(f))
     text = report(results, gpt_config(a.quick), args)
+    text += f"load average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after"
     print(text)
     if a.text:
         with open(a.text, "w") as f:
