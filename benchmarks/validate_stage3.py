@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text")
     a = p.parse_args(argv)
     args = {"rounds": 2 if a.quick else a.rounds, "steps": 1 if a.quick else a.steps}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "raw.json")
         spawn(rank_main, a.world_size, args, path, backend="gloo")
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             raw = json.load(f)
     result = predict(raw, a.world_size)
     text = table(result, a.world_size, args["rounds"])
+    text += f"\nload average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after"
     print(text)
     if a.text:
         with open(a.text, "w") as f:
