@@ -43,8 +43,14 @@ def shard_gpt(model: GPT, how: str = "blocks+root", **kwargs) -> GPT:
     if how == "tied-apart":  # embedding and head (one tied weight) in different units
         fully_shard(model.wte, **kwargs)
         fully_shard(model.head, **kwargs)
+    if how == "head-apart":  # the head's unit owns the tied weight; the root borrows it for the embedding
+        fully_shard(model.head, **kwargs)
     if how == "leaves":  # only Linear and Embedding layers; LayerNorms stay replicated; no root
         return get_fsdp(model)
+    if how == "block-linears":  # the first unit backward meets is inside a block (checkpointed)
+        for block in model.blocks:
+            get_fsdp(block)
+        return model
     for block in dict.fromkeys(model.blocks):  # a block used twice is sharded once
         fully_shard(block, **kwargs)
     return fully_shard(model, **kwargs)
@@ -144,7 +150,10 @@ VARIANTS = {
     "checkpoint-non-reentrant": {"config": {"checkpoint": "non-reentrant"}},
     "checkpoint-reentrant": {"config": {"checkpoint": "reentrant"}},
     "tied-apart": {"shard": "tied-apart"},
+    "head-apart": {"shard": "head-apart"},
     "leaves-only": {"shard": "leaves"},
+    "leaves-only-reentrant": {"shard": "leaves", "config": {"checkpoint": "reentrant"}},
+    "block-linears-reentrant": {"shard": "block-linears", "config": {"checkpoint": "reentrant"}},
     "frozen": {"frozen": True},
     "unused-parameter": {"unused": True},
     "block-used-twice": {"block_used_twice": True, "config": {"checkpoint": "non-reentrant"}},

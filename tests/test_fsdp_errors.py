@@ -66,8 +66,8 @@ CASES = {
     "wrapped by MiniDDP": (_wrapped_by_miniddp, ["TypeError", "MiniDDP", "already wrapped"]),
     "parent before child": (_parent_before_child, ["ValueError", "'ln_1.weight'", "inner modules before outer"]),
     "sharded twice": (_twice, ["ValueError", "already sharded"]),
-    "optimizer built before": (_optimizer_built_before, ["AdamW", "Build the optimizer after fully_shard"]),
-    "tied outside every unit": (_tied_outside_every_unit, ["SGD", "fully_shard(Embedding)", "tied"]),
+    "optimizer built before": (_optimizer_built_before, ["AdamW", "'wte.weight' of fully_shard(GPT", "Build the optimizer after"]),
+    "tied outside every unit": (_tied_outside_every_unit, ["SGD", "'weight' of fully_shard(Embedding: weight)", "tied"]),
     "different models": (_different_models, ["rank 1 has a different model", "ln_1.weight"]),
 }
 
@@ -78,3 +78,4 @@ def test_misuse_names_the_culprit(ranks, case):
     for message in ranks(2).run(fn, timeout_s=60):
         for word in words:
             assert word in message, message
+

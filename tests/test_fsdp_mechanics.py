@@ -18,7 +18,7 @@
 import pytest
 import torch
 
-from minddp.fsdp import FSDPModule
+from minddp.fsdp import FSDPModule, full_state_dict
 from minddp.fsdp.fully_shard import units_of
 from minddp.fsdp.unit import UnitState
 
@@ -99,3 +99,42 @@ def test_the_next_block_is_prefetched_from_the_second_step(ranks):
     for seen in ranks(2).run(_state_at_forward, timeout_s=60):
         assert seen[0] is UnitState.SHARDED  # first step: no order known yet
         assert seen[1] in (UnitState.GATHERING, UnitState.GATHERED)
+
+
+def _in_flight_after_each_unit(rank, world_size):
+    torch.set_num_threads(1)
+    model = shard_gpt(gpt())
+    units = units_of(model)
+    schedule = units[0].schedule
+    seen = []
+    original = schedule.gradients_done
+
+    def counting(unit):
+        original(unit)
+        seen.append(sum(u.pending is not None for u in units))
+
+    schedule.gradients_done = counting
+    x, y = rank_batch(0, rank, world_size)
+    model(x, y).backward()
+    return seen
+
+
+def test_one_reduce_scatter_in_flight_at_a_time(ranks):
+    """Each launched reduce-scatter holds a full-size send buffer until waited for: waiting
+    for the previous one at the next launch keeps one unit's gradient alive, not the model's."""
+    for seen in ranks(2).run(_in_flight_after_each_unit, timeout_s=60):
+        assert seen == [1, 1, 1]
+
+
+def _seeded_by_rank(rank, world_size):
+    torch.set_num_threads(1)
+    model = shard_gpt(gpt(seed=rank))  # a forgotten seed: every rank initialized differently
+    return full_state_dict(model)
+
+
+def test_every_rank_starts_from_rank0s_weights(ranks):
+    """As MiniDDP does: a rank that initialized differently would otherwise contribute its own
+    pieces, and the sharded model would be a patchwork no rank ever had."""
+    expected = gpt(seed=0).state_dict()
+    for state in ranks(2).run(_seeded_by_rank, timeout_s=60):
+        assert all(torch.equal(state[k], expected[k]) for k in expected)

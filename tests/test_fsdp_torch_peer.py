@@ -64,12 +64,11 @@ def _torch_full_state(model):
     return {n: (params[n] if n in params else v.detach().clone()) for n, v in model.state_dict().items()}
 
 
-def _train_both(rank, world_size, name, param_dtype=None, reduce_dtype=None):
+def _train_both(rank, world_size, name, param_dtype=None, reduce_dtype=None, policy_class=MixedPrecisionPolicy):
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,))
     build = _gpt if name == "gpt" else _cnn
-    ours = build(lambda m, mesh: fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype)),
-                 mesh)
+    ours = build(lambda m, mesh: fully_shard(m, mesh=mesh, mp_policy=policy_class(param_dtype, reduce_dtype)), mesh)
     theirs = build(lambda m, mesh: torch_fully_shard(m, mesh=mesh, mp_policy=TorchPolicy(param_dtype, reduce_dtype)),
                    mesh)
     opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ours, theirs)]
@@ -97,8 +96,9 @@ def test_cnn_with_batchnorm_equals_torch_fully_shard_bit_for_bit(ranks):
         assert differences == [[]] * STEPS
 
 
-@pytest.mark.parametrize("param_dtype, reduce_dtype", [
-    (torch.bfloat16, None), (torch.float16, None), (torch.float16, torch.float32)])
-def test_gpt_mixed_precision_equals_torch_fully_shard_bit_for_bit(ranks, param_dtype, reduce_dtype):
-    for differences in ranks(2).run(_train_both, "gpt", param_dtype, reduce_dtype, timeout_s=90):
+@pytest.mark.parametrize("param_dtype, reduce_dtype, policy_class", [
+    (torch.bfloat16, None, MixedPrecisionPolicy), (torch.float16, None, MixedPrecisionPolicy),
+    (torch.float16, torch.float32, TorchPolicy)])  # torch's policy object works with ours too
+def test_gpt_mixed_precision_equals_torch_fully_shard_bit_for_bit(ranks, param_dtype, reduce_dtype, policy_class):
+    for differences in ranks(2).run(_train_both, "gpt", param_dtype, reduce_dtype, policy_class, timeout_s=90):
         assert differences == [[]] * STEPS

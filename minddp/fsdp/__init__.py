@@ -16,8 +16,11 @@ shard per unit, not DTensors; so any torch optimizer steps them at plain
 tensor cost (an optimizer whose update depends on a tensor's shape, such as
 Adafactor or Muon, would see 1-D pieces). :func:`clip_grad_norm_` replaces
 ``torch.nn.utils.clip_grad_norm_`` (which would see this rank's pieces only).
-Buffers are not sharded (each rank keeps its own, as with FSDP2); move the
-model to its device before ``fully_shard``.
+Each unit starts from rank 0's values (one scatter per unit, as MiniDDP
+starts from rank 0's weights; FSDP2 trusts every rank to have initialized
+alike). Buffers and parameters outside every unit are neither sharded nor
+synchronized (each rank keeps its own, as with FSDP2). Move the model to its
+device before ``fully_shard``.
 
 Read in this order: :mod:`~minddp.fsdp.policy` (dtypes) ->
 :mod:`~minddp.fsdp.unit` (one unit's flat shard, gathered and freed, its

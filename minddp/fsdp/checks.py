@@ -22,7 +22,7 @@ from torch import nn
 
 __all__ = ["REPLACED", "check_not_data_parallel", "check_same_on_every_rank", "watch_optimizers"]
 
-REPLACED = "_minddp_fsdp_replaced_by"  # attribute set on an original parameter: the unit now holding it
+REPLACED = "_minddp_fsdp_replaced_by"  # on an original parameter: its name, and the unit now holding it
 _watching = False
 
 
@@ -38,9 +38,11 @@ def check_not_data_parallel(module: nn.Module) -> None:
 
 
 def check_same_on_every_rank(unit_name: str, signature: list[tuple[str, tuple[int, ...], str]],
-                             group: dist.ProcessGroup) -> None:
-    """Every rank must shard the same parameters (names, shapes, dtypes) in this call."""
-    digest = torch.tensor([zlib.crc32(repr(signature).encode())], dtype=torch.int64)
+                             group: dist.ProcessGroup, device: torch.device) -> None:
+    """Every rank must shard the same parameters (names, shapes, dtypes) in this call.
+
+    ``device``: where the parameters live (NCCL only moves CUDA tensors)."""
+    digest = torch.tensor([zlib.crc32(repr(signature).encode())], dtype=torch.int64, device=device)
     if dist.get_world_size(group) == 1:
         return
     everyone = [torch.zeros_like(digest) for _ in range(dist.get_world_size(group))]
@@ -54,17 +56,17 @@ def check_same_on_every_rank(unit_name: str, signature: list[tuple[str, tuple[in
             diff = next((f"{a} against {b}" for a, b in zip(signatures[0], theirs) if a != b),
                         f"{len(signatures[0])} parameters against {len(theirs)}")
             raise RuntimeError(
-                f"fully_shard({unit_name}): rank {rank} has a different model from rank 0 "
+                f"{unit_name}: rank {rank} has a different model from rank 0 "
                 f"(rank 0's parameter against rank {rank}'s: {diff}); every rank must build the same model")
 
 
 def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, *_) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            unit = getattr(p, REPLACED, None)
-            if unit is not None:
+            replaced = getattr(p, REPLACED, None)
+            if replaced is not None:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds an original parameter of {unit}, which fully_shard "
+                    f"{type(optimizer).__name__} holds the original parameter {replaced}, which fully_shard "
                     f"replaced by this rank's shard (shape {tuple(p.shape)}). Build the optimizer after "
                     "fully_shard, from model.parameters(). (If this parameter is tied to a module outside "
                     "every fully_shard unit, put both users in one unit, e.g. shard their common parent.)")

@@ -51,6 +51,10 @@ class FSDPModule:
         for unit in (units_of(self) if recurse else [self._fsdp_unit]):
             unit.reshard_after_forward = reshard_after_forward
 
+    def set_prefetch(self, enabled: bool) -> None:
+        """Start the next unit's all-gather while this one computes (on by default; off to measure it)."""
+        self._fsdp_unit.schedule.prefetch = enabled
+
     def unshard(self) -> None:
         """Gather this unit's full parameters now (they stay until :meth:`reshard`)."""
         self._fsdp_unit.wait_gathered()
@@ -78,12 +82,15 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard: this {type(module).__name__} is already sharded")
     check_not_data_parallel(module)
+    mp_policy = MixedPrecisionPolicy.like(mp_policy)
     group = _process_group(mesh)
     own, places, borrowed, inner = _parameters_of(module)
-    name = f"fully_shard({type(module).__name__})"
+    held = [qualname for _, qualname in own[:3]] + (["..."] if len(own) > 3 else [])
+    name = f"fully_shard({type(module).__name__}: {', '.join(held) or 'no parameters of its own'})"
     signature = [(qualname, tuple(p.shape), str(p.dtype)) for p, qualname in own]
     signature += [(f"{qualname} (tied)", tuple(p.shape), str(p.dtype)) for _, p, qualname in borrowed]
-    check_same_on_every_rank(name, signature, group)
+    device = own[0][0].device if own else torch.device("cpu")
+    check_same_on_every_rank(name, signature, group, device)
     _check_one_dtype(name, own)
 
     unit = ShardedUnit(name, [p for p, _ in own], places, group, mp_policy,
@@ -93,10 +100,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     unit.schedule = Schedule([unit])
     for inner_module in inner:
         unit.schedule.adopt(inner_module._fsdp_unit.schedule)
-    for index, ((original, _), where) in enumerate(zip(own, places)):
+    for index, ((original, qualname), where) in enumerate(zip(own, places)):
         for owner_module, attr in where:
             owner_module._parameters[attr] = unit.shard_params[index]
-        setattr(original, REPLACED, name)
+        setattr(original, REPLACED, f"{qualname!r} of {name}")
         setattr(original, _OWNER, (unit, index))
         setattr(unit.shard_params[index], _SHARD_OF, unit)
     for place, original, _ in borrowed:

@@ -26,6 +26,14 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    @classmethod
+    def like(cls, policy) -> "MixedPrecisionPolicy":
+        """Ours, from ours or from torch's ``MixedPrecisionPolicy`` (the same fields), so either import works."""
+        if isinstance(policy, cls):
+            return policy
+        return cls(*(getattr(policy, name) for name in ("param_dtype", "reduce_dtype", "output_dtype",
+                                                        "cast_forward_inputs")))
+
     def compute_dtype(self, master: torch.dtype) -> torch.dtype:
         return self.param_dtype or master
 

@@ -1,18 +1,22 @@
 """When units gather, free and reduce: the step as the units of one model see it.
 
 Every unit of a model shares one :class:`Schedule` (``fully_shard`` on an
-outer module merges the schedules of the units inside it). It is told four
-things by the hooks of :mod:`minddp.fsdp.hooks`, and decides the rest:
+outer module merges the schedules of the units inside it; units with no
+common sharded ancestor keep one each). It is told four things, by the
+module hooks of :mod:`minddp.fsdp.fully_shard`, a gradient hook on the unit's
+outputs, and a hook on each full parameter's gradient accumulation; it
+decides the rest:
 
 * ``before_forward(unit)``: gather the unit (the prefetch may have started
   it), and start gathering the unit that came next last time;
-* ``after_forward(unit, output)``: free the unit (unless it is the outermost
-  one, whose backward comes first), and ask to be told when a gradient
-  reaches the output;
+* ``after_forward(unit, output)``: free the unit (unless it is the root,
+  the outermost unit, whose backward comes first), and ask to be told when
+  a gradient reaches the output (``register_multi_grad_hook``);
 * ``before_backward(unit)``: gather it again, prefetch the next unit of the
   last backward's order;
 * ``gradients_done(unit)`` (every parameter's gradient is in): launch its
-  reduce-scatter and free it.
+  reduce-scatter, wait for the previous unit's (one in flight at a time: each
+  holds a full-size gradient buffer), and free it.
 
 At the end of the backward pass (a callback autograd runs when the pass is
 over) it reduces what never got all its gradients, waits for every
@@ -24,7 +28,18 @@ collectives stay in the same order everywhere.
 
 Activation checkpointing runs a unit's forward again *inside* backward;
 there (``_in_backward``) a forward gathers but never frees and never hooks
-the output: the unit is freed when its gradients are done.
+the output: the unit is freed when its gradients are done. The reentrant
+kind runs a nested backward pass per checkpoint: the step ends with the
+first pass a unit saw, or with any pass after which no unit waits for a
+gradient. (When the first unit to see a gradient sits inside a reentrant
+checkpoint, with no unit around it, that first pass is a nested one: each
+nested pass then ends a "step" of its own, which stays correct, each waiting
+for what it launched, but backward prefetching stops and a unit with an
+unused parameter is never reduced. Wrap the root, or use ``use_reentrant=False``.)
+
+A unit used twice in one forward is gathered twice; its parameters'
+gradients accumulate over both uses before their hooks fire, so it is
+reduced once.
 """
 
 from __future__ import annotations
@@ -132,10 +147,18 @@ class Schedule:
         self._watch_this_pass()
         self._gradients_done.add(id(unit))
         if unit.requires_gradient_sync:
-            unit.start_reduce_scatter()
-            self._launched.append(unit)
+            self._launch_reduce_scatter(unit)
         unit.free(free_lenders=False)
         unit.gradients_in = 0
+
+    def _launch_reduce_scatter(self, unit: ShardedUnit) -> None:
+        # A launched reduce-scatter holds its full-size send buffer until waited
+        # for. Waiting for the previous one now (it had a unit's backward to
+        # finish) keeps one unit's gradient in flight, not the whole model's.
+        unit.start_reduce_scatter()
+        for earlier in self._launched:
+            earlier.finish_reduce_scatter()
+        self._launched = [unit]
 
     def _prefetch(self, unit: ShardedUnit | None) -> None:
         if unit is not None and self.prefetch:
@@ -160,10 +183,8 @@ class Schedule:
     def finish_backward(self) -> None:
         """Reduce what is left (in a fixed order), wait for every reduce-scatter, free every unit."""
         for unit in self._ran_forward:
-            if id(unit) not in self._gradients_done and unit.has_full_gradients():
-                if unit.requires_gradient_sync:
-                    unit.start_reduce_scatter()
-                    self._launched.append(unit)
+            if id(unit) not in self._gradients_done and unit.has_full_gradients() and unit.requires_gradient_sync:
+                self._launch_reduce_scatter(unit)
             unit.gradients_in = 0
         for unit in self._launched:
             unit.finish_reduce_scatter()

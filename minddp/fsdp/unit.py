@@ -68,7 +68,7 @@ class ShardedUnit:
         self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
         self._gather_work = None
-        self.pending = None  # (work, piece) of a launched reduce-scatter
+        self.pending = None  # (work, piece, send) of a launched reduce-scatter: kept alive until waited
         self.gradients_in = 0
         self.gathers = self.reduce_scatters = 0  # collectives launched so far (for tests and lessons)
         with torch.no_grad():
@@ -84,6 +84,7 @@ class ShardedUnit:
         start = self.layout.ranges[self.rank][0] if self.layout else 0
         end = self.layout.ranges[self.rank][1] if self.layout else 0
         self.shard = self.layout.read(self.rank, 0, piece, lambda p: p) if self.layout else torch.empty(0)
+        self._take_rank0s_pieces()
         self.spans: list[tuple[int, int]] = []  # per parameter: (first element this rank holds, how many)
         self.shard_params: list[nn.Parameter] = []
         self.full = torch.empty(self.world_size * piece, dtype=self.compute_dtype, device=device)
@@ -102,6 +103,19 @@ class ShardedUnit:
             self.full_params.append(over_full)
         self.gradients_expected = sum(p.requires_grad for p in self.full_params)
         self.full.untyped_storage().resize_(0)
+
+    def _take_rank0s_pieces(self) -> None:
+        """Every rank's piece from rank 0's parameters, as MiniDDP starts from rank 0's weights.
+
+        Otherwise a rank that initialized differently (a forgotten seed) would
+        shard its own values, and the model would be a patchwork no rank had.
+        One scatter per unit, once: each rank receives only its piece."""
+        if self.layout is None or self.world_size == 1:
+            return
+        pieces = None
+        if self.rank == 0:
+            pieces = [self.layout.read(r, 0, self.layout.piece, lambda p: p) for r in range(self.world_size)]
+        dist.scatter(self.shard, pieces, src=dist.get_global_rank(self.group, 0), group=self.group)
 
     # ------------------------------------------------------------ gather / free
     def start_gather(self) -> None:
