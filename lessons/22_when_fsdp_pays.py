@@ -27,6 +27,7 @@ What you will learn
 
 What to run
     python lessons/22_when_fsdp_pays.py [--link eth25] [--keep-after-forward] [--world-size 3] [--batch 64]
+    One rank sends nothing to compare: ``--world-size 1`` stops with one line saying so.
 
 What to look at
     Part 1: the messages of one step and the bytes each rank sent, FSDP
@@ -252,5 +253,5 @@ def options(parser) -> None:
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__, extra=options)
+    args = parse_args(__doc__, extra=options, min_world_size=2)
     run(main, args.world_size, args)
