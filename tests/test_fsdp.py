@@ -1,24 +1,24 @@
-"""minddp.fsdp's ``fully_shard`` trains as one process on the whole batch, and as torch's ``fully_shard``.
+"""minddp.fsdp's ``fully_shard`` trains a GPT as one process on the whole batch.
 
-Oracles, after every step (fp32):
+Oracle, after every step (fp32): one process, unsharded model and optimizer,
+on the concatenated batch, to float32 rounding (averaging per-rank means
+sums in another order than one mean over the whole batch: rtol 1e-5, atol
+1e-6, as tests/test_zero.py). With SGD: the GPT's key bias has a gradient
+that is zero but for rounding (softmax ignores a constant added to every
+key), and AdamW would turn that noise into steps of the learning rate's
+size. (Against torch's ``fully_shard``, bit for bit: tests/test_fsdp_torch_peer.py.)
 
-* one process, unsharded model and optimizer, on the concatenated batch:
-  to float32 rounding (averaging per-rank means sums in another order than
-  one mean over the whole batch: rtol 1e-5, atol 1e-6, as tests/test_zero.py).
-  With SGD: the GPT's key bias has a gradient that is zero but for rounding
-  (softmax ignores a constant added to every key), and AdamW would turn that
-  noise into steps of the learning rate's size;
-* torch's FSDP2 (``fully_shard`` over ``init_device_mesh("cpu", (2,))``) on
-  2 ranks: bit for bit. Both all-gather the same fp32 values, average two
-  gradients (a division by 2 is exact, and a sum of two is in either order
-  the same), and AdamW is elementwise, so sharded flat or by rows, each
-  element gets the same arithmetic.
-"""
+The cases (``VARIANTS``): per block and root; activation checkpointing of
+both kinds; the tied embedding and head in different units, either way
+round; only Linear and Embedding layers sharded (the course adapter of the
+package docstring), also under reentrant checkpoints; frozen parameters; an
+unused parameter; a block used twice; gradient accumulation with sync off;
+gradient clipping over shards (the norm returned too). On 3 ranks as well
+for two of them: pieces of unequal length, a tensor split across ranks."""
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from minddp.fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, full_state_dict, fully_shard, is_sharded
