@@ -122,7 +122,6 @@ def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
     cfg = GPTConfig()
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size + 1), generator=torch.Generator().manual_seed(rank))
     model, opt = fsdp_model(cfg)
-    schedule = model._fsdp_unit.schedule  # minddp.fsdp's prefetch switch
 
     def step():
         opt.zero_grad()
@@ -138,10 +137,10 @@ def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
             fit[n].append(halves_ms(n, world_size))
         profiles.append(compute_profile(cfg, tokens))
         for name, prefetch in (("prefetch", True), ("no prefetch", False)):
-            schedule.prefetch = prefetch
+            model.set_prefetch(prefetch)
             dist.barrier()
             measured[name].append(_ms(step, args["steps"]))
-        schedule.prefetch = True
+        model.set_prefetch(True)
     result = {"fit_ms": {n: statistics.median(_slowest(v)) for n, v in fit.items()},
               "measured_ms": {k: _slowest(v) for k, v in measured.items()},
               "profiles": profiles, "unit_numel": _unit_numel(cfg)}

@@ -193,12 +193,11 @@ def main(rank: int, world_size: int, args) -> None:
         f"{fsdp_bytes:.0f} against {ddp_bytes:.0f}")
 
     # Part 2: prefetch on and off, by the clock and in the link model's time.
-    schedule = fsdp._fsdp_unit.schedule  # minddp.fsdp's prefetch switch (FSDP2 has none: it always prefetches)
     clocks = {}
     for prefetch in (True, False, True, False):
-        schedule.prefetch = prefetch
+        fsdp.set_prefetch(prefetch)  # minddp.fsdp's switch (FSDP2 has none: it always prefetches)
         clocks.setdefault(prefetch, []).extend(train_steps(fsdp, fsdp_link, args.batch, rank, 2))
-    schedule.prefetch = True
+    fsdp.set_prefetch(True)
     units = unit_compute(args.batch)
     link = PRESETS[args.link]
     model = modelled(units, link, world_size, not args.keep_after_forward)
