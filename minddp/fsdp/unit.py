@@ -103,6 +103,11 @@ class ShardedUnit:
             self.full_params.append(over_full)
         self.gradients_expected = sum(p.requires_grad for p in self.full_params)
         self.full.untyped_storage().resize_(0)
+        if self.layout is not None:
+            # From here on the layout is geometry only (pieces, offsets): it
+            # must not keep the original full parameters alive, or every rank
+            # would hold the whole model once more (+4 bytes per parameter).
+            self.layout.params = []
 
     def _take_rank0s_pieces(self) -> None:
         """Every rank's piece from rank 0's parameters, as MiniDDP starts from rank 0's weights.
