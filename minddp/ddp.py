@@ -78,7 +78,8 @@ class MiniDDP(nn.Module):
       ``"with_gradients"`` (the same values, but sent in the last gradient
       bucket of each synchronized backward instead of a broadcast before the
       next forward: one collective fewer per step; see
-      :mod:`minddp.buffers_in_bucket` for the one case where it differs),
+      :mod:`minddp.buffers_in_bucket` for the one case where it differs:
+      rank 0 alone changing its buffers between a backward and the next forward),
       ``"average"`` (average floating-point buffers over ranks) or ``"off"``;
       defaults to ``"broadcast"`` or ``"off"`` following ``broadcast_buffers``.
     * ``check_sync_every``: every N synchronized forwards, verify that all
@@ -234,13 +235,16 @@ class MiniDDP(nn.Module):
         # out of data shadows each one with a broadcast, not knowing what the
         # others' previous forward was.
         # With buffer_sync="with_gradients" the last backward may have brought
-        # exactly these buffers already, in its last bucket.
+        # rank 0's buffers already, in its last bucket: written now, where
+        # torch's broadcast would write them.
         in_join = sync and self.join_context is not None
-        delivered = self.reducer.passenger_delivered and not in_join
-        if (self.require_forward_param_sync or in_join) and self.world_size > 1 and not delivered:
-            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+        if (self.require_forward_param_sync or in_join) and self.world_size > 1:
+            if self.reducer.passenger_arrived and not in_join:
+                self.reducer.passenger.deliver()
+            else:
+                sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
         self.require_forward_param_sync = sync
-        self.reducer.passenger_delivered = False
+        self.reducer.passenger_arrived = False
         self.reducer.carry_passenger = sync and not in_join  # read only if a passenger is set up
         started = self._observer.forward_started()
         output = self.module(*args, **kwargs)
