@@ -88,7 +88,8 @@ class Reducer:
         self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
         self._caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))  # bytes: cap, first cap
         self._storage = BucketStorage()  # where bucket buffers come from (use_bucket_storage)
-        self._reclaimed: set[int] = set()  # buckets whose result was taken, and buffer given back, this backward
+        self._offered: set[int] = set()  # buckets waited for and offered to bucket_reduced_hook, this backward
+        self._reclaimed: set[int] = set()  # ... of which the hook took the result (no .grad to write)
         # A passenger in the last bucket (carry_in_last_bucket): MiniDDP's buffers, with buffer_sync="with_gradients".
         self.passenger = None
         self.carry_passenger = False  # set at each synchronized forward: does this backward carry it?
@@ -359,12 +360,16 @@ class Reducer:
     def _reclaim_finished_buckets(self) -> None:
         """Buffers lent by the storage go back as soon as their result is taken (not at the end of backward)."""
         for bucket in self.buckets[: self._next_to_launch]:
-            if bucket.index not in self._reclaimed and bucket.future is not None and bucket.future.done():
+            if bucket.index not in self._offered and bucket.future is not None and bucket.future.done():
                 bucket.wait()
                 self._hand_over(bucket)
 
     def _hand_over(self, bucket: Bucket) -> bool:
-        """Offer a reduced bucket to the ``bucket_reduced_hook``; True if taken (its buffer may then go back)."""
+        """Offer a reduced bucket to the ``bucket_reduced_hook`` (once per backward); True if taken
+        (then its buffer may go back; declined, ``.grad`` is written from it at the end of backward)."""
+        if bucket.index in self._offered:
+            return bucket.index in self._reclaimed
+        self._offered.add(bucket.index)
         if self.bucket_reduced_hook is None or not self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
             return False
         self._reclaimed.add(bucket.index)
@@ -403,7 +408,7 @@ class Reducer:
         self._account_for_missing_gradients()
         with profiler_range("minddp.wait_buckets"):
             for bucket in self.buckets:
-                if bucket.index not in self._reclaimed:
+                if bucket.index not in self._offered:
                     bucket.wait()
         if self._passenger_fits and self.carry_passenger:
             self.passenger.receive(self.buckets[-1].tail)
@@ -446,7 +451,7 @@ class Reducer:
 
     def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
-            if bucket.index in self._reclaimed or self._hand_over(bucket):
+            if self._hand_over(bucket):
                 continue
             grads, slots = [], []  # dense same-dtype copies: one call per bucket (see _fill_bucket)
             for index, p, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
@@ -487,7 +492,7 @@ class Reducer:
         return [name for b in self.buckets for name in b.unready_names()]
 
     def _reset_buckets(self) -> None:
-        self._reclaimed = set()
+        self._offered, self._reclaimed = set(), set()
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0

@@ -104,6 +104,13 @@ def _lent_buffers(rank, world_size, as_view):
     x, y = _batch(0, rank)
     F.mse_loss(mini(x), y).backward()  # the first backward: the learned order rebuilds the buckets
     mini.reducer.use_bucket_storage(pool)
+    mini.reducer.bucket_reduced_hook = lambda bucket: False  # declined: .grad written as usual
+    mini.zero_grad(set_to_none=True)
+    native.zero_grad(set_to_none=True)
+    F.mse_loss(mini(x), y).backward()
+    F.mse_loss(native(x), y).backward()
+    for p, q in zip(mini.parameters(), native.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
     mini.reducer.bucket_reduced_hook = take
     results = []
     for step in range(1, STEPS):
@@ -124,6 +131,9 @@ def test_a_lending_storage_gets_every_buffer_back_and_the_averages_are_right(ran
     # The pool hands out NaN-filled buffers: a slot not overwritten before
     # the all-reduce would poison the average. Every buffer is back after
     # each backward (out == 0), and no more were ever allocated than buckets.
+    # A backward whose buckets the hook declines (as ZeRO stage 2's first,
+    # all-reduced one) writes .grad as usual, with a bucket offered once
+    # (it used to be waited for twice: "waited on before it was launched").
     for as_view in (False, True):
         for results, buckets in ranks(2).run(_lent_buffers, as_view):
             assert buckets == 4
