@@ -24,7 +24,7 @@ from minddp.bucket_order import LearnedBucketOrder
 from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.bucket_planner import AutoBuckets
 from minddp.buffers_in_bucket import BuffersInLastBucket
-from minddp.join import Join, JoinHook
+from minddp.join import Join, JoinHook, under_torchs_join
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_replicas_in_sync, check_same_parameters
 from minddp.sync import (BUFFER_POLICIES, broadcast_coalesced, module_device, move_to_device, on_device,
@@ -279,6 +279,10 @@ class MiniDDP(nn.Module):
         returns the rank whose buffers everyone takes."""
         buffer_source = 0
         self.reducer.divisor = self.world_size
+        if self.join_context is None and under_torchs_join(self):  # Join([model, ...]) of torch's
+            if not self._join_config.is_first_joinable:  # its steps open with MiniDDP's collectives
+                raise ValueError("under torch's Join, MiniDDP must be the first joinable: Join([model, optimizer])")
+            self.join_context = Join.inside_torchs_join(self)
         active = Join.notify_join_context(self)  # inside join(): who is still training?
         if active is not None:  # read only where used: reading waits for the GPU (minddp.join.Flags)
             self.reducer.divisor = self._join_hook.divisor(active)
@@ -356,7 +360,10 @@ class _MiniDDPJoinHook(JoinHook):
         return len(active) if self.divide_by_initial_world_size else sum(active)
 
     def main_hook(self) -> None:
-        self.ddp._shadow_synchronized_step(buffer_source=self._join().last_active)
+        join = self._join()
+        if join.inside_torch:  # torch's loop answers only its own all-reduce; the exchange is answered here
+            join._exchange(active=False)
+        self.ddp._shadow_synchronized_step(buffer_source=join.last_active)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         # Everyone is done: the last rank to train has the newest parameters.
@@ -366,8 +373,7 @@ class _MiniDDPJoinHook(JoinHook):
         ddp.reducer.divisor = ddp.world_size
 
     def _join(self) -> Join:
-        """Who trains, and who trained last: minddp's Join knows (torch's does not tell its hooks)."""
-        if self.ddp.join_context is None:
-            raise RuntimeError("MiniDDP's join hook runs under minddp's Join (model.join(), or "
-                               "minddp.join.Join): torch's Join does not tell it which rank trained last")
+        """Who trains, and who trained last: minddp's Join knows (see ``Join.inside_torchs_join``)."""
+        if self.ddp.join_context is None:  # under torch's Join, a rank that never trained in it
+            self.ddp.join_context = Join.inside_torchs_join(self.ddp)
         return self.ddp.join_context

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms import join as torch_join
 
-__all__ = ["Join", "JoinHook", "Joinable", "Flags"]
+__all__ = ["Join", "JoinHook", "Joinable", "Flags", "under_torchs_join"]
 
 
 class Flags(Sequence[bool]):
@@ -95,6 +95,8 @@ class Joinable(Protocol):
 class Join:
     """``with Join([joinable, ...]):`` one block of uneven inputs; ``kwargs`` go to every ``join_hook``."""
 
+    inside_torch = False  # see inside_torchs_join
+
     def __init__(self, joinables: Iterable[Joinable], enable: bool = True, **kwargs):
         self.joinables = list(joinables)
         if not self.joinables:
@@ -105,10 +107,29 @@ class Join:
         self.device = self.joinables[0].join_device
         self.active: Sequence[bool] = []  # the last answer that had someone training
 
+    @classmethod
+    def inside_torchs_join(cls, joinable: Joinable) -> "Join":
+        """minddp's bookkeeping for a joinable that torch's ``Join`` runs.
+
+        torch's ``Join`` runs the loop and the hooks, and counts the ranks
+        still training, but tells its hooks neither who they are nor who
+        trained last; a joinable that needs to know (MiniDDP: whose buffers,
+        which divisor) keeps one of these as its ``join_context``: the same
+        exchange, issued by the training ranks at each step and answered by
+        the joined rank's ``main_hook``. Never used as a context manager.
+        """
+        join = cls.__new__(cls)
+        join.joinables, join.enable, join.hooks = [joinable], True, []
+        join.group, join.device, join.active = joinable.join_process_group, joinable.join_device, []
+        join.inside_torch = True
+        return join
+
     def __enter__(self) -> "Join":
         if self.enable:
             for joinable in self.joinables:
                 joinable.join_context = self
+                if hasattr(joinable, "_join_config"):  # left enabled by an earlier torch Join: not this block's
+                    joinable._join_config = torch_join._JoinConfig.construct_disabled_join_config()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -132,10 +153,9 @@ class Join:
         all-reduce however many joinables there are.
         """
         join = joinable.join_context
+        if under_torchs_join(joinable):
+            torch_join.Join.notify_join_context(joinable)  # torch's Join counts the steps itself
         if join is None:
-            torch_config = getattr(joinable, "_join_config", None)  # set by torch's Join on its joinables
-            if torch_config is not None and torch_config.enable:
-                torch_join.Join.notify_join_context(joinable)  # torch's Join counts the steps itself
             return None
         if joinable is not join.joinables[0]:
             return join.active
@@ -161,3 +181,9 @@ class Join:
                 hook.main_hook()
         for hook in self.hooks:
             hook.post_hook(is_last_joiner)
+
+
+def under_torchs_join(joinable) -> bool:
+    """Has torch's ``Join`` enabled this joinable? (It sets ``_join_config`` and never resets it.)"""
+    config = getattr(joinable, "_join_config", None)
+    return config is not None and config.enable
