@@ -176,6 +176,20 @@ def _closure_reaches_the_local_optimizer(rank, world_size):
         F.mse_loss(net(x), y).backward()
         assert opt.step(closure=None, scale=3.0) is None
     assert_equal_models(mine.module, theirs.module, "step(closure=None, scale=3.0)")
+    # A local optimizer that takes a closure but does not call it steps with
+    # the gradients already there (torch's ZeRO: the model's own .grad).
+    mine, theirs = MiniDDP(build()), TorchDDP(build())
+    my_opt = ZeroRedundancyOptimizer(mine.parameters(), SGDIgnoringClosure, ddp=mine, lr=0.1)
+    their_opt = TorchZero(theirs.parameters(), SGDIgnoringClosure, lr=0.1)
+    for net, opt in ((mine, my_opt), (theirs, their_opt)):
+        F.mse_loss(net(x), y).backward()
+        opt.step(closure=lambda: 0.0)
+    assert_equal_models(mine.module, theirs.module, "a step whose closure the local optimizer ignores")
+
+
+class SGDIgnoringClosure(torch.optim.SGD):
+    def step(self, closure=None):
+        return super().step()
 
 
 def test_step_passes_closure_and_kwargs_to_the_local_optimizer(ranks):
@@ -267,3 +281,22 @@ def _stage2_second_group_added(rank, world_size):
 
 def test_stage2_accepts_a_group_added_after_construction(ranks):
     ranks(2).run(_stage2_second_group_added, timeout_s=60)
+
+
+# ------------------------------------------------------------------ torch's other constructor arguments
+def _constructor_arguments(rank, world_size):
+    params = lambda: nn.Linear(2, 2).parameters()  # noqa: E731
+    for as_view in (False, True):  # torch's; accepted, as ours are flat already
+        ZeroRedundancyOptimizer(params(), torch.optim.SGD, lr=0.1, parameters_as_bucket_view=as_view)
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp"):
+        ZeroRedundancyOptimizer(params(), torch.optim.SGD, lr=0.1, overlap_with_ddp=True)
+    for zero in (ZeroRedundancyOptimizer, TorchZero):  # a clear ValueError, as torch's
+        with pytest.raises(ValueError):
+            zero([torch.sparse_coo_tensor(size=(2, 3))], torch.optim.SGD, lr=0.01)
+    return True
+
+
+def test_torchs_other_constructor_arguments(ranks):
+    # Not vacuous: parameters_as_bucket_view went on to SGD ("unexpected
+    # keyword"), and a sparse parameter failed deep inside the partition.
+    assert ranks(2).run(_constructor_arguments, timeout_s=60) == [True, True]

@@ -100,6 +100,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.overlap_comm = bool(defaults.pop("overlap_comm", True))
         self.partition = defaults.pop("partition", "flat")
         average = defaults.pop("average_gradients", None)
+        # torch's: with True its local optimizer steps flat buffers; ours always does, so either value is fine.
+        defaults.pop("parameters_as_bucket_view", None)
+        if defaults.pop("overlap_with_ddp", False):
+            raise NotImplementedError(
+                "overlap_with_ddp=True (torch's ZeRO stepping inside torch's DDP comm hook) is not supported; "
+                "ZeRO stage 2 (ddp=<a MiniDDP>, shard_gradients=True) reduces the gradients during backward")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
         if self.shard_gradients and self.partition != "flat":
@@ -112,6 +118,10 @@ class ZeroRedundancyOptimizer(Optimizer):
                                "(torch.distributed.init_process_group or minddp.init_distributed)")
         self._ready = False
         super().__init__(params, defaults)
+        sparse = [i for i, p in enumerate(p for g in self.param_groups for p in g["params"]) if p.is_sparse]
+        if sparse:
+            raise ValueError(f"ZeroRedundancyOptimizer shards dense parameters only; parameters {sparse} "
+                             "(in parameter-group order) are sparse")
         self.optimizer_class, self._optim_defaults = optimizer_class, defaults
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
@@ -286,8 +296,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # an LR scheduler's changes
         with torch.no_grad():  # weights changed since the last all-gather (a model.load_state_dict) count:
             self.layout.fill(lambda s: s.master, lambda p: p.detach())  # a copy of 1/N of them
+        self._gradients_into_views(shadow)  # what .grad holds now counts, closure or not (as torch's ZeRO)
         if closure is None:
-            self._gradients_into_views(shadow)
             loss = self.optim.step(**kwargs)
         else:
             loss = self.optim.step(closure=self._closure_for_shards(closure), **kwargs)
