@@ -279,7 +279,8 @@ class Bucket:
                 f"parameter {self.names[i]!r} produced a gradient twice in one backward "
                 "(a second backward through the same graph, or a block run twice under a reentrant "
                 "activation checkpoint: construct MiniDDP(..., static_graph=True) for that); "
-                "its bucket was already marked ready"
+                "its bucket was already marked ready. (torch's DDP says: Expected to mark a variable "
+                "ready only once.)"
             )
         self._ready[i] = True
         self._pending -= 1

@@ -12,11 +12,16 @@ that collective unnecessary:
   as forward k left them, and backward k does not change them.
 
 So the buffers are appended to the last bucket of backward k, which is
-all-reduced anyway, and written back when backward k ends
-(``MiniDDP(buffer_sync="with_gradients")``). The values before every forward
-are then torch's, unless something other than the wrapped forward changes a
-buffer between a backward and the next forward (a ``load_state_dict`` on
-rank 0 alone): that is why it is an option and not the default.
+all-reduced anyway, kept aside when it arrives, and written into the
+buffers at the start of forward k+1, where torch's broadcast would write
+them (``MiniDDP(buffer_sync="with_gradients")``). Every rank's buffers are
+then torch's at every moment, with one exception: rank 0 changing its
+buffers between a backward and the next forward by something other than
+the wrapped forward (a ``load_state_dict`` on rank 0 alone). torch would
+broadcast the new values; these are the ones rank 0 sent with the
+gradients. That one case is why it is an option and not the default;
+rank 0 sees it (its buffers' version counters moved since it sent them)
+and warns.
 
 Bit for bit, whatever the buffer's dtype: each buffer travels as its raw
 bytes, read as 16-bit integers and carried as float32 values. Every int16
@@ -27,6 +32,8 @@ a few KB.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -40,8 +47,9 @@ class BuffersInLastBucket:
     """The reducer's passenger: ``numel`` extra elements at the end of the last bucket.
 
     :meth:`pack` fills them before the bucket is sent (rank 0: its buffers'
-    bytes; every other rank: zeros), :meth:`unpack` writes the sum, rank 0's
-    bytes, into every rank's buffers once the bucket has arrived.
+    bytes; every other rank: zeros), :meth:`receive` keeps the sum (rank 0's
+    bytes) when the bucket has arrived, and :meth:`deliver` writes it into
+    every rank's buffers before the next forward.
     """
 
     def __init__(self, buffers: list[torch.Tensor], is_source: bool):
@@ -51,6 +59,8 @@ class BuffersInLastBucket:
         self._whole_words = all(b.is_contiguous() and b.numel() * b.element_size() % 2 == 0 for b in self.buffers)
         self._words = [_as_int16(b) for b in self.buffers] if self._whole_words else []
         self.numel = sum(w.numel() for w in self._words)
+        self._received: torch.Tensor | None = None
+        self._versions_sent: list[int] = []
 
     def fits(self, bucket_dtype: torch.dtype) -> bool:
         """Can a bucket of ``bucket_dtype`` carry these buffers exactly?"""
@@ -60,18 +70,40 @@ class BuffersInLastBucket:
         if not self.is_source:
             tail.zero_()
             return
+        self._versions_sent = [b._version for b in self.buffers]
         offset = 0
         for words in self._words:
             tail[offset: offset + words.numel()].copy_(words)  # int16 -> float: exact
             offset += words.numel()
 
-    def unpack(self, tail: torch.Tensor) -> None:
-        offset = 0
+    def receive(self, tail: torch.Tensor) -> None:
+        """Keep the arrived bytes (the bucket's buffer may be rebuilt or reused before the next forward)."""
+        if self.is_source:
+            return  # they are its own buffers' bytes
+        if self._received is None:
+            self._received = torch.empty_like(tail)
+        self._received.copy_(tail)
+
+    def deliver(self) -> None:
+        """Rank 0's bytes into this rank's buffers (rank 0 keeps its own, as under a broadcast)."""
+        if self.is_source:
+            if [b._version for b in self.buffers] != self._versions_sent:
+                self._warn_changed()
+            return
+        tail, offset = self._received, 0
         for words in self._words:
             # Written through .data (see _as_int16): a forward's graph that
             # saved a buffer must not see its version counter move.
             words.copy_(tail[offset: offset + words.numel()])  # float -> int16: exact
             offset += words.numel()
+
+    @staticmethod
+    def _warn_changed() -> None:
+        warnings.warn(
+            "MiniDDP(buffer_sync='with_gradients'): rank 0's buffers changed between the last backward and "
+            "this forward, outside the wrapped forward; the other ranks get the values sent with the "
+            "gradients, not the new ones (torch's DDP would broadcast the new ones). Use "
+            "buffer_sync='broadcast' if buffers are changed between steps.", stacklevel=4)
 
 
 def _as_int16(buffer: torch.Tensor) -> torch.Tensor:

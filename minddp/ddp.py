@@ -24,7 +24,7 @@ from minddp.bucket_order import LearnedBucketOrder
 from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.bucket_planner import AutoBuckets
 from minddp.buffers_in_bucket import BuffersInLastBucket
-from minddp.join import Join, JoinHook
+from minddp.join import Join, JoinHook, under_torchs_join
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_replicas_in_sync, check_same_parameters
 from minddp.sync import (BUFFER_POLICIES, broadcast_coalesced, module_device, move_to_device, on_device,
@@ -78,7 +78,8 @@ class MiniDDP(nn.Module):
       ``"with_gradients"`` (the same values, but sent in the last gradient
       bucket of each synchronized backward instead of a broadcast before the
       next forward: one collective fewer per step; see
-      :mod:`minddp.buffers_in_bucket` for the one case where it differs),
+      :mod:`minddp.buffers_in_bucket` for the one case where it differs:
+      rank 0 alone changing its buffers between a backward and the next forward),
       ``"average"`` (average floating-point buffers over ranks) or ``"off"``;
       defaults to ``"broadcast"`` or ``"off"`` following ``broadcast_buffers``.
     * ``check_sync_every``: every N synchronized forwards, verify that all
@@ -234,13 +235,16 @@ class MiniDDP(nn.Module):
         # out of data shadows each one with a broadcast, not knowing what the
         # others' previous forward was.
         # With buffer_sync="with_gradients" the last backward may have brought
-        # exactly these buffers already, in its last bucket.
+        # rank 0's buffers already, in its last bucket: written now, where
+        # torch's broadcast would write them.
         in_join = sync and self.join_context is not None
-        delivered = self.reducer.passenger_delivered and not in_join
-        if (self.require_forward_param_sync or in_join) and self.world_size > 1 and not delivered:
-            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+        if (self.require_forward_param_sync or in_join) and self.world_size > 1:
+            if self.reducer.passenger_arrived and not in_join:
+                self.reducer.passenger.deliver()
+            else:
+                sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
         self.require_forward_param_sync = sync
-        self.reducer.passenger_delivered = False
+        self.reducer.passenger_arrived = False
         self.reducer.carry_passenger = sync and not in_join  # read only if a passenger is set up
         started = self._observer.forward_started()
         output = self.module(*args, **kwargs)
@@ -275,6 +279,10 @@ class MiniDDP(nn.Module):
         returns the rank whose buffers everyone takes."""
         buffer_source = 0
         self.reducer.divisor = self.world_size
+        if self.join_context is None and under_torchs_join(self):  # Join([model, ...]) of torch's
+            if not self._join_config.is_first_joinable:  # its steps open with MiniDDP's collectives
+                raise ValueError("under torch's Join, MiniDDP must be the first joinable: Join([model, optimizer])")
+            self.join_context = Join.inside_torchs_join(self)
         active = Join.notify_join_context(self)  # inside join(): who is still training?
         if active is not None:  # read only where used: reading waits for the GPU (minddp.join.Flags)
             self.reducer.divisor = self._join_hook.divisor(active)
@@ -351,11 +359,21 @@ class _MiniDDPJoinHook(JoinHook):
         """Gradients are divided by the initial world size (torch's default) or by the active ranks."""
         return len(active) if self.divide_by_initial_world_size else sum(active)
 
-    def main_hook(self, active: list[bool]) -> None:
-        self.ddp._shadow_synchronized_step(buffer_source=max(r for r, a in enumerate(active) if a))
+    def main_hook(self) -> None:
+        join = self._join()
+        if join.inside_torch:  # torch's loop answers only its own all-reduce; the exchange is answered here
+            join._exchange(active=False)
+        self.ddp._shadow_synchronized_step(buffer_source=join.last_active)
 
-    def post_hook(self, last_active: int) -> None:
+    def post_hook(self, is_last_joiner: bool) -> None:
         # Everyone is done: the last rank to train has the newest parameters.
         ddp = self.ddp
-        broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_to_sync, ddp.process_group, last_active)
+        broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_to_sync, ddp.process_group,
+                            self._join().last_active)
         ddp.reducer.divisor = ddp.world_size
+
+    def _join(self) -> Join:
+        """Who trains, and who trained last: minddp's Join knows (see ``Join.inside_torchs_join``)."""
+        if self.ddp.join_context is None:  # under torch's Join, a rank that never trained in it
+            self.ddp.join_context = Join.inside_torchs_join(self.ddp)
+        return self.ddp.join_context

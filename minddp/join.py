@@ -23,7 +23,13 @@ and knows nothing about DDP:
   joinable's :meth:`JoinHook.main_hook`, which issues the same collectives
   as a real step, with nothing to contribute;
 * when no rank is active, each :meth:`JoinHook.post_hook` runs once, told
-  which rank trained last.
+  whether this rank was among the last to join.
+
+The hooks follow torch's ``JoinHook`` contract (``main_hook()``,
+``post_hook(is_last_joiner)``), so one hook serves both context managers: a
+joinable's hook runs under torch's ``Join`` too. What torch's does not tell
+(who is still training, the last rank that trained) a hook reads from
+minddp's :class:`Join`, its joinable's ``join_context``.
 
 What a joinable does while shadowing (for MiniDDP: all-reduce zeros in bucket
 order, then make the replicas agree) lives with the joinable, behind its
@@ -36,8 +42,9 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms import join as torch_join
 
-__all__ = ["Join", "JoinHook", "Joinable", "Flags"]
+__all__ = ["Join", "JoinHook", "Joinable", "Flags", "under_torchs_join"]
 
 
 class Flags(Sequence[bool]):
@@ -65,14 +72,14 @@ class Flags(Sequence[bool]):
         return self._values[rank]
 
 
-class JoinHook:
-    """What one joinable does once its rank has run out of inputs."""
+class JoinHook(torch_join.JoinHook):
+    """What one joinable does once its rank has run out of inputs (torch's contract, so torch's ``Join`` runs it)."""
 
-    def main_hook(self, active: list[bool]) -> None:
-        """Shadow one step of the ranks still training (``active[r]``: is rank ``r``?)."""
+    def main_hook(self) -> None:
+        """Shadow one step of the ranks still training."""
 
-    def post_hook(self, last_active: int) -> None:
-        """Once every rank has joined; ``last_active`` is the last rank that trained."""
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Once every rank has joined; ``is_last_joiner``: this rank shadowed no step."""
 
 
 class Joinable(Protocol):
@@ -88,6 +95,8 @@ class Joinable(Protocol):
 class Join:
     """``with Join([joinable, ...]):`` one block of uneven inputs; ``kwargs`` go to every ``join_hook``."""
 
+    inside_torch = False  # see inside_torchs_join
+
     def __init__(self, joinables: Iterable[Joinable], enable: bool = True, **kwargs):
         self.joinables = list(joinables)
         if not self.joinables:
@@ -98,10 +107,29 @@ class Join:
         self.device = self.joinables[0].join_device
         self.active: Sequence[bool] = []  # the last answer that had someone training
 
+    @classmethod
+    def inside_torchs_join(cls, joinable: Joinable) -> "Join":
+        """minddp's bookkeeping for a joinable that torch's ``Join`` runs.
+
+        torch's ``Join`` runs the loop and the hooks, and counts the ranks
+        still training, but tells its hooks neither who they are nor who
+        trained last; a joinable that needs to know (MiniDDP: whose buffers,
+        which divisor) keeps one of these as its ``join_context``: the same
+        exchange, issued by the training ranks at each step and answered by
+        the joined rank's ``main_hook``. Never used as a context manager.
+        """
+        join = cls.__new__(cls)
+        join.joinables, join.enable, join.hooks = [joinable], True, []
+        join.group, join.device, join.active = joinable.join_process_group, joinable.join_device, []
+        join.inside_torch = True
+        return join
+
     def __enter__(self) -> "Join":
         if self.enable:
             for joinable in self.joinables:
                 joinable.join_context = self
+                if hasattr(joinable, "_join_config"):  # left enabled by an earlier torch Join: not this block's
+                    joinable._join_config = torch_join._JoinConfig.construct_disabled_join_config()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -125,6 +153,8 @@ class Join:
         all-reduce however many joinables there are.
         """
         join = joinable.join_context
+        if under_torchs_join(joinable):
+            torch_join.Join.notify_join_context(joinable)  # torch's Join counts the steps itself
         if join is None:
             return None
         if joinable is not join.joinables[0]:
@@ -144,8 +174,16 @@ class Join:
         return who
 
     def _shadow_until_everyone_joined(self) -> None:
+        is_last_joiner = True
         while any(self._exchange(active=False)):
+            is_last_joiner = False
             for hook in self.hooks:
-                hook.main_hook(self.active)
+                hook.main_hook()
         for hook in self.hooks:
-            hook.post_hook(self.last_active)
+            hook.post_hook(is_last_joiner)
+
+
+def under_torchs_join(joinable) -> bool:
+    """Has torch's ``Join`` enabled this joinable? (It sets ``_join_config`` and never resets it.)"""
+    config = getattr(joinable, "_join_config", None)
+    return config is not None and config.enable

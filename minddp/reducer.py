@@ -59,6 +59,8 @@ from minddp.trace import StepObserver, profiler_range
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
 
+_graph_task_id = torch._C._current_graph_task_id  # which autograd pass is running (a private torch API)
+
 
 @dataclass(frozen=True)
 class ReducerOptions:
@@ -86,11 +88,12 @@ class Reducer:
         self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
         self._caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))  # bytes: cap, first cap
         self._storage = BucketStorage()  # where bucket buffers come from (use_bucket_storage)
-        self._reclaimed: set[int] = set()  # buckets whose result was taken, and buffer given back, this backward
+        self._offered: set[int] = set()  # buckets waited for and offered to bucket_reduced_hook, this backward
+        self._reclaimed: set[int] = set()  # ... of which the hook took the result (no .grad to write)
         # A passenger in the last bucket (carry_in_last_bucket): MiniDDP's buffers, with buffer_sync="with_gradients".
         self.passenger = None
         self.carry_passenger = False  # set at each synchronized forward: does this backward carry it?
-        self.passenger_delivered = False  # did the last backward deliver it? (MiniDDP resets it at forward)
+        self.passenger_arrived = False  # did the last backward bring it? (MiniDDP delivers it at forward)
         # Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(params)))))
         self.arrival_log: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while watched
@@ -121,7 +124,12 @@ class Reducer:
         # is done; True means "the result is taken care of": no .grad is written.
         self._bucket_reduced_hook: Callable[[GradBucket], bool] | None = None
         self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
+        self._pass_now: int | None = None  # the pass the last hook fired in
+        self._tracing = observer.tracer is not None  # per-gradient trace events
         self._locally_used = [True] * len(params)
+        # Per parameter, did the last synchronized backward see a gradient on some rank?
+        # None: all did (without find_unused_parameters a missing one is an error).
+        self.globally_used: list[bool] | None = None
         self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
         self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
         self._static_used: list[bool] | None = None  # ... and which parameters some rank uses
@@ -169,7 +177,7 @@ class Reducer:
         self._build_buckets(order)
 
     def carry_in_last_bucket(self, passenger) -> None:
-        """Send ``passenger`` (``numel``, ``fits(dtype)``, ``pack(tail)``, ``unpack(tail)``) in the last
+        """Send ``passenger`` (``numel``, ``fits(dtype)``, ``pack(tail)``, ``receive(tail)``) in the last
         bucket's communication, in ``numel`` extra elements after its gradients; None stops it."""
         self.passenger = passenger
         self._build_buckets(self.bucket_order)
@@ -230,47 +238,55 @@ class Reducer:
         """Post-accumulate hook of ``params[index]``: its ``.grad`` is final for this backward.
 
         Runs once per parameter per step, so where to go is looked up, not
-        worked out (``_plan``, built with the buckets). Copies and scaling
-        wait for the bucket to be complete (:meth:`_fill_bucket`), with one
-        exception below.
+        worked out (``_plan``, built with the buckets), and a gradient that
+        is not its bucket's last costs a few attribute reads and a counter:
+        copies and scaling wait for the bucket to be complete
+        (:meth:`_fill_bucket`), with one exception below; records are kept
+        only when asked for (a tracer, an arrival log).
         """
         if not self.sync_this_backward:
             return
         if not self.backward_started:
             self._begin_backward()
-        self._call_at_end_of_this_pass()
+        if (current := _graph_task_id()) != self._pass_now:  # usually the same pass as the last hook
+            self._call_at_end_of(current)
         if self._static_graph and not self._last_expected_hook(index):
             return  # more of this parameter's gradient is still to come
-        self.observer.gradient_ready(self.names[index], param.grad)
         if self._recording:  # the first backward (learned order), or asked for from above
             self.arrival_log.append((index, time.perf_counter()))
-        if self._as_view[index]:
-            grad = param.grad
-            if grad is not None and not grad.is_sparse and grad is not (slot := self._slot(index)):
+        if self._tracing:
+            self.observer.gradient_ready(self.names[index], param.grad)
+        bucket, position = self._plan[index]
+        if self._as_view[index] and (grad := param.grad) is not None and not grad.is_sparse:
+            if bucket.buffer is None:  # a storage that lends buffers: the bucket's first use this backward
+                bucket.acquire()
+            if grad is not (slot := bucket.views[position]):
                 # gradient_as_bucket_view after zero_grad(set_to_none=True):
                 # autograd made a fresh .grad. Into its slot now, so its memory
                 # goes back at once, not when the whole bucket is complete (as
                 # torch's reducer; batching these copies per bucket measured no
                 # faster, and held up to a bucket of gradients twice).
                 param.grad = slot.copy_(grad)
-        self._mark_ready(index)
+        if bucket.mark_ready_at(position):
+            self._bucket_complete(bucket)
 
     def _begin_backward(self) -> None:
         self.backward_started = True
         self.observer.backward_started()
         self._watched_passes = set()
+        self._pass_now = None
         self._locally_used = [True] * len(self.params)
         self._hooks_seen = [0] * len(self.params)
         self.arrival_log = []  # only this backward's order counts (an earlier one may have failed)
         for p in self.unused:  # no gradient will come for these: count them now
             self._mark_ready(self._index[p])
 
-    def _call_at_end_of_this_pass(self) -> None:
+    def _call_at_end_of(self, current: int) -> None:
         # An activation checkpoint with use_reentrant=True runs a second,
         # nested backward pass inside the first, and its hooks fire in there.
         # So we ask to be called at the end of *every* pass a gradient came
         # from (not only the first one's), and decide then.
-        current = torch._C._current_graph_task_id()
+        self._pass_now = current
         if current not in self._watched_passes:
             self._watched_passes.add(current)
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_pass_end)
@@ -284,8 +300,12 @@ class Reducer:
     def _mark_ready(self, index: int) -> None:
         bucket, position = self._plan[index]
         if bucket.mark_ready_at(position):
-            self._fill_bucket(bucket)
-            self._launch_ready_buckets()
+            self._bucket_complete(bucket)
+
+    def _bucket_complete(self, bucket: Bucket) -> None:
+        self.observer.bucket_complete()
+        self._fill_bucket(bucket)
+        self._launch_ready_buckets()
 
     def _fill_bucket(self, bucket: Bucket) -> None:
         """Every gradient of a complete bucket into its slot, scaled by 1/N.
@@ -340,12 +360,16 @@ class Reducer:
     def _reclaim_finished_buckets(self) -> None:
         """Buffers lent by the storage go back as soon as their result is taken (not at the end of backward)."""
         for bucket in self.buckets[: self._next_to_launch]:
-            if bucket.index not in self._reclaimed and bucket.future is not None and bucket.future.done():
+            if bucket.index not in self._offered and bucket.future is not None and bucket.future.done():
                 bucket.wait()
                 self._hand_over(bucket)
 
     def _hand_over(self, bucket: Bucket) -> bool:
-        """Offer a reduced bucket to the ``bucket_reduced_hook``; True if taken (its buffer may then go back)."""
+        """Offer a reduced bucket to the ``bucket_reduced_hook`` (once per backward); True if taken
+        (then its buffer may go back; declined, ``.grad`` is written from it at the end of backward)."""
+        if bucket.index in self._offered:
+            return bucket.index in self._reclaimed
+        self._offered.add(bucket.index)
         if self.bucket_reduced_hook is None or not self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
             return False
         self._reclaimed.add(bucket.index)
@@ -384,12 +408,13 @@ class Reducer:
         self._account_for_missing_gradients()
         with profiler_range("minddp.wait_buckets"):
             for bucket in self.buckets:
-                if bucket.index not in self._reclaimed:
+                if bucket.index not in self._offered:
                     bucket.wait()
         if self._passenger_fits and self.carry_passenger:
-            self.passenger.unpack(self.buckets[-1].tail)
-            self.passenger_delivered = True
-        self._write_averages_into_grads(self._globally_used())
+            self.passenger.receive(self.buckets[-1].tail)
+            self.passenger_arrived = True
+        self.globally_used = self._globally_used()
+        self._write_averages_into_grads(self.globally_used)
         self.observer.backward_done()
         self.backwards_done += 1
         self._reset_buckets()
@@ -426,7 +451,7 @@ class Reducer:
 
     def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
         for bucket in self.buckets:
-            if bucket.index in self._reclaimed or self._hand_over(bucket):
+            if self._hand_over(bucket):
                 continue
             grads, slots = [], []  # dense same-dtype copies: one call per bucket (see _fill_bucket)
             for index, p, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
@@ -467,7 +492,7 @@ class Reducer:
         return [name for b in self.buckets for name in b.unready_names()]
 
     def _reset_buckets(self) -> None:
-        self._reclaimed = set()
+        self._offered, self._reclaimed = set(), set()
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0
@@ -497,7 +522,7 @@ class Reducer:
         if self.options.find_unused_parameters or (self._static_graph and self._static_used is None):
             self._locally_used = [False] * len(self.params)
             self._hooks_seen = [0] * len(self.params)
-            self._globally_used()
+            self.globally_used = self._globally_used()
         self.arrival_log = []  # nothing arrived here; the step still counts, as on the other ranks
         for callback in list(self.backward_done_callbacks):
             callback()

@@ -24,8 +24,13 @@ Two ways in::
     ddp.register_comm_hook(link, simulated_allreduce_hook)   # torch's contract,
                                                              # MiniDDP or torch's DDP
 
-Every message is recorded in ``link.messages`` (bytes, when it was launched,
-when the wire took it, when it completed), so a lesson can draw it.
+ZeRO's and FSDP's two halves of an all-reduce travel the same way:
+``link.all_gather(output, input)`` and ``link.reduce_scatter(output, input)``,
+each costing the model's ring half (``(p - 1) alpha + (p - 1) / p * nbytes /
+bandwidth`` over the whole buffer), on the same one-at-a-time wire.
+
+Every message is recorded in ``link.messages`` (its kind, bytes, when it was
+launched, when the wire took it, when it completed), so a lesson can draw it.
 Completion is never *earlier* than the model says; it can be later, when the
 real all-reduce or the machine is slower than the simulated link.
 """
@@ -40,9 +45,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minddp.network import Link, allreduce_time, get_link
+from minddp.network import Link, allreduce_time, collective_time, get_link
 
 __all__ = ["Message", "SimulatedLink", "simulated_allreduce_hook"]
+
+# The two halves are bound when this module is imported, so that a caller may wrap torch.distributed's own
+# names afterwards (lesson 22 routes minddp.fsdp's collectives through a link) without the link calling itself.
+# torch 2.14 renamed the two halves (the old names warn); either name is the same collective.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -54,6 +65,7 @@ class Message:
     launched: float  # when the caller launched it
     started: float | None = None  # when the wire was free for it
     finished: float | None = None  # when its future was completed
+    kind: str = "all_reduce"  # or "all_gather", "reduce_scatter"
 
 
 class SimulatedLink:
@@ -82,13 +94,29 @@ class SimulatedLink:
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Sum ``tensor`` over the group in place; the future yields it when the wire is done."""
         message = Message(tensor.nbytes, self.predicted_time(tensor.nbytes), time.perf_counter())
+        return self._launch(message, dist.all_reduce(tensor, group=self.process_group, async_op=True), tensor)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.futures.Future:
+        """Every rank's ``input`` laid end to end in ``output``; the future yields ``output``."""
+        work = _ALL_GATHER(output, input, group=self.process_group, async_op=True)
+        return self._launch(self._half("all_gather", output.nbytes), work, output)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> torch.futures.Future:
+        """This rank's 1/N of the sum of every rank's ``input``, into ``output``; the future yields it."""
+        work = _REDUCE_SCATTER(output, input, group=self.process_group, async_op=True)
+        return self._launch(self._half("reduce_scatter", input.nbytes), work, output)
+
+    def _half(self, kind: str, nbytes: int) -> Message:
+        seconds = collective_time(kind, nbytes, dist.get_world_size(self.process_group), self.link)
+        return Message(nbytes, seconds, time.perf_counter(), kind=kind)
+
+    def _launch(self, message: Message, work, result: torch.Tensor) -> torch.futures.Future:
         self.messages.append(message)
-        work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
         future: torch.futures.Future = torch.futures.Future()
         if self._worker is None:
             self._worker = threading.Thread(target=self._deliver, name="simulated-link", daemon=True)
             self._worker.start()
-        self._queue.put((message, work, tensor, future))
+        self._queue.put((message, work, result, future))
         return future
 
     def _deliver(self) -> None:

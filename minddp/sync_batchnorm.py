@@ -94,7 +94,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # one too, dropping empty ranks' rows): every rank must see the same n to
         # raise together below, rather than leave the others waiting.
         n = int(counts.sum().item())
-        if n <= 1:  # the same n on every rank, so every rank raises: no hang
+        ctx.n, ctx.group, ctx.has_bias = n, group, bias is not None
+        if n == 0:  # every rank's slice is empty: an empty output, statistics untouched (as torch's)
+            ctx.save_for_backward(x, weight, mean_local, mean_local)
+            return torch.empty_like(x)
+        if n == 1:  # the same n on every rank, so every rank raises: no hang
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {n} over "
                 f"{world_size} ranks (input shape on this rank: {list(x.shape)})"
@@ -119,9 +123,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             y = y + _per_channel(bias.to(compute), x)
 
         ctx.save_for_backward(x, weight, mean_c, invstd_c)
-        ctx.n = n
-        ctx.group = group
-        ctx.has_bias = bias is not None
         return y.to(x.dtype)
 
     @staticmethod
@@ -140,7 +141,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             grad_weight = sum_dy_xhat.to(weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(weight.dtype if weight is not None else compute)
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.n == 0:
+            grad_x = torch.zeros_like(x)  # n is the same on every rank: none of them all-reduces
+        elif ctx.needs_input_grad[0]:
             # needs_input_grad is the same on every rank (same model), so
             # either every rank reaches this all_reduce or none does.
             both = torch.cat([sum_dy, sum_dy_xhat])

@@ -255,9 +255,14 @@ class StepObserver:
             self._backward_stamp = self.tracer.clock.now()
 
     def gradient_ready(self, name: str, grad: torch.Tensor | None) -> None:
-        self.timeline.last_hook = time.perf_counter()
+        """A gradient's hook (called only when tracing: the timeline needs no per-gradient record)."""
         if self.tracer is not None:
             self.tracer.gradient_ready(name, self.tracer.clock.now(), grad)
+
+    def bucket_complete(self) -> None:
+        """A bucket's last gradient is in. The last hook of a backward completes
+        a bucket, so the last of these is the timeline's last hook."""
+        self.timeline.last_hook = time.perf_counter()
 
     def bucket_launched(self, index: int, nbytes: int, launched: float, future: torch.futures.Future) -> None:
         """``launched``: CPU time, for the timeline; the tracer stamps its own clock (the all-reduce is queued)."""

@@ -84,13 +84,13 @@ def _running_means_after_each_forward(rank, world_size, wrapper, kwargs=None):
     for step, action in enumerate(SCRIPT):
         action(model, rank, step)
         after.append(_statistics(bn))
-    return after if kwargs is None else seen_by_forward
+    return after, seen_by_forward
 
 
 def test_buffers_are_broadcast_before_a_forward_that_follows_a_synchronized_one(ranks):
     pool = ranks(2)
-    ours = pool.run(_running_means_after_each_forward, "minddp")
-    torchs = pool.run(_running_means_after_each_forward, "torch")
+    ours = [after for after, _ in pool.run(_running_means_after_each_forward, "minddp")]
+    torchs = [after for after, _ in pool.run(_running_means_after_each_forward, "torch")]
     for rank in range(2):
         for step, (mine, theirs) in enumerate(zip(ours[rank], torchs[rank])):
             assert torch.equal(mine, theirs), (
@@ -104,20 +104,22 @@ def test_buffers_are_broadcast_before_a_forward_that_follows_a_synchronized_one(
 
 
 def test_with_gradients_gives_every_forward_the_buffers_torch_gives_it(ranks):
-    # Forward by forward, the buffers each forward computes with. (Between a
-    # backward and the next forward the ranks other than 0 already hold rank
-    # 0's buffers, where torch's DDP leaves them their own until that
-    # forward: the reason this is an option, not the default.)
+    # Forward by forward, the buffers each forward computes with, and the
+    # buffers after each action (between a backward and the next forward
+    # every rank still holds its own, as under torch's DDP: rank 0's arrive
+    # with the gradients but are written only where torch broadcasts).
     pool = ranks(2)
     ours = pool.run(_running_means_after_each_forward, "minddp", {"buffer_sync": "with_gradients"})
     torchs = pool.run(_running_means_after_each_forward, "torch", {})
     for rank in range(2):
-        assert len(ours[rank]) == len(torchs[rank]) == len(SCRIPT)
-        for step, (mine, theirs) in enumerate(zip(ours[rank], torchs[rank])):
-            assert torch.equal(mine, theirs), (
-                f"rank {rank}, forward {step} ({SCRIPT[step].__name__}) computed with {mine.tolist()}, "
-                f"torch's DDP with {theirs.tolist()}")
-    assert not torch.equal(ours[1][0], ours[1][1])  # not vacuous: the statistics do change
+        for when, mine_all, theirs_all in zip(("after the action", "as the forward saw them"), ours[rank],
+                                              torchs[rank]):
+            assert len(mine_all) == len(theirs_all) == len(SCRIPT)
+            for step, (mine, theirs) in enumerate(zip(mine_all, theirs_all)):
+                assert torch.equal(mine, theirs), (
+                    f"rank {rank}, forward {step} ({SCRIPT[step].__name__}), {when}: {mine.tolist()}, "
+                    f"torch's DDP: {theirs.tolist()}")
+    assert not torch.equal(ours[1][1][0], ours[1][1][1])  # not vacuous: the statistics do change
 
 
 def _broadcasts_per_step(rank, world_size, buffer_sync):
@@ -166,3 +168,28 @@ def test_with_gradients_under_join_falls_back_to_torchs_broadcast(ranks):
         assert torch.equal(our_stats, their_stats)
         for a, b in zip(our_params, their_params):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _rank0_changes_its_buffers_between_steps(rank, world_size, kwargs):
+    import warnings
+
+    model = (MiniDDP if kwargs is not None else TorchDDP)(_model(), **(kwargs or {}))
+    _train_forward(model, rank, 0)
+    if rank == 0:  # e.g. a load_state_dict on rank 0 alone
+        model.module[1].running_mean.fill_(7.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_forward(model, rank, 1)
+    named = any("buffer_sync='with_gradients'" in str(w.message) for w in caught)
+    return named, _statistics(model.module[1])
+
+
+def test_with_gradients_differs_only_when_rank0_alone_changes_buffers_and_says_so(ranks):
+    # The documented difference, measured: torch broadcasts rank 0's new
+    # values, MiniDDP had sent the old ones with the gradients. Rank 0 warns.
+    pool = ranks(2)
+    ours = pool.run(_rank0_changes_its_buffers_between_steps, {"buffer_sync": "with_gradients"})
+    torchs = pool.run(_rank0_changes_its_buffers_between_steps, None)
+    assert [named for named, _ in ours] == [True, False]
+    assert torch.equal(ours[0][1], torchs[0][1])  # rank 0 computed with its own new values, as in torch
+    assert not torch.equal(ours[1][1], torchs[1][1])  # rank 1 did not get them

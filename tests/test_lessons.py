@@ -44,6 +44,8 @@ FLAGS = {
     "18": [["--timeout-s", "1"], ["--extra-first"]],
     "19": [["--gradient-as-bucket-view"], ["--optimizer", "sgd"]],
     "20": [["--bucket-cap-mb", "25"]],
+    "21": [["--world-size", "3"]],
+    "22": [["--link", "eth25"], ["--keep-after-forward"]],
 }
 
 

@@ -1,5 +1,6 @@
 """The simulator's ZeRO: the paper's memory per rank, reduce-scatter and all-gather in the alpha-beta model,
-stage 2's reduce-scatters overlapped with backward, and ``python -m minddp.simulate zero``.
+stage 2's reduce-scatters overlapped with backward, stage 3 unit by unit (prefetch on and off, shared
+cores, its working set), and ``python -m minddp.simulate zero``.
 
 Hand-computed values: the ZeRO paper's (Rajbhandari et al. 2020, section 3.1) for 7.5 B parameters on
 64 ranks, and replays on a link of 1 ms per ring step and 1 GB/s. No process group.
@@ -7,6 +8,7 @@ Hand-computed values: the ZeRO paper's (Rajbhandari et al. 2020, section 3.1) fo
 
 import contextlib
 import io
+import math
 import os
 import re
 import subprocess
@@ -25,7 +27,8 @@ from minddp.network import (
     reduce_scatter_time,
 )
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
-from minddp.simulate.zero import MODELS, memory_per_rank, predict, zero_step
+from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3, working_set_bytes
+from minddp.simulate.zero import MODELS, memory_per_rank, predict, units_for, zero_step
 from minddp.simulate.zero_report import main as zero_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,8 +68,8 @@ def test_fp32_variant_matches_the_package_measurement_table():
 
 
 def test_unknown_setup_and_precision_are_named():
-    with pytest.raises(ValueError, match="stage3"):
-        memory_per_rank("stage3", 1e9, 8)
+    with pytest.raises(ValueError, match="stage4"):
+        memory_per_rank("stage4", 1e9, 8)
     with pytest.raises(ValueError, match="bf16"):
         memory_per_rank("ddp", 1e9, 8, "bf16")
 
@@ -148,6 +151,89 @@ def test_predicted_wire_bytes_of_the_7_5b_model_at_1024_ranks():
     assert predict(model, net, 1024, "stage1")[1].wire_bytes == pytest.approx(1.5 * expected, rel=1e-6)
 
 
+# ----------------------------------------------------------------------------- stage 3, unit by unit
+
+# Two units of 1 MB parameters and 1 MB gradients; forward 2 ms, backward 4 ms each. On LINK with 2 ranks an
+# all-gather or a reduce-scatter of 1 MB is 1 ms + 0.5 MB / 1 GB/s = 1.5 ms.
+UNITS = [Unit("a", MB, MB, 2.0, 4.0), Unit("b", MB, MB, 2.0, 4.0)]
+
+
+def _timeline(step):
+    return [(c.kind[0:2], c.unit, c.start_ms, c.end_ms) for c in step.collectives]
+
+
+def test_stage3_memory_is_everything_over_n_the_papers_1_9_gb_for_7_5b_on_64_ranks():
+    assert memory_per_rank("stage3", 7.5e9, 64) == pytest.approx(1.875e9)  # 16 x 7.5e9 / 64, section 3.1
+    assert memory_per_rank("stage3", 950_208, 4, "fp32") == pytest.approx(16 * 950_208 / 4)
+    # predict adds the working set: 2 units (prefetch) of 7.5e9 / 72 parameters, 2 + 2 bytes each
+    memory, _ = predict(MODELS["7.5b"], LINK, 64, "stage3")
+    assert memory == pytest.approx(1.875e9 + 2 * 4 * math.ceil(7.5e9 / 72))
+
+
+def test_working_set_is_two_units_with_prefetch_one_without_all_without_resharding():
+    assert working_set_bytes(UNITS) == 4 * MB
+    assert working_set_bytes(UNITS, Stage3Policy(prefetch=False)) == 2 * MB
+    assert working_set_bytes(UNITS, Stage3Policy(reshard_after_forward=False)) == 3 * MB  # all params + one grad
+
+
+def test_stage3_without_prefetch_by_hand_every_gather_waits_and_queues_behind_the_reduce_scatter():
+    s = simulate_stage3(UNITS, LINK, 2, optimizer_ms=4.0, policy=Stage3Policy(prefetch=False))
+    assert _timeline(s) == [
+        ("al", "a", 0, 1.5), ("al", "b", 3.5, 5.0),  # forward: gather a, compute a 1.5..3.5, gather b, compute b
+        ("al", "b", 7, 8.5), ("re", "b", 12.5, 14), ("al", "a", 14, 15.5), ("re", "a", 19.5, 21)]
+    assert s.forward_end_ms == pytest.approx(7.0)
+    assert s.step_ms == pytest.approx(21 + 2)  # optimizer on half the state
+    assert s.waiting_ms == pytest.approx(23 - 12 - 2)
+
+
+def test_stage3_with_prefetch_by_hand_the_next_gather_runs_while_this_unit_computes():
+    s = simulate_stage3(UNITS, LINK, 2, optimizer_ms=4.0)
+    assert _timeline(s) == [
+        ("al", "a", 0, 1.5), ("al", "b", 1.5, 3.0),  # b fetched while a computes 1.5..3.5
+        ("al", "b", 5.5, 7), ("al", "a", 7, 8.5),  # in backward, a's gather goes ahead of b's reduce-scatter
+        ("re", "b", 11, 12.5), ("re", "a", 15, 16.5)]
+    assert (s.forward_end_ms, s.backward_end_ms, s.step_ms) == pytest.approx((5.5, 15, 16.5 + 2))
+    assert s.step_ms < simulate_stage3(UNITS, LINK, 2, 4.0, Stage3Policy(prefetch=False)).step_ms
+
+
+def test_stage3_on_shared_cores_compute_stands_still_while_the_wire_runs():
+    # One core for both: whatever the order, the step is all compute plus all communication.
+    s = simulate_stage3(UNITS, LINK, 2, policy=Stage3Policy(overlap=False))
+    assert s.step_ms == pytest.approx(12 + 6 * 1.5)
+    assert s.forward_end_ms == pytest.approx(7.0)  # a's compute paused 1.5..3 by b's prefetch
+
+
+def test_stage3_sends_three_halves_of_ddps_bytes_and_two_without_resharding():
+    n = 4
+    ddp = zero_step(ComputeProfile(0, [Gradient("a", 1, MB), Gradient("b", 2, MB)], 0), LINK, n, "ddp", NO_FIRST_CAP)
+    s3 = simulate_stage3(UNITS, LINK, n)
+    assert [c.kind for c in s3.collectives].count("all_gather") == 4
+    assert s3.wire_bytes == pytest.approx(1.5 * ddp.wire_bytes)  # 3 x (N-1)/N x 2 MB against 2 x (N-1)/N x 2 MB
+    kept = simulate_stage3(UNITS, LINK, n, policy=Stage3Policy(reshard_after_forward=False))
+    assert kept.wire_bytes == pytest.approx(ddp.wire_bytes)
+    assert simulate_stage3(UNITS, LINK, 1, 4.0).step_ms == pytest.approx(16.0)  # one rank: compute alone
+
+
+def test_stage3_with_buckets_is_refused_and_bad_input_named():
+    with pytest.raises(ValueError, match="simulate_stage3"):
+        zero_step(_profile(), LINK, 2, "stage3")
+    with pytest.raises(ValueError, match="world_size"):
+        simulate_stage3(UNITS, LINK, 0)
+    with pytest.raises(ValueError, match="unit"):
+        simulate_stage3([], LINK, 2)
+
+
+def test_predicted_stage3_of_the_7_5b_model_sends_1_5x_ddp_and_prefetch_helps():
+    model, net = MODELS["7.5b"], get_network("ib400")
+    ddp = predict(model, net, 1024, "ddp")[1]
+    units = units_for(model)
+    assert len(units) == 72 and sum(u.param_bytes for u in units) >= 2 * model.params
+    on = predict(model, net, 1024, "stage3")[1]
+    off = predict(model, net, 1024, "stage3", stage3=Stage3Policy(prefetch=False))[1]
+    assert on.wire_bytes == pytest.approx(1.5 * ddp.wire_bytes, rel=1e-4)  # layers round up to whole parameters
+    assert on.step_ms < off.step_ms
+
+
 # ----------------------------------------------------------------------------- the command
 
 def _run_main(argv):
@@ -173,6 +259,8 @@ def test_command_shows_120_gb_for_ddp_at_every_world_size_and_the_paper_figures_
     assert sorted(rows) == [8, 64, 1024], text
     assert all(r[0] == 120.0 for r in rows.values()), text  # DDP GB/rank
     assert (rows[64][3], rows[64][6]) == (31.4, 16.6), text  # stage 1, stage 2 GB/rank
+    assert rows[64][9] == pytest.approx(1.875 + 0.83, abs=0.051), text  # stage 3: 16 psi / N + its working set
+    assert rows[1024][11] == pytest.approx(1.5 * rows[1024][2], rel=1e-3), text  # wire: 3 psi against 2 psi
 
 
 def test_command_through_python_dash_m_and_its_errors():

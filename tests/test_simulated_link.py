@@ -101,3 +101,25 @@ def test_as_a_comm_hook_it_averages_exactly_and_does_not_deadlock(ranks):
     for same, messages, buckets in ranks(2).run(_ddp_with_link, timeout_s=30):
         assert same, "the simulated link changes when gradients arrive, not what they are"
         assert messages == buckets > 1
+
+
+def _halves(rank, world_size):
+    link = SimulatedLink(SLOW)
+    full = torch.arange(4 * 50_000, dtype=torch.float32) * (rank + 1)  # 800 kB
+    piece = torch.empty(full.numel() // world_size)
+    start = time.perf_counter()
+    summed = link.reduce_scatter(piece, full)
+    gathered = link.all_gather(torch.empty_like(full), summed.wait())  # launched when the first is back
+    everything = gathered.wait()
+    took = time.perf_counter() - start
+    expected = torch.arange(4 * 50_000, dtype=torch.float32) * 3
+    return (torch.equal(everything, expected), [(m.kind, m.nbytes, m.predicted_s) for m in link.messages], took)
+
+
+def test_reduce_scatter_and_all_gather_cost_half_an_all_reduce_each_and_are_exact(ranks):
+    for exact, messages, took in ranks(2).run(_halves, timeout_s=30):
+        assert exact, "all-gather of the reduce-scattered pieces is the sum"
+        # 2 ranks, 800 kB: one latency + half the bytes at 10 MB/s = 5 ms + 40 ms, each half.
+        assert messages == [("reduce_scatter", 800_000, pytest.approx(0.045)),
+                            ("all_gather", 800_000, pytest.approx(0.045))]
+        assert took >= 0.09

@@ -145,6 +145,28 @@ def test_one_value_per_channel_in_the_whole_world_is_an_error_on_every_rank(rank
         assert "Expected more than 1 value per channel when training, got 1 over 2 ranks" in message
 
 
+def _empty_everywhere(rank, world_size, requires_grad):
+    from minddp import MiniDDP
+
+    model = MiniDDP(SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(2, 2, 3), nn.BatchNorm2d(2))))
+    before = model.module[1].running_mean.clone()
+    x = torch.zeros(0, 2, 11, 13, requires_grad=requires_grad)
+    y = model(x)
+    y.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    return (tuple(y.shape), all(g is not None and not g.isnan().any() and not g.any() for g in grads),
+            torch.equal(model.module[1].running_mean, before))
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_an_empty_batch_on_every_rank_gives_an_empty_output_and_zero_gradients(ranks, requires_grad):
+    # As torch's SyncBatchNorm (and nn.BatchNorm2d): nothing to normalise is
+    # not an error; the statistics stay as they were, no NaN anywhere.
+    # (It raised "got 0 over 2 ranks" before.)
+    for shape, zero_grads, stats_kept in ranks(2).run(_empty_everywhere, requires_grad, timeout_s=30):
+        assert shape == (0, 2, 9, 11) and zero_grads and stats_kept
+
+
 def test_without_process_group_it_is_plain_batchnorm():
     xs, gs, weight, bias = _case((6,), (4, 4), torch.float32)
     got = _run_bn(SyncBatchNorm(CHANNELS), xs, gs, weight, bias)

@@ -46,6 +46,7 @@ TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}  # see the module's docstring
 def _train_here(rank, world_size, argv):
     """Rank ``rank`` runs the trainer's ``train()``; returns rank 0's log and what the optimizer held at the end."""
     from minddp.train import loop
+    from minddp.train.fully_sharded import FullyShardedSGD
     from minddp.zero import ZeroRedundancyOptimizer
 
     args = build_parser().parse_args(argv)
@@ -64,7 +65,9 @@ def _train_here(rank, world_size, argv):
     finally:
         loop.build_optimizer = real_build
     (optimizer,) = built
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if isinstance(optimizer, FullyShardedSGD):
+        held = ("fsdp", 3, sum(st["momentum_buffer"].numel() for st in optimizer.state.values()))
+    elif isinstance(optimizer, ZeroRedundancyOptimizer):
         kept = sum(v.numel() for st in optimizer.optim.state.values() for v in st.values() if torch.is_tensor(v))
         held = ("zero", 2 if optimizer.shard_gradients else 1, kept)
     else:
@@ -111,14 +114,14 @@ def test_without_clipping_two_ranks_of_stage_2_equal_plain_sgd_bit_for_bit(ranks
     _assert_same_parameters(load_checkpoint(str(tmp_path / "z0")), load_checkpoint(str(tmp_path / "z2")), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_resume_equals_an_uninterrupted_run(ranks, tmp_path, stage):
     # Stopped at step 3 of 6: mid-epoch, mid-momentum; same ranks, same arithmetic: bit for bit.
     pool, common = ranks(2), ["--epochs", "2", "--max-steps", "6", *CLIPPED, "--zero", str(stage)]
     _run(pool, tmp_path / "once", *common)
     _run(pool, tmp_path / "twice", *common, "--max-steps", "3")
     (log, held), _ = _run(pool, tmp_path / "twice", *common, "--resume")
-    assert held[:2] == ("zero" if stage else "plain", stage)
+    assert held[:2] == ({0: "plain", 3: "fsdp"}.get(stage, "zero"), stage)
     assert "resumed from" in log and "at step 3" in log and "warning" not in log, log
     once, twice = load_checkpoint(str(tmp_path / "once")), load_checkpoint(str(tmp_path / "twice"))
     assert once["step"] == twice["step"] == 6
@@ -143,13 +146,47 @@ def test_zero_checkpoint_resumes_on_three_ranks_and_without_zero(ranks, tmp_path
     assert any((sharded["model"][n] - at_three["model"][n]).abs().max() > 1e-4 for n in at_three["model"])
 
 
+def test_stage_3_trains_like_plain_sgd_with_accumulation_and_clipping(ranks, tmp_path):
+    # Parameters, gradients and momentum sharded (minddp.fsdp on each layer of the cnn, then the model);
+    # the same steps as --zero 0: accumulation through set_requires_gradient_sync, the global clipping norm.
+    pool = ranks(2)
+    plain = _run(pool, tmp_path / "z0", "--max-steps", "4", *CLIPPED, "--zero", "0")
+    runs = _run(pool, tmp_path / "z3", "--max-steps", "4", *CLIPPED, "--zero", "3")
+    assert "ZeRO stage 3 (parameters, gradients and optimizer state sharded over 2 ranks)" in runs[0][0], runs[0][0]
+    assert "validation loss" in runs[0][0]  # evaluated on a whole copy: ranks with unequal batches do not hang
+    numel = plain[0][1][2]
+    kept = [held[2] for _, held in runs]
+    assert [held[:2] for _, held in runs] == [("fsdp", 3)] * 2 and sum(kept) == numel and max(kept) < numel, kept
+    z0, z3 = load_checkpoint(str(tmp_path / "z0")), load_checkpoint(str(tmp_path / "z3"))
+    assert set(z3["model"]) == set(z0["model"])  # whole parameters and buffers, by the plain model's names
+    _assert_same_parameters(z0, z3, **TOLERANCE)
+
+
+def test_stage_3_checkpoint_resumes_on_three_ranks_and_without_zero(ranks, tmp_path):
+    # Saved by 2 sharded ranks: whole weights and whole momentum in last.pt. Resumed on 3 ranks with
+    # --zero 3 (each rank keeps its third) and with --zero 0 (plain SGD loads torch's format): they agree.
+    common = ["--batch-size", "24", "--epochs", "2", "--max-steps", "6", *CLIPPED]
+    _run(ranks(2), tmp_path / "sharded", *common, "--max-steps", "3", "--zero", "3")
+    shutil.copytree(tmp_path / "sharded", tmp_path / "whole")
+    at_three = load_checkpoint(str(tmp_path / "whole"))
+    for name, stage in (("sharded", "3"), ("whole", "0")):
+        (log, _), *_ = _run(ranks(3), tmp_path / name, *common, "--resume", "--zero", stage)
+        assert "at step 3" in log and "written by 2 ranks, resuming on 3" in log, log
+    sharded, whole = load_checkpoint(str(tmp_path / "sharded")), load_checkpoint(str(tmp_path / "whole"))
+    assert sharded["step"] == whole["step"] == 6 and sharded["world_size"] == 3
+    _assert_same_parameters(sharded, whole, **TOLERANCE)
+    assert any((sharded["model"][n] - at_three["model"][n]).abs().max() > 1e-4 for n in at_three["model"])
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--zero", "2", "--ddp", "torch"], "--zero 2 shards the gradients .* --ddp torch has no such hook"),
         (["--zero", "1", "--amp", "--backend", "nccl"], "--zero 1 with --amp on CUDA .* is not supported"),
+        (["--zero", "3", "--ddp", "torch"], "--zero 3 replaces the DDP wrapper .* --ddp torch would not be used"),
+        (["--zero", "3", "--sync-bn"], "--zero 3 with --sync-bn is not supported"),
     ],
-    ids=["stage2-on-torch-ddp", "zero-with-float16-loss-scaling"],
+    ids=["stage2-on-torch-ddp", "zero-with-float16-loss-scaling", "stage3-with-torch-ddp", "stage3-with-sync-bn"],
 )
 def test_combinations_zero_cannot_run_get_one_clear_line(capsys, monkeypatch, argv, message):
     import re
@@ -162,8 +199,8 @@ def test_combinations_zero_cannot_run_get_one_clear_line(capsys, monkeypatch, ar
     err = capsys.readouterr().err
     assert code == 2 and re.fullmatch(f"minddp-train: error: .*{message}.*\n", err), err
     with pytest.raises(SystemExit):  # an unknown stage: argparse names the flag
-        build_parser().parse_args(["--zero", "3"])
-    assert "argument --zero: invalid choice: 3" in capsys.readouterr().err
+        build_parser().parse_args(["--zero", "4"])
+    assert "argument --zero: invalid choice: 4" in capsys.readouterr().err
 
 
 def _weights_loaded_after_the_optimizer_was_built(rank, world_size, stage):

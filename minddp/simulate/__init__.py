@@ -13,10 +13,13 @@ GPUs: this package answers with a replay, not a cluster.
   replayed bucket by bucket: step time, exposed communication, hidden
   fraction, scaling efficiency;
 * :mod:`minddp.simulate.report`: the table and the pictures;
-* :mod:`minddp.simulate.zero`: DDP against ZeRO stage 1 and 2 at any world
-  size, for a model given by its size: the paper's bytes per rank, the
+* :mod:`minddp.simulate.zero`: DDP against ZeRO stages 1, 2 and 3 at any
+  world size, for a model given by its size: the paper's bytes per rank, the
   replay with reduce-scatters, the parameters' all-gather
   (``python -m minddp.simulate zero``, :mod:`minddp.simulate.zero_report`);
+* :mod:`minddp.simulate.stage3`: stage 3 unit by unit (all-gather before
+  each unit's forward and backward, reduce-scatter after, prefetch on or
+  off) and its working set;
 * ``python -m minddp.simulate``: the command (``--help``).
 
 Nothing here needs a process group: a trace file is enough.

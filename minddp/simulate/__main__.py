@@ -5,7 +5,7 @@
         --world 8,64,512,1024 --bucket-mb 1,5,25,100 --plot scaling.png
     python -m minddp.simulate --trace run.json --network dgx-h100 --compression fp16 --compute-scale 20
 
-    python -m minddp.simulate zero --model 7.5b --network dgx-h100      # DDP vs ZeRO stage 1 and 2
+    python -m minddp.simulate zero --model 7.5b --network dgx-h100      # DDP vs ZeRO stages 1, 2 and 3
 
 Prints one row per (bucket cap, world size). With ``--plot PATH`` (needs
 matplotlib) it draws step time and scaling efficiency against world size,
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m minddp.simulate", description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="python -m minddp.simulate zero --help: memory per rank and step time of DDP "
-                                       "against ZeRO stage 1 and 2, for a model given by its size (no trace)")
+                                       "against ZeRO stages 1, 2 and 3, for a model given by its size (no trace)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="Chrome trace written by MiniDDP(..., trace=True)")
     source.add_argument("--record", metavar="MODEL", help="first record a trace of this minddp.models model")

@@ -1,4 +1,4 @@
-"""DDP, ZeRO stage 1 and stage 2 at any world size: bytes per rank, step time, bytes on the wire.
+"""DDP and ZeRO stages 1, 2 and 3 at any world size: bytes per rank, step time, bytes on the wire.
 
 Memory is the ZeRO paper's formula (Rajbhandari et al. 2020, section 3.1),
 :func:`minddp.zero.memory.paper_bytes`, with Ψ parameters on N ranks:
@@ -9,7 +9,13 @@ setup      mixed precision (K = 12)    fp32 (what minddp measures)
 DDP        (2 + 2 + 12) Ψ              (4 + 4 + 8) Ψ
 stage 1    (2 + 2) Ψ + 12 Ψ / N        (4 + 4) Ψ + 8 Ψ / N
 stage 2    2 Ψ + (2 + 12) Ψ / N        4 Ψ + (4 + 8) Ψ / N
+stage 3    (2 + 2 + 12) Ψ / N          (4 + 4 + 8) Ψ / N
 =========  ==========================  ===========================
+
+Stage 3's figure adds the working set of :mod:`minddp.simulate.stage3`: the
+units held in full at once (two with prefetch, each with its parameters and
+gradient), which the paper's formula leaves out and which sets the floor at
+large N.
 
 Step time is the replay of :mod:`minddp.simulate.replay` (buckets in order,
 one collective on the wire, overlapped with backward) with each setup's
@@ -25,7 +31,12 @@ collectives, as :mod:`minddp.zero` runs them:
   all-reduce, overlapped the same way), the optimizer steps Ψ/N, then the
   all-gather: reduce-scatter + all-gather = one all-reduce, 2Ψ.
 
-The all-gather runs after the step, bucket by bucket, and nothing hides it
+* **stage 3**: no buckets; :func:`minddp.simulate.stage3.simulate_stage3`
+  replays it unit by unit (one unit per layer): all-gather before each
+  unit's forward and again before its backward, reduce-scatter after it,
+  the next unit prefetched; 3Ψ on the wire.
+
+For stages 1 and 2 the all-gather runs after the step, bucket by bucket, and nothing hides it
 (``minddp.zero`` gathers at the end of ``step()``; DeepSpeed's prefetching
 into the next forward is not modelled). The optimizer's time is the
 profile's ``after_backward_ms``; ZeRO divides it by N.
@@ -46,12 +57,13 @@ from dataclasses import dataclass, replace
 from minddp.network import Hierarchy, Link, all_gather_time, bytes_sent_per_rank
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, SimulatedStep, simulate_step
+from minddp.simulate.stage3 import Stage3Policy, Stage3Step, Unit, simulate_stage3, working_set_bytes
 from minddp.zero.memory import paper_bytes
 
 __all__ = ["SETUPS", "PRECISIONS", "MODELS", "ModelSize", "Compute", "ZeroStep", "memory_per_rank",
-           "zero_step", "profile_for", "predict", "get_model"]
+           "zero_step", "profile_for", "units_for", "predict", "get_model"]
 
-SETUPS = ("ddp", "stage1", "stage2")
+SETUPS = ("ddp", "stage1", "stage2", "stage3")
 # (parameter, gradient, optimizer-state) bytes per parameter, and the gradients' dtype.
 PRECISIONS = {"mixed": (2, 2, 12, "torch.float16"), "fp32": (4, 4, 8, "torch.float32")}
 OPTIMIZER_BYTES_PER_PARAM = 28  # Adam: read gradient; read and write weights, momentum, variance
@@ -98,7 +110,9 @@ class Compute:
 def memory_per_rank(setup: str, params: float, world_size: int, precision: str = "mixed") -> float:
     """Bytes per rank by the paper's formula (parameters, gradients, optimizer state; no activations)."""
     p, g, k, _ = _precision(precision)
-    return paper_bytes(SETUPS.index(_setup(setup)), params, world_size, p, g, k)
+    if _setup(setup) == "stage3":
+        return (p + g + k) * params / world_size  # paper_bytes knows stages 0-2; stage 3 shards everything
+    return paper_bytes(SETUPS.index(setup), params, world_size, p, g, k)
 
 
 def profile_for(model: ModelSize, compute: Compute = Compute(), precision: str = "mixed") -> ComputeProfile:
@@ -112,6 +126,15 @@ def profile_for(model: ModelSize, compute: Compute = Compute(), precision: str =
                  for i in range(model.layers)]  # the last layer's first
     optimizer = OPTIMIZER_BYTES_PER_PARAM * model.params / compute.memory_Bps * 1e3
     return ComputeProfile(forward, gradients, optimizer)
+
+
+def units_for(model: ModelSize, compute: Compute = Compute(), precision: str = "mixed") -> list[Unit]:
+    """Stage 3's units for ``model``: one per layer, equal, with :func:`profile_for`'s compute shared out."""
+    p, g, _, _ = _precision(precision)
+    profile = profile_for(model, compute, precision)
+    per_layer = math.ceil(model.params / model.layers)
+    return [Unit(f"layer{i}", per_layer * p, per_layer * g, profile.forward_ms / model.layers,
+                 profile.backward_ms / model.layers) for i in range(model.layers)]
 
 
 @dataclass
@@ -132,6 +155,9 @@ def zero_step(profile: ComputeProfile, network: Link | Hierarchy, world_size: in
     """One optimizer step of ``setup`` on ``world_size`` ranks; ``profile.after_backward_ms`` is the
     unsharded optimizer step. Parameters are taken to have the gradients' dtype."""
     setup = _setup(setup)
+    if setup == "stage3":
+        raise ValueError("stage 3 has units, not buckets: replay it with minddp.simulate.stage3.simulate_stage3 "
+                         "(or predict(model, ...) for a model given by its size)")
     sharded = setup != "ddp"
     collective = "reduce_scatter" if setup == "stage2" else "all_reduce"
     if sharded:
@@ -147,8 +173,14 @@ def zero_step(profile: ComputeProfile, network: Link | Hierarchy, world_size: in
 
 
 def predict(model: ModelSize, network: Link | Hierarchy, world_size: int, setup: str, *, precision: str = "mixed",
-            compute: Compute = Compute(), policy: DDPPolicy = DDPPolicy()) -> tuple[float, ZeroStep]:
-    """(bytes per rank, simulated step) of ``model`` under ``setup``."""
+            compute: Compute = Compute(), policy: DDPPolicy = DDPPolicy(),
+            stage3: Stage3Policy = Stage3Policy()) -> tuple[float, ZeroStep | Stage3Step]:
+    """(bytes per rank, simulated step) of ``model`` under ``setup``; stage 3's bytes include its working set."""
+    if _setup(setup) == "stage3":
+        units = units_for(model, compute, precision)
+        optimizer_ms = profile_for(model, compute, precision).after_backward_ms
+        step3 = simulate_stage3(units, network, world_size, optimizer_ms, stage3)
+        return memory_per_rank(setup, model.params, world_size, precision) + working_set_bytes(units, stage3), step3
     step = zero_step(profile_for(model, compute, precision), network, world_size, setup, policy)
     return memory_per_rank(setup, model.params, world_size, precision), step
 

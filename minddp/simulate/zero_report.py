@@ -1,13 +1,16 @@
-"""``python -m minddp.simulate zero``: memory and step time of DDP, ZeRO stage 1 and 2, per rank.
+"""``python -m minddp.simulate zero``: memory and step time of DDP, ZeRO stages 1, 2 and 3, per rank.
 
     python -m minddp.simulate zero                                  # 7.5b on dgx-h100, 8 to 1,024 ranks
     python -m minddp.simulate zero --model gpt2-xl --network ib400 --world 8,64
     python -m minddp.simulate zero --model 13e9 --precision fp32 --tflops 100
+    python -m minddp.simulate zero --no-prefetch                    # stage 3 without prefetching the next unit
 
 One row per world size; for each setup the paper's bytes per rank (GB =
 1e9 bytes; parameters, gradients and optimizer state, no activations), the
-simulated step time, and the bytes each rank sends per step. The model
-behind the numbers is :mod:`minddp.simulate.zero`'s docstring.
+simulated step time, and the bytes each rank sends per step. Stage 3's
+bytes add its working set (the units held in full at once). The models
+behind the numbers are in the docstrings of :mod:`minddp.simulate.zero` and
+:mod:`minddp.simulate.stage3`.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import sys
 
 from minddp.network import HIERARCHIES, PRESETS, get_network
 from minddp.simulate.replay import DDPPolicy
-from minddp.simulate.zero import MODELS, PRECISIONS, SETUPS, Compute, get_model, predict, profile_for
+from minddp.simulate.stage3 import Stage3Policy, working_set_bytes
+from minddp.simulate.zero import MODELS, PRECISIONS, SETUPS, Compute, get_model, predict, profile_for, units_for
 
 __all__ = ["main", "format_zero_table"]
 
 # DeepSpeed's reduce_bucket_size default, 5e8 elements, in MiB of fp16.
 DEEPSPEED_BUCKET_MB = 5e8 * 2 / 2**20
-TITLES = {"ddp": "DDP", "stage1": "stage 1", "stage2": "stage 2"}
+TITLES = {"ddp": "DDP", "stage1": "stage 1", "stage2": "stage 2", "stage3": "stage 3"}
 
 
 def format_zero_table(rows: list[tuple[int, dict]]) -> str:
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=DEEPSPEED_BUCKET_MB,
                    help="bucket cap in MiB (default %(default).0f: DeepSpeed's reduce_bucket_size, 5e8 fp16 elements)")
     p.add_argument("--tflops", type=float, default=Compute.tflops, help="achieved TFLOPS per rank (default %(default)g)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="stage 3 gathers each unit only when it is needed (default: the next unit is prefetched)")
     p.add_argument("--tokens", type=int, default=Compute.tokens_per_rank, help="tokens per rank per step "
                    "(default %(default)s)")
     return p.parse_args(argv)
@@ -78,11 +84,17 @@ def main(argv: list[str] | None = None) -> int:
           f"unsharded optimizer step {profile.after_backward_ms:,.0f} ms")
     print(f"network: {network.name}: {network.source}")
     print(f"buckets: {args.bucket_mb:.0f} MiB; step ms = forward + backward with the bucket reductions + "
-          "optimizer (1/N under ZeRO) + the parameters' all-gather (ZeRO)")
-    print("memory: the ZeRO paper's formula, GB = 1e9 bytes, no activations or buffers; wire: bytes each rank sends "
-          "per step (rings)")
-    rows = [(n, {s: predict(model, network, n, s, precision=args.precision, compute=compute, policy=policy)
-                 for s in SETUPS}) for n in args.world]
+          "optimizer (1/N under ZeRO) + the parameters' all-gather (stages 1, 2)")
+    stage3 = Stage3Policy(prefetch=not args.no_prefetch)
+    units = units_for(model, compute, args.precision)
+    print(f"stage 3: {len(units)} units (one per layer), each all-gathered before its forward and its backward and "
+          f"reduce-scattered after it, {'the next one prefetched' if stage3.prefetch else 'no prefetch'}; "
+          f"working set {working_set_bytes(units, stage3) / 1e9:.2f} GB "
+          f"({2 if stage3.prefetch else 1} unit(s) of full parameters and gradients)")
+    print("memory: the ZeRO paper's formula (stage 3: plus its working set), GB = 1e9 bytes, no activations or "
+          "buffers; wire: bytes each rank sends per step (rings)")
+    rows = [(n, {s: predict(model, network, n, s, precision=args.precision, compute=compute, policy=policy,
+                            stage3=stage3) for s in SETUPS}) for n in args.world]
     print(format_zero_table(rows))
     return 0
 

@@ -88,11 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lr", type=float, default=0.01, help="learning rate of the SGD optimizer (momentum 0.9)")
     a("--lr-scaling", choices=["none", "linear"], default="none",
       help="linear: multiply --lr by the number of processes (the linear scaling rule, taking --lr as tuned for one)")
-    a("--zero", type=int, choices=ZERO_STAGES, default=0, metavar="{0,1,2}",
+    a("--zero", type=int, choices=ZERO_STAGES, default=0, metavar="{0,1,2,3}",
       help="ZeRO: shard what every rank would otherwise keep whole. 0: off (every rank keeps all of the "
            "optimizer state); 1: each rank keeps and updates 1/N of the optimizer state (SGD's momentum), "
            "then the parameters are all-gathered; 2: also 1/N of the gradients, which MiniDDP "
-           "reduce-scatters bucket by bucket during backward instead of all-reducing (needs --ddp mini). "
+           "reduce-scatters bucket by bucket during backward instead of all-reducing (needs --ddp mini); 3: also "
+           "1/N of the parameters (minddp.fsdp.fully_shard on each layer, then the model, instead of DDP). "
            "Checkpoints hold the whole optimizer state (gathered on rank 0), so a run resumes on any number "
            "of ranks and with any --zero")
     a("--clip-grad", type=float, default=None, metavar="NORM",
@@ -173,6 +174,13 @@ def _check_zero(args: argparse.Namespace) -> None:
             f"--zero 2 shards the gradients by making MiniDDP reduce-scatter its buckets; --ddp {args.ddp} has "
             "no such hook: use --ddp mini, or --zero 1 (optimizer state only)"
         )
+    if args.zero == 3 and args.ddp != "mini":
+        raise UsageError(
+            f"--zero 3 replaces the DDP wrapper by minddp.fsdp.fully_shard, so --ddp {args.ddp} would not be used: "
+            "leave --ddp at mini (the default), or use --zero 1 with --ddp torch"
+        )
+    if args.zero == 3 and args.sync_bn:
+        raise UsageError("--zero 3 with --sync-bn is not supported (not tested): use --zero 2, or drop --sync-bn")
     if args.zero and args.amp and args.backend == "nccl":
         # On CUDA, --amp means float16 with a GradScaler, which unscales and checks each
         # parameter's .grad; the sharded optimizer steps from its own copy of the gradients.

@@ -27,6 +27,7 @@ from minddp.models import build_model, model_loss
 from minddp.train.checkpoint import LAST
 from minddp.train.errors import UsageError
 from minddp.train.evaluate import Evaluation, evaluate, held_out_loader
+from minddp.train.fully_sharded import whole_copy
 from minddp.train.metrics import MetricsLog
 from minddp.train.optimizer import build_optimizer, describe_zero
 from minddp.train.resume import Parts, Position, epoch_batches, load_weights, restore_from, save_for_resume
@@ -78,6 +79,12 @@ def _header(args: argparse.Namespace, world_size: int, amp_dtype: torch.dtype, s
     )
 
 
+def _fresh_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """An untrained model of the run's architecture (its weights are about to be replaced)."""
+    model = build_model(args.model)
+    return convert_sync_bn(model, args, device) if args.sync_bn else model
+
+
 def train(
     args: argparse.Namespace,
     rank: int,
@@ -121,7 +128,7 @@ def train(
     # Order matters: the weights first, then the wrapper (ZeRO hooks into it),
     # then the optimizer (ZeRO copies its piece of the weights when built).
     saved = load_weights(ckpt_path, args, model, device) if resuming else None
-    ddp_model = wrap(model, args, device)
+    ddp_model = wrap(model, args, device)  # under --zero 3, model itself, sharded
     optimizer = build_optimizer(model, ddp_model, args, lr)
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     autocast_dtype = amp_dtype if args.amp else None
@@ -156,7 +163,8 @@ def train(
             on_saved(pos.step)
 
     def validate() -> Evaluation:
-        result = evaluate(model, args.model, held_out, device, autocast_dtype)
+        build = functools.partial(_fresh_model, args, device)
+        result = evaluate(whole_copy(model, build, device), args.model, held_out, device, autocast_dtype)
         accuracy = f"  accuracy {100 * result.accuracy:.2f}%" if result.accuracy is not None else ""
         log.info(
             "epoch %d/%d  step %d  validation loss %.4f%s  (%d held-out samples)",

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from minddp.train.checkpoint import CheckpointError, load_checkpoint, move_optimizer_state, save_checkpoint
+from minddp.train.fully_sharded import model_state_dict
 from minddp.train.optimizer import optimizer_state
 
 __all__ = ["Parts", "Position", "load_weights", "restore_from", "save_for_resume", "epoch_batches"]
@@ -52,7 +53,7 @@ _ARG_DEFAULTS = {"zero": 0}
 class Parts:
     """The pieces of one rank's training that a checkpoint saves or restores."""
 
-    model: torch.nn.Module  # unwrapped: its state_dict keys carry no "module." prefix
+    model: torch.nn.Module  # unwrapped: its state_dict keys carry no "module." prefix (sharded under --zero 3)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     loader: torch.utils.data.DataLoader
@@ -163,7 +164,7 @@ def save_for_resume(
     mine["loader"] = epoch_start_generator  # to redraw this epoch's worker seeds on resume
     dist.all_gather_object(rngs, mine)
     state = {
-        "model": parts.model.state_dict(),
+        "model": model_state_dict(parts.model),  # whole, even when sharded (a collective then)
         "optimizer": optimizer_state(parts.optimizer, dist.get_rank()),  # whole, even when sharded
         "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
         "step": position.step,

@@ -23,6 +23,7 @@ from minddp.data import SyntheticMNIST, make_dataset
 from minddp.ddp import MiniDDP
 from minddp.sync_batchnorm import SyncBatchNorm
 from minddp.train.errors import UsageError
+from minddp.train.fully_sharded import shard_model
 
 __all__ = ["failure_hook", "training_set", "held_out_set", "pick_device", "wrap", "convert_sync_bn"]
 
@@ -83,6 +84,8 @@ def pick_device(args: argparse.Namespace, local_rank: int) -> torch.device:
 
 
 def wrap(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    if args.zero == 3:  # no DDP wrapper: the model itself, fully sharded
+        return shard_model(model)
     if args.ddp == "torch":
         return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     return MiniDDP(model)

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from minddp.train.fully_sharded import is_fully_sharded, no_gradient_sync
 from minddp.train.optimizer import clip_gradients
 
 __all__ = ["accumulated_step"]
@@ -43,16 +44,19 @@ def accumulated_step(
     """Forward and backward every ``(images, labels)`` micro-batch, then one optimizer step.
 
     ``ddp_model`` is the wrapped model (MiniDDP or torch's DDP: both have
-    ``no_sync``); ``loss_fn(output, images, labels)`` a mean over its batch.
+    ``no_sync``; under ``--zero 3`` the fully sharded model, which has
+    FSDP2's ``set_requires_gradient_sync``); ``loss_fn(output, images,
+    labels)`` a mean over its batch.
     Returns the step's loss (the mean over the micro-batches), detached.
     """
     k = len(micro_batches)
     device_type = micro_batches[0][0].device.type
     optimizer.zero_grad(set_to_none=True)
     step_loss = torch.zeros((), device=micro_batches[0][0].device)
+    accumulating = no_gradient_sync if is_fully_sharded(ddp_model) else lambda m: m.no_sync()
     for i, (images, labels) in enumerate(micro_batches):
         last = i == k - 1
-        with contextlib.nullcontext() if last else ddp_model.no_sync():
+        with contextlib.nullcontext() if last else accumulating(ddp_model):
             with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 loss = loss_fn(ddp_model(images), images, labels)
             # Divided by k = 1 the loss is unchanged, bit for bit.

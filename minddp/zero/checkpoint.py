@@ -27,6 +27,7 @@ from itertools import chain
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["consolidate", "pieces_of_full", "load_pieces", "save_sharded", "load_sharded"]
 
@@ -46,43 +47,61 @@ def _param_groups(zero) -> list[dict]:
     return groups
 
 
-def _is_sharded(value: Any, shard) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == shard.master.shape
+def _is_sharded(value: Any, view: torch.Tensor) -> bool:
+    """A state entry shaped like its segment (``exp_avg``), not a scalar (``step``)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == view.shape
 
 
-def _shard_params(zero, shard) -> list[torch.Tensor]:
-    """Every parameter (on any rank) of this shard's group and dtype."""
-    seen, out = set(), []
-    for p in chain.from_iterable(u.params for u in zero.layout.units):
-        if zero.layout.group_of[id(p)] == shard.group and p.dtype == shard.master.dtype and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+def _segment_states(zero):
+    """(segment, its view, its local optimizer state) for each of this rank's segments with state."""
+    for shard in zero.layout.shards:
+        for seg, view in zip(shard.segments, shard.views):
+            state = zero.optim.state.get(view)
+            if state:
+                yield seg, view, state
 
 
 def consolidate(zero, gather: Callable, receive: bool) -> dict | None:
-    """torch's format on the receiving rank (None elsewhere); ``gather(shard_tensor, dest)`` is the collective."""
-    index_of, layout = _index_of(zero), zero.layout
-    states = [zero.optim.state.get(s.master, {}) for s in layout.shards]
-    keys = sorted({k for shard, st in zip(layout.shards, states) for k, v in st.items() if _is_sharded(v, shard)})
-    full: dict[str, dict[int, torch.Tensor]] = {}
-    for key in keys:  # one state tensor at a time, streamed into the CPU's memory
-        full[key] = {}
+    """torch's format on the receiving rank (None elsewhere); ``gather(shard_tensor, dest)`` is the collective.
 
-        def dest(p, key=key):
+    The local optimizer's state is per segment, and each parameter has its
+    own scalars (Adam's ``step``: a parameter frozen for a while counts
+    fewer): a small all-gather of every rank's scalars per parameter index,
+    then one gather per state tensor, streamed into the CPU's memory.
+    """
+    index_of, layout = _index_of(zero), zero.layout
+    mine: dict[int, tuple[dict, dict]] = {}  # parameter index -> (scalars, {sharded key: dtype})
+    for seg, view, state in _segment_states(zero):
+        mine[index_of[id(seg.param)]] = ({k: _clone(v) for k, v in state.items() if not _is_sharded(v, view)},
+                                         {k: v.dtype for k, v in state.items() if _is_sharded(v, view)})
+    everyone = [None] * zero.world_size
+    dist.all_gather_object(everyone, mine, group=zero.process_group)
+    known = {i: found for rank_state in everyone for i, found in rank_state.items()}
+    keys = sorted({k for _, sharded in known.values() for k in sharded})
+    full: dict[str, dict[int, torch.Tensor]] = {}
+    for key in keys:
+        full[key] = {}
+        dtype = next(sharded[key] for _, sharded in known.values() if key in sharded)
+
+        def dest(p, key=key, dtype=dtype):
             if id(p) not in full[key]:
-                full[key][id(p)] = torch.zeros(p.shape, dtype=states[0][key].dtype, device="cpu")
+                full[key][id(p)] = torch.zeros(p.shape, dtype=dtype, device="cpu")
             return full[key][id(p)]
 
-        gather(lambda s, key=key: zero.optim.state[s.master][key], dest if receive else None)
+        def shard_tensor(shard, key=key, dtype=dtype):  # the shard's segments' states end to end, zeros where none
+            out = torch.zeros(shard.numel, dtype=dtype, device=shard.master.device)
+            for offset, view in zip(shard.offsets, shard.views):
+                state = zero.optim.state.get(view, {})
+                if key in state:
+                    out[offset: offset + view.numel()] = state[key]
+            return out
+
+        gather(shard_tensor, dest if receive else None)
     if not receive:
         return None
-    state: dict[int, dict[str, Any]] = {}
-    for shard, st in zip(layout.shards, states):
-        if not st:
-            continue
-        for p in _shard_params(zero, shard):
-            state[index_of[id(p)]] = {k: (full[k][id(p)] if k in full else _clone(v)) for k, v in st.items()}
+    params = {index_of[id(p)]: p for p in layout.params}
+    state = {i: {**{k: full[k][id(params[i])] for k in sharded}, **scalars}
+             for i, (scalars, sharded) in known.items()}
     return {"state": dict(sorted(state.items())), "param_groups": _param_groups(zero)}
 
 
@@ -110,18 +129,15 @@ def load_pieces(zero, loaded: tuple[Pieces, dict[int, dict]], param_groups: list
     index_of = _index_of(zero)
     zero.optim.state.clear()
     for shard in zero.layout.shards:
-        indices = [index_of[id(p)] for p in _shard_params(zero, shard)]
-        known = [i for i in indices if i in scalars]
-        if not known:
-            continue  # no state saved for this group yet (saved before the first step)
-        state = {k: _clone(v) for k, v in scalars[known[0]].items()}
-        for key, sample in pieces.get(known[0], [(0, 0, {})])[0][2].items():
-            buffer = torch.zeros(shard.numel, dtype=sample.dtype, device=shard.master.device)
-            for seg, offset in zip(shard.segments, shard.offsets):
-                _fill_segment(buffer[offset: offset + seg.length], pieces[index_of[id(seg.param)]],
-                              seg.param_start, key)
-            state[key] = buffer
-        zero.optim.state[shard.master] = state
+        for seg, view in zip(shard.segments, shard.views):
+            index = index_of[id(seg.param)]
+            if index not in scalars:
+                continue  # no state saved for this parameter (never stepped)
+            state = {k: _clone(v) for k, v in scalars[index].items()}
+            for key, sample in pieces.get(index, [(0, 0, {})])[0][2].items():
+                state[key] = torch.zeros(seg.length, dtype=sample.dtype, device=view.device)
+                _fill_segment(state[key], pieces[index], seg.param_start, key)
+            zero.optim.state[view] = state
     for group, saved in zip(zero.param_groups, param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
     for local, group in zip(zero.optim.param_groups, zero.param_groups):
@@ -144,16 +160,11 @@ def _fill_segment(out: torch.Tensor, pieces: list, start: int, key: str) -> None
 def sharded_state_dict(zero) -> dict:
     """This rank's elements of the optimizer state, addressed by parameter index (no collective)."""
     index_of, pieces, scalars = _index_of(zero), {}, {}
-    for shard in zero.layout.shards:
-        st = zero.optim.state.get(shard.master, {})
-        if not st:
-            continue
-        for seg, offset in zip(shard.segments, shard.offsets):
-            tensors = {k: v[offset: offset + seg.length].detach().cpu().clone() for k, v in st.items()
-                       if _is_sharded(v, shard)}
-            pieces.setdefault(index_of[id(seg.param)], []).append((seg.param_start, seg.length, tensors))
-        for p in _shard_params(zero, shard):
-            scalars[index_of[id(p)]] = {k: _clone(v) for k, v in st.items() if not _is_sharded(v, shard)}
+    for seg, view, st in _segment_states(zero):
+        index = index_of[id(seg.param)]
+        tensors = {k: v.detach().cpu().clone() for k, v in st.items() if _is_sharded(v, view)}
+        pieces.setdefault(index, []).append((seg.param_start, seg.length, tensors))
+        scalars[index] = {k: _clone(v) for k, v in st.items() if not _is_sharded(v, view)}
     return {"world_size": zero.world_size, "rank": zero.rank, "pieces": pieces, "scalars": scalars,
             "param_groups": _param_groups(zero)}
 

@@ -113,8 +113,15 @@ class WorkFuture(torch.futures.Future):
         super().__init__()
         self._work, self._value, self._on_done = work, value, on_done
 
+    def done(self) -> bool:
+        """Finished in the background? Then hand the piece over now (the reducer asks, to give the
+        bucket's buffer back during backward)."""
+        if not super().done() and (self._work is None or self._work.is_completed()):
+            self.wait()
+        return super().done()
+
     def wait(self):
-        if not self.done():
+        if not super().done():
             if self._work is not None:
                 self._work.wait()
             self._on_done()

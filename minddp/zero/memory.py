@@ -27,7 +27,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-__all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes"]
+__all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes", "gradient_bytes", "GradientPeak"]
 
 
 def paper_bytes(stage: int, numel: int, world_size: int, param_bytes: int = 2, grad_bytes: int = 2,
@@ -74,5 +74,66 @@ def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     out["optimizer_state"] = optimizer_state_bytes(optimizer)
     out["shard_params"] = _unique_bytes([s.master for s in layout.shards], seen) if layout is not None else 0
     reducer = getattr(model, "reducer", None)
-    out["bucket_buffers"] = _unique_bytes([b.buffer for b in reducer.buckets], seen) if reducer is not None else 0
+    out["bucket_buffers"] = _unique_bytes(_bucket_buffers(model, optimizer), seen)
     return out
+
+
+def _bucket_buffers(model: nn.Module, optimizer) -> list[torch.Tensor | None]:
+    """MiniDDP's bucket buffers, and stage 2's pool (lent ones are both: counted once)."""
+    reducer = getattr(model, "reducer", None)
+    pool = getattr(optimizer, "bucket_pool", None)
+    return ([b.buffer for b in reducer.buckets] if reducer is not None else []) + \
+        (pool.buffers if pool is not None else [])
+
+
+def gradient_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes this rank holds for gradients now: ``.grad``, MiniDDP's bucket buffers (stage 2: its pool),
+    ZeRO's shard gradients (a view costs nothing: a ``.grad`` that is a bucket slot counts once)."""
+    module = getattr(model, "module", model)
+    layout = getattr(optimizer, "layout", None)
+    shard_grads = [s.master.grad for s in layout.shards] if layout is not None else []
+    return _unique_bytes([p.grad for p in module.parameters()] + shard_grads + _bucket_buffers(model, optimizer),
+                         set())
+
+
+class GradientPeak:
+    """The most gradient bytes (:func:`gradient_bytes`) held at once during backward.
+
+    Sampled as each gradient arrives (a post-accumulate hook on every
+    parameter of ``module``: build it *before* wrapping the module in
+    MiniDDP, so it runs before MiniDDP's own hook, while a fresh ``.grad``
+    and the bucket it goes into both exist) and as each bucket is sent
+    (:meth:`watch` wraps the comm hook: a bucket full, its ``.grad`` not yet
+    dropped). Then :meth:`sample` once more after backward, by the caller.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.peak = 0
+        self._count = None
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> "GradientPeak":
+        """Count ``model``'s (and ``optimizer``'s) gradients from now on; after any comm hook is registered."""
+        self._count = lambda: gradient_bytes(model, optimizer)
+        reducer = getattr(model, "reducer", None)
+        if reducer is not None and reducer.comm_hook is not None:
+            state, hook = reducer.comm_hook
+
+            def sampled(state, bucket):
+                self.sample()
+                return hook(state, bucket)
+            reducer.comm_hook = (state, sampled)
+        return self
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        self.sample()
+
+    def sample(self) -> int:
+        now = self._count() if self._count is not None else 0
+        self.peak = max(self.peak, now)
+        return now
+
+    def reset(self) -> None:
+        self.peak = 0

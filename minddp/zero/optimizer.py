@@ -33,6 +33,10 @@ Options after torch's signature (popped from ``defaults``):
   (torch's assumption; it would otherwise average them twice).
 * ``shard_gradients``: stage 2, on a MiniDDP passed as ``ddp``.
 * ``partition``: ``"flat"`` (default) or ``"greedy"`` (torch's).
+* ``overlap_comm`` (stage 2, default True): reduce-scatter a bucket while
+  backward goes on, at most two at once, each holding a buffer of the pool
+  (:mod:`minddp.zero.bucket_pool`). False waits for each as it is sent:
+  one buffer in all, no overlap (DeepSpeed's option of the same name).
 
 Gradient clipping must see every shard: call ``opt.clip_grad_norm_(max_norm)``
 between ``backward()`` and ``step()`` (the norm's squares are summed over the
@@ -42,6 +46,27 @@ without a wrapper).
 
 A step consumes the shards' gradients: the next backward starts a fresh sum,
 whether or not ``zero_grad`` was called (as DeepSpeed).
+
+Which parameters a step moves, as ``torch.optim`` and torch's ZeRO decide:
+every parameter given is sharded, frozen or not (``requires_grad`` is read
+at each step, so a layer unfrozen later trains); a parameter whose gradient
+is ``None`` this step (frozen, or unused by the forward) is not stepped and
+its ``step`` count does not advance, while a zero gradient is a step. The
+local optimizer steps one view per parameter segment
+(:class:`~minddp.zero.shards.Shard`), so each keeps its own state. Where the
+gradient travelled through MiniDDP's buckets, MiniDDP's reducer says which
+parameters had one (on some rank); without a wrapper, any rank's gradient
+counts (a small all-reduce). Parameters MiniDDP does not reduce (frozen
+when it was built) are stepped from their own ``.grad``, not averaged, as
+torch's ZeRO does beside torch's DDP.
+
+Uneven inputs: ``Join([model, opt])``, torch's ``Join`` or minddp's (the
+join hook follows torch's ``JoinHook`` contract). A rank out of data steps
+its shard with the others' average where it can get it (MiniDDP, or no
+wrapper). With ``average_gradients=False`` the averaging is a wrapper's we
+were not given, so, as torch's ZeRO, the joined rank steps its shard with
+whatever its ``.grad`` holds (its last gradient; ``None`` after
+``zero_grad()``: not stepped).
 """
 
 from __future__ import annotations
@@ -56,10 +81,11 @@ from torch.optim import Optimizer
 from minddp.join import Join, JoinHook
 from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
-from minddp.zero.partition import PARTITIONS, FlatUnit, flat_units, greedy_units
+from minddp.zero.partition import PARTITIONS, FlatUnit, Segment, flat_units, greedy_units
+from minddp.zero.presence import stepped_parameters
 from minddp.zero.shards import Shard, ShardLayout
 from minddp.zero.stage1_hook import attach_allreduce
-from minddp.zero.stage2 import attach, bucket_units, check_attachable, check_buckets_unchanged
+from minddp.zero.stage2 import attach, bucket_units, check_attachable, check_buckets_unchanged, missing_from, use_pool
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -71,8 +97,15 @@ class ZeroRedundancyOptimizer(Optimizer):
                  **defaults: Any):
         self.ddp = defaults.pop("ddp", None)
         self.shard_gradients = bool(defaults.pop("shard_gradients", False))
+        self.overlap_comm = bool(defaults.pop("overlap_comm", True))
         self.partition = defaults.pop("partition", "flat")
         average = defaults.pop("average_gradients", None)
+        # torch's: with True its local optimizer steps flat buffers; ours always does, so either value is fine.
+        defaults.pop("parameters_as_bucket_view", None)
+        if defaults.pop("overlap_with_ddp", False):
+            raise NotImplementedError(
+                "overlap_with_ddp=True (torch's ZeRO stepping inside torch's DDP comm hook) is not supported; "
+                "ZeRO stage 2 (ddp=<a MiniDDP>, shard_gradients=True) reduces the gradients during backward")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
         if self.shard_gradients and self.partition != "flat":
@@ -85,6 +118,10 @@ class ZeroRedundancyOptimizer(Optimizer):
                                "(torch.distributed.init_process_group or minddp.init_distributed)")
         self._ready = False
         super().__init__(params, defaults)
+        sparse = [i for i, p in enumerate(p for g in self.param_groups for p in g["params"]) if p.is_sparse]
+        if sparse:
+            raise ValueError(f"ZeroRedundancyOptimizer shards dense parameters only; parameters {sparse} "
+                             "(in parameter-group order) are sparse")
         self.optimizer_class, self._optim_defaults = optimizer_class, defaults
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
@@ -97,9 +134,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         if self.shard_gradients:
             check_attachable(self, self.ddp)
         self._gradients_from_hook = False  # stage 1 on MiniDDP: its buckets' all-reduce fills the shards
+        self._round_from_hook = False  # this round's gradients came through a comm hook (not from .grad)
+        self._used_in_round: set[int] = set()  # stage 2: ids of the parameters the reducer saw a gradient for
+        self._written_units: set[int] = set()  # stage 2: units whose piece is in the shards this round
         self._clipped = self._last_clip = None  # clip_grad_norm_'s arguments this step, and last step
-        self.layout = self._build_layout()
-        self._build_local_optimizer()
+        self.optim: Optimizer | None = None
+        self.layout: ShardLayout | None = None
+        self._repartition()
         if self.shard_gradients:  # stage 2 is a bucket communication of MiniDDP's
             attach(self, self.ddp)
         elif self.ddp is not None:
@@ -107,59 +148,66 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._ready = True
 
     # ------------------------------------------------------------ partition
-    def _trainable(self, group: dict) -> list[torch.Tensor]:
-        seen, out = set(), []
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in seen:  # a tied weight is one parameter, listed once
-                seen.add(id(p))
-                out.append(p)
-        return out
+    @staticmethod
+    def _params_of(group: dict) -> list[torch.Tensor]:
+        """Every parameter of a group, frozen or not (trainability is decided at each step, by
+        ``.grad``, as torch does); a tied weight is one parameter, listed once."""
+        return list({id(p): p for p in group["params"]}.values())
 
     def _units(self) -> list[FlatUnit]:
-        if self.shard_gradients:
-            return bucket_units(self.ddp, self.world_size)
+        mine = list({id(p): p for g in self.param_groups for p in self._params_of(g)}.values())
+        if self.shard_gradients and not missing_from(self):
+            # MiniDDP's buckets; what it does not reduce (frozen when it was built), flat.
+            units = bucket_units(self.ddp, self.world_size)
+            bucketed = {id(p) for u in units for p in u.params}
+            return units + flat_units([p for p in mine if id(p) not in bucketed], self.world_size)
+        if self.shard_gradients:  # a group still to be added: retaken from the buckets at the first step
+            return flat_units(mine, self.world_size)
         totals = [0] * self.world_size
         units: list[FlatUnit] = []
         for group in self.param_groups:
-            params = self._trainable(group)
+            params = self._params_of(group)
             if params:
                 units += flat_units(params, self.world_size) if self.partition == "flat" else \
                     greedy_units(params, self.world_size, totals)
         return units
 
-    def _build_layout(self) -> ShardLayout:
-        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in self._trainable(g)}
+    def _repartition(self) -> None:
+        """(Re)build the layout and the local optimizer, keeping the state of every segment that stays.
+
+        The local optimizer's state is per segment view, so a segment owned
+        before and after (same parameter, same elements) keeps its state
+        whatever else moved: a group added, stage 2's groups retaken.
+        """
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in self._params_of(g)}
         units = self._units()
         if not units:
-            raise ValueError("ZeroRedundancyOptimizer got no parameter that requires a gradient")
-        layout = ShardLayout(units, group_of, self.rank, self.world_size)
-        layout.fill(lambda s: s.master, lambda p: p.detach())
-        old = {(s.group, s.master.dtype): s for s in self.layout.shards} if getattr(self, "layout", None) else {}
-        for shard in layout.shards:
-            before = old.get((shard.group, shard.master.dtype))
-            if before is not None and _where(before) == _where(shard):
-                shard.master = before.master  # unchanged: the local optimizer's state stays attached
-        return layout
-
-    def _local_groups(self, indices) -> list[dict]:
-        return [{**{k: v for k, v in self.param_groups[i].items() if k != "params"},
-                 "params": [s.master for s in self.layout.shards_of_group(i)]} for i in indices]
-
-    def _build_local_optimizer(self) -> None:
-        self.optim = self.optimizer_class(self._local_groups(range(len(self.param_groups))), **self._optim_defaults)
+            raise ValueError("ZeroRedundancyOptimizer got no parameter")
+        old_state = {}
+        if self.layout is not None:
+            old_state = {_where(seg): self.optim.state[view] for shard in self.layout.shards
+                         for seg, view in zip(shard.segments, shard.views) if view in self.optim.state}
+        self.layout = ShardLayout(units, group_of, self.rank, self.world_size)
+        self.layout.fill(lambda s: s.master, lambda p: p.detach())
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [v for s in self.layout.shards_of_group(i) for v in s.views]}
+                  for i, group in enumerate(self.param_groups)]
+        self.optim = self.optimizer_class(groups, **self._optim_defaults)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)  # the class's defaults, seen here
+        for shard in self.layout.shards:
+            for seg, view in zip(shard.segments, shard.views):
+                if _where(seg) in old_state:
+                    self.optim.state[view] = old_state[_where(seg)]
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group (on every rank, as torch): its parameters are partitioned and join the shards."""
+        """Add a group (on every rank, as torch): its parameters are partitioned and join the shards.
+
+        Under stage 2 the units are MiniDDP's buckets, which do not change: the
+        new group only says which shard (and hyperparameters) its elements get.
+        """
         super().add_param_group(param_group)
-        if not self._ready:
-            return  # Optimizer.__init__ adding the constructor's groups
-        if self.shard_gradients:
-            raise RuntimeError("ZeroRedundancyOptimizer(shard_gradients=True) partitions MiniDDP's buckets, "
-                               "which hold every parameter from the start: pass all groups to the constructor")
-        self.layout = self._build_layout()
-        self.optim.add_param_group(self._local_groups([len(self.param_groups) - 1])[0])
-        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        if self._ready:  # not Optimizer.__init__ adding the constructor's groups
+            self._repartition()
 
     # ------------------------------------------------------------ gradients
     def _shard_grad(self, shard: Shard) -> torch.Tensor:
@@ -169,16 +217,27 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _collect_gradients(self, shadow: bool = False) -> None:
         """This round's averaged gradients into the shards, unless already there (stage 2, clipping)."""
-        if self._grads_in_shards:
-            return
         if self.shard_gradients:  # the first backward was all-reduced: partition the final buckets now
             check_buckets_unchanged(self)
-        source: Callable = (lambda p: None) if shadow else (lambda p: p.grad)
+        if self._grads_in_shards:
+            if self._round_from_hook:  # what the wrapper does not reduce (frozen when it was built): .grad
+                for p in self._outside_wrapper():
+                    if p.grad is not None:
+                        self.layout.fill_param(p, p.grad, self._shard_grad)
+            return
+        # A joined rank has no gradient of its own; with average_gradients=False a wrapper we were not
+        # given averaged them into .grad, and we step with what is there, as torch's ZeRO does.
+        source: Callable = (lambda p: None) if shadow and self.average_gradients else (lambda p: p.grad)
         if self.average_gradients:
             reduce_scatter_grads(self.layout, source, self._shard_grad, self.process_group, self.world_size)
         else:
             self.layout.fill(self._shard_grad, source)
         self._grads_in_shards = True
+
+    def _outside_wrapper(self) -> list[torch.Tensor]:
+        """Parameters the wrapper's buckets do not hold: their ``.grad`` is read at ``step`` (not averaged)."""
+        inside = {id(p) for b in self.ddp.reducer.buckets for p in b.params}
+        return [p for p in self.layout.params if id(p) not in inside]
 
     def _receive_piece(self, unit_index: int, piece: torch.Tensor) -> None:
         """Stage 2: a bucket's reduce-scattered piece, into the shards (summed over backwards)."""
@@ -191,6 +250,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             for shard in self.layout.shards:
                 self._shard_grad(shard).zero_()
             self._grads_in_shards = True
+            self._round_from_hook = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model.
@@ -216,17 +276,19 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # ----------------------------------------------------------------- step
     def step(self, closure: Callable[[], float] | None = None, **kwargs) -> float | None:
-        """Step this rank's shards, then all-gather the parameters (a collective on every rank)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        Join.notify_join_context(self)
-        self._sharded_step(shadow=False, **kwargs)
-        return loss
+        """Step this rank's shards, then all-gather the parameters (a collective on every rank).
 
-    def _sharded_step(self, shadow: bool, **kwargs) -> None:
-        self._collect_gradients(shadow)
+        ``closure`` and ``kwargs`` go to the local optimizer's ``step``, as in
+        torch's ZeRO (LBFGS evaluates the loss several times inside its step).
+        Each call of the closure first writes this rank's updated elements into
+        the parameters (the others' stay as they were until the all-gather, as
+        under torch's ZeRO), then, after its backward, brings the new gradients
+        into the shards.
+        """
+        Join.notify_join_context(self)
+        return self._sharded_step(shadow=False, closure=closure, **kwargs)
+
+    def _sharded_step(self, shadow: bool, closure: Callable[[], float] | None = None, **kwargs):
         if shadow and self._last_clip is not None:  # out of data: the same collectives as the others' step
             self.clip_grad_norm_(*self._last_clip)
         if not shadow:
@@ -234,14 +296,46 @@ class ZeroRedundancyOptimizer(Optimizer):
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # an LR scheduler's changes
         with torch.no_grad():  # weights changed since the last all-gather (a model.load_state_dict) count:
             self.layout.fill(lambda s: s.master, lambda p: p.detach())  # a copy of 1/N of them
-        self.optim.step(**kwargs)
+        self._gradients_into_views(shadow)  # what .grad holds now counts, closure or not (as torch's ZeRO)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=self._closure_for_shards(closure), **kwargs)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
-        self._grads_in_shards = False
+        self._end_gradient_round()
         self._pending_load = None
-        for shard in self.layout.shards:  # consumed: the next backward allocates them again (1/N of the grads)
-            shard.master.grad = None
+        if self.shard_gradients:
+            use_pool(self)
         with torch.no_grad():
             all_gather_params(self.layout, lambda s: s.master, lambda p: p.data, self.process_group)
+        return loss
+
+    def _gradients_into_views(self, shadow: bool) -> None:
+        self._collect_gradients(shadow)
+        stepped = stepped_parameters(self, shadow)
+        for shard in self.layout.shards:
+            shard.attach_gradients(stepped)
+
+    def _end_gradient_round(self) -> None:
+        """A step consumed the shards' gradients: the next backward allocates them again (1/N of the grads)."""
+        self._grads_in_shards = self._round_from_hook = False
+        self._used_in_round = set()
+        self._written_units = set()
+        for shard in self.layout.shards:
+            shard.detach_gradients()
+
+    def _closure_for_shards(self, closure: Callable[[], float]) -> Callable[[], float]:
+        def evaluate():
+            with torch.no_grad():  # this rank's updated elements into the parameters the closure reads
+                for shard in self.layout.shards:
+                    for seg, view in zip(shard.segments, shard.views):
+                        seg.param.data.view(-1)[seg.param_start: seg.param_start + seg.length].copy_(view)
+            self._end_gradient_round()  # the closure's backward is a fresh round
+            with torch.enable_grad():
+                loss = closure()
+            self._gradients_into_views(shadow=False)
+            return loss
+        return evaluate
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -294,12 +388,15 @@ class _ZeroJoinHook(JoinHook):
     def __init__(self, zero: ZeroRedundancyOptimizer):
         self.zero = zero
 
-    def main_hook(self, active: list[bool]) -> None:
+    def main_hook(self) -> None:
         self.zero._sharded_step(shadow=True)
 
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Nothing to agree on: every step ended with the all-gather of every shard."""
 
-def _where(shard: Shard) -> list[tuple]:
-    return [(id(s.param), s.param_start, s.unit_start, s.length) for s in shard.segments]
+
+def _where(segment: Segment) -> tuple:
+    return id(segment.param), segment.param_start, segment.length
 
 
 def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:

@@ -26,10 +26,16 @@ __all__ = ["Shard", "ShardLayout"]
 class Shard:
     """This rank's elements of parameter group ``group`` (one dtype), end to end.
 
-    ``master`` is the tensor the local optimizer steps; ``master.grad`` its
-    averaged gradient (``None`` until one arrives). May be empty: a rank can
-    own nothing of a small group, and still keeps the (empty) shard so that
-    every rank's local optimizer has the same groups.
+    ``master`` holds the elements, end to end (what collectives and
+    checkpoints read); ``master.grad`` their averaged gradient (``None`` until
+    one arrives). The local optimizer does not step ``master`` whole: it steps
+    ``views``, one view of ``master`` per segment, so each parameter's part
+    is a parameter of its own there. Why: torch's optimizers decide *per
+    parameter* whether to step (a ``None`` gradient: not stepped, Adam's
+    ``step`` count not advanced), and a parameter frozen or unused for a step
+    must keep its own count, as under ``torch.optim`` and torch's ZeRO.
+    May be empty: a rank can own nothing of a small group, and still keeps
+    the (empty) shard so that every rank's local optimizer has the same groups.
     """
 
     def __init__(self, group: int, dtype: torch.dtype, device: torch.device):
@@ -38,6 +44,23 @@ class Shard:
         self.offsets: list[int] = []
         self.numel = 0
         self.master = torch.empty(0, dtype=dtype, device=device)
+        self.views: list[torch.Tensor] = []
+
+    def set_master(self, master: torch.Tensor) -> None:
+        """Take ``master`` as this shard's elements; ``views`` become its segments' views."""
+        self.master = master
+        self.views = [master[offset: offset + seg.length] for seg, offset in zip(self.segments, self.offsets)]
+
+    def attach_gradients(self, stepped: set[int]) -> None:
+        """Each view's ``.grad``: its part of ``master.grad``, or None if its parameter is not stepped."""
+        grad = self.master.grad
+        for seg, offset, view in zip(self.segments, self.offsets, self.views):
+            view.grad = grad[offset: offset + seg.length] if grad is not None and id(seg.param) in stepped else None
+
+    def detach_gradients(self) -> None:
+        self.master.grad = None
+        for view in self.views:
+            view.grad = None
 
     def add(self, segment: Segment) -> int:
         self.segments.append(segment)
@@ -73,7 +96,12 @@ class ShardLayout:
                 self.param_segments.setdefault(id(seg.param), []).append(mine[-1])
             self.unit_segments.append(mine)
         for shard in self.shards:
-            shard.master = torch.empty(shard.numel, dtype=shard.master.dtype, device=shard.master.device)
+            shard.set_master(torch.empty(shard.numel, dtype=shard.master.dtype, device=shard.master.device))
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter of every unit (whoever owns it), once, in unit order."""
+        return list({id(p): p for u in self.units for p in u.params}.values())
 
     def shards_of_group(self, group: int) -> list[Shard]:
         return [s for s in self.shards if s.group == group]

@@ -10,14 +10,22 @@ So the partition follows MiniDDP's buckets: each bucket (zero padded to a
 multiple of N) is cut into N equal pieces, rank r owning piece r of every
 bucket. The reduce-scatter of a bucket then lands exactly in its owner's
 shard, and it still starts as soon as the bucket is full: the overlap of
-communication with backward stays. Two narrow contacts with MiniDDP:
+communication with backward stays. Three narrow contacts with MiniDDP:
 
 * a comm hook (:func:`reduce_scatter_hook`, torch's contract) that divides
-  the bucket by N, reduce-scatters it and passes this rank's piece to the
-  optimizer when it arrives;
+  the bucket by N, drops the ``.grad`` just copied into it, and
+  reduce-scatters it, this rank's piece landing in the optimizer's shard
+  gradient (straight into it where the piece lies there end to end);
 * the reducer's ``bucket_reduced_hook`` (:mod:`minddp.reducer`): told that
   the optimizer took the bucket, the reducer does not write ``.grad``, and
-  the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced.
+  the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
+* the reducer's bucket storage: buffers lent by a small pool
+  (:mod:`minddp.zero.bucket_pool`), given back as soon as a bucket's piece
+  has arrived, during backward. At most ``BUCKETS_IN_FLIGHT`` buckets hold
+  one at a time (``overlap_comm=False``: one), so the peak is the shard
+  gradients (4 psi / N bytes in fp32) plus a few buckets, not a second copy
+  of the model's gradients (measured: ``tests/test_zero_stage2_memory.py``,
+  ``benchmarks/zero_memory_peers.py``).
 
 The first backward is special when MiniDDP learns its bucket order
 (``learn_bucket_order=True``, the default): the buckets are rebuilt at its
@@ -28,14 +36,22 @@ the first ``step()``, before any optimizer state exists.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 
 from minddp.comm_hooks import GradBucket
+from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.partition import FlatUnit
 
-__all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "reduce_scatter_hook"]
+# Reduce-scatters in flight at once (each holds a pool buffer), with overlap_comm=True (the default):
+# one on the wire while the next is sent. With overlap_comm=False each is waited for as it is sent.
+BUCKETS_IN_FLIGHT = 2
+
+__all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "missing_from",
+           "reduce_scatter_hook", "use_pool"]
 
 
 def bucket_units(ddp, world_size: int) -> list[FlatUnit]:
@@ -52,19 +68,53 @@ def check_attachable(zero, ddp) -> None:
     if ddp.process_group is not zero.process_group and \
             dist.get_process_group_ranks(ddp.process_group) != dist.get_process_group_ranks(zero.process_group):
         raise ValueError("shard_gradients=True: the optimizer and MiniDDP must use the same process group")
-    mine = {id(p) for g in zero.param_groups for p in zero._trainable(g)}
-    missing = [name for bucket in reducer.buckets for p, name in zip(bucket.params, bucket.names) if id(p) not in mine]
-    if missing:
-        raise ValueError(f"shard_gradients=True: MiniDDP parameters {missing} are not in the optimizer; stage 2 "
-                         "keeps no full gradient for any bucketed parameter, so all must be optimized here")
+
+
+def missing_from(zero) -> list[str]:
+    """Names of MiniDDP's parameters that are in no group of ``zero``.
+
+    Stage 2 keeps no full gradient of any bucketed parameter, so each must be
+    optimized here. Checked where the partition becomes final (the first
+    step), not at construction: torch's usual order builds the optimizer on
+    one group and adds the others with ``add_param_group``.
+    """
+    mine = {id(p) for g in zero.param_groups for p in g["params"]}
+    return [name for bucket in zero.ddp.reducer.buckets for p, name in zip(bucket.params, bucket.names)
+            if id(p) not in mine]
 
 
 def attach(zero, ddp) -> None:
-    """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards."""
+    """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards, from a pool of buffers."""
     reducer = ddp.reducer
-    zero._scattered = set()  # buckets whose piece the optimizer took in this backward
+    zero._scattered = set()  # buckets whose piece arrived in this backward, not yet taken
+    zero._in_flight = deque()  # this backward's reduce-scatters not yet waited for, oldest first
+    zero._taken = []  # parameters of the buckets taken in this backward
+    zero._reducer_index = {id(p): i for i, p in enumerate(reducer.params)}  # where globally_used says it
     ddp.register_comm_hook(zero, reduce_scatter_hook)
     reducer.bucket_reduced_hook = lambda bucket: _took(zero, bucket)
+    zero.bucket_pool = BucketPool(zero.world_size)
+    zero._pool_in_use = False
+    if not _provisional(zero):
+        use_pool(zero)
+    reducer.backward_done_callbacks.append(lambda: _note_used(zero))
+
+
+def use_pool(zero) -> None:
+    """Buckets take their buffers from the pool from now on (after a step: its gradients were consumed).
+
+    Not during the first backward when MiniDDP learns its bucket order: that
+    one is all-reduced into ``.grad`` as in DDP, and its buckets are rebuilt
+    at its end. Its ``.grad`` (bucket slots, with bucket views) are dropped
+    here, once the first step has read them: stage 2 keeps no full gradient.
+    """
+    if zero._pool_in_use or _provisional(zero):
+        return
+    reducer = zero.ddp.reducer
+    for bucket in reducer.buckets:
+        for p in bucket.params:
+            p.grad = None
+    reducer.use_bucket_storage(zero.bucket_pool)
+    zero._pool_in_use = True
 
 
 def _provisional(zero) -> bool:
@@ -85,22 +135,68 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     index = bucket.index()
     if index == 0:  # buckets launch in order: once per backward is enough
         check_buckets_unchanged(zero)
+        zero._in_flight.clear()
+    _wait_for_room(zero)
     unit = zero.layout.units[index]
-    if n * unit.piece == buffer.numel():
-        send = buffer.mul_(1.0 / divisor)
-    else:  # pad to N equal pieces (a copy: the bucket's buffer has no room)
+    buffer.mul_(1.0 / divisor)
+    send = buffer if n * unit.piece == buffer.numel() else zero.bucket_pool.padded(buffer, n * unit.piece)
+    if send is None:  # pad to N equal pieces (a copy: the bucket's buffer has no room)
         send = torch.zeros(n * unit.piece, dtype=buffer.dtype, device=buffer.device)
-        torch.mul(buffer, 1.0 / divisor, out=send[: buffer.numel()])
-    piece = torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
+        send[: buffer.numel()] = buffer
+    for p, slot in zip(bucket.parameters(), bucket.gradients()):
+        if p.grad is not slot:  # copied into the bucket: not needed any more (a slot goes with its buffer)
+            p.grad = None
+    zero._begin_gradient_round()
+    direct = _shard_slice(zero, index)  # received straight into the shard gradient, when it can be
+    zero._written_units.add(index)
+    piece = direct if direct is not None else torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
     work = _reduce_scatter(piece, send, group=group, async_op=True) if n > 1 else None
     if work is None:
         piece.copy_(send)
 
     def arrived() -> None:
-        zero._receive_piece(index, piece)
+        if direct is None:
+            zero._receive_piece(index, piece)
         zero._scattered.add(index)
 
-    return WorkFuture(work, buffer, arrived)
+    future = WorkFuture(work, buffer, arrived)
+    zero._in_flight.append(future)
+    if not zero.overlap_comm:  # one buffer in all: the next bucket fills it once this one has arrived
+        future.wait()
+    return future
+
+
+def _shard_slice(zero, index: int) -> torch.Tensor | None:
+    """The slice of the shard gradient this rank's piece of bucket ``index`` is, if the reduce-scatter
+    may write it there: the piece lies whole (no padding) in one shard, end to end, and nothing of
+    this round is there yet (a second backward before the step adds to it: through a temporary)."""
+    segments = zero.layout.unit_segments[index]
+    unit = zero.layout.units[index]
+    if index in zero._written_units or not segments:
+        return None
+    shard, start = segments[0][1], segments[0][2]
+    at = start
+    for seg, in_shard, offset in segments:
+        if in_shard is not shard or offset != at:
+            return None
+        at += seg.length
+    if at - start != unit.piece:
+        return None
+    return zero._shard_grad(shard)[start:at]
+
+
+def _wait_for_room(zero) -> None:
+    """At most ``BUCKETS_IN_FLIGHT`` reduce-scatters at once: wait for the oldest before sending another.
+
+    The pool lends a buffer to every bucket between its first gradient and
+    its arrival. When backward outruns the network (here: small layers, two
+    CPU cores), every bucket would be in flight at once and the pool would
+    grow to the whole model. Waiting bounds it to a few buckets, at the cost
+    of some overlap (DeepSpeed's ``overlap_comm`` makes the same trade).
+    """
+    in_flight = zero._in_flight
+    while in_flight and (in_flight[0].done() or len(in_flight) >= BUCKETS_IN_FLIGHT):
+        in_flight.popleft().wait()  # arrived: the reducer gives its buffer back at the next launch
 
 
 def _took(zero, bucket: GradBucket) -> bool:
@@ -110,19 +206,32 @@ def _took(zero, bucket: GradBucket) -> bool:
     zero._scattered.discard(bucket.index())
     for p in bucket.parameters():
         p.grad = None  # its average lives, sharded, in the optimizer; no full gradient is kept
+    zero._taken += bucket.parameters()
     return True
+
+
+def _note_used(zero) -> None:
+    """End of a backward: which taken parameters had a gradient on some rank (known only now; a bucket
+    may have been taken during backward). Those are stepped; one with no gradient anywhere is not."""
+    used = zero.ddp.reducer.globally_used  # None: every parameter had a gradient
+    zero._used_in_round.update(id(p) for p in zero._taken if used is None or used[zero._reducer_index[id(p)]])
+    zero._taken = []
 
 
 def check_buckets_unchanged(zero) -> None:
     """Retake the partition if MiniDDP rebuilt its buckets since; an error once that would lose state."""
+    missing = missing_from(zero)
+    if missing:
+        raise ValueError(f"shard_gradients=True: MiniDDP parameters {missing} are in no parameter group of the "
+                         "optimizer; stage 2 keeps no full gradient of a bucketed parameter, so all must be "
+                         "optimized here (add them with add_param_group before the first step)")
     now = [[id(p) for p in b.params] for b in zero.ddp.reducer.buckets]
-    if now == [[id(p) for p in u.params] for u in zero.layout.units]:
+    if now == [[id(p) for p in u.params] for u in zero.layout.units[:len(now)]]:
         return
     if (zero.optim.state and zero._pending_load is None) or zero._grads_in_shards:  # a loaded state is re-applied
         raise RuntimeError("ZeroRedundancyOptimizer(shard_gradients=True): MiniDDP's buckets changed after the "
                            "partition was fixed on them (the first synchronized backward must come before the "
                            "first step)")
-    zero.layout = zero._build_layout()
-    zero._build_local_optimizer()
+    zero._repartition()
     if zero._pending_load is not None:
         zero._load(*zero._pending_load)

@@ -1,0 +1,215 @@
+"""DDP, ZeRO stages 1-3 and torch's FSDP2 side by side: peak memory per rank (measured), CPU time, parameters.
+
+    python benchmarks/fsdp_peers.py                       # N = 1, 2, 4 memory; time at N = 2
+    python benchmarks/fsdp_peers.py --rounds 9 --json docs/fsdp_peers.json --text docs/fsdp_peers.txt
+    python benchmarks/fsdp_peers.py --quick               # a smaller GPT, 1 round: a smoke test
+
+``minddp.models.GPT`` (8 blocks, 0.95 M parameters, head tied to the token
+embedding), AdamW in fp32, 4 sequences of 64 tokens per rank, Gloo on CPU,
+one intra-op thread per rank. The setups are ``_fsdp_setups.py``'s: torch's
+DDP, MiniDDP, ZeRO stage 1 and 2 on MiniDDP, ``minddp.fsdp`` (stage 3) and
+torch's ``fully_shard`` (FSDP2), both per block then the root.
+
+**Memory, measured**: for each setup, fresh, inside a
+:class:`_live_bytes.LiveBytes` window (a ``TorchDispatchMode`` that counts
+every storage an operation creates while it lives): one step to warm up,
+then the peak over one whole step (``zero_grad``, forward, backward,
+``step``), the maximum over ranks. Two figures: every live tensor
+(``all``), and *model state* (``all`` minus what autograd saved for
+backward that is not a parameter: parameters, gathered units, gradients,
+optimizer state, buckets and other buffers of the wrapper). Beside it the
+ZeRO paper's formula with fp32 AdamW's constants, 4 bytes of parameter, 4 of
+gradient, K = 8 of state (the paper's mixed-precision 2 + 2 + 12 also make
+16 bytes, split otherwise): DDP 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N,
+stage 3 16Ψ/N + its working set, two units' full parameters and gradients
+(2 x 8 bytes x the largest unit: prefetch keeps the next unit while one
+computes).
+
+**Time**: at ``--time-world`` ranks, every setup built again (no tracker),
+warmed up, then ``--rounds`` rounds of ``--steps`` steps, the setups in an
+order that rotates each round; per step, wall time and this process's CPU
+time (``time.process_time``: its threads, Gloo's included), the slowest rank,
+median over rounds with [min, max].
+
+**Parameters**: after the steps, every setup's full parameters against
+torch's DDP's (max absolute difference; same weights, same batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _fsdp_setups import SETUPS, build, gpt_config, have_stage3, train_step, units  # noqa: E402
+from _live_bytes import LiveBytes  # noqa: E402
+from minddp.launch import spawn  # noqa: E402
+
+MiB = 2**20
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _param_diff(full: dict, reference: dict) -> float:
+    if set(full) != set(reference):
+        raise RuntimeError(f"parameter names differ: {sorted(set(full) ^ set(reference))}")
+    return max((full[n].float() - reference[n].float()).abs().max().item() for n in reference)
+
+
+def measure_memory(name: str, cfg, rank: int) -> tuple[list[float], dict]:
+    """(peak all, peak model state, after construction) in bytes, and the full parameters after 2 steps."""
+    with LiveBytes() as live:
+        setup = build(name, cfg)
+        live.watch_parameters(setup.model)
+        built = live.current
+        train_step(setup, cfg, rank, 0)
+        live.reset_peak()
+        train_step(setup, cfg, rank, 1)
+        peaks = [live.peak, live.peak_state, built]
+    return peaks, setup.full_parameters()
+
+
+def measure_time(setups: list[str], cfg, rank: int, rounds: int, steps: int) -> tuple[dict, dict]:
+    """Per setup: per-round medians of (wall, CPU) ms per step, slowest rank; and full parameters at the end."""
+    built = {name: build(name, cfg) for name in setups}
+    step_no = {name: 0 for name in setups}
+    for name, setup in built.items():
+        for _ in range(2):
+            train_step(setup, cfg, rank, step_no[name])
+            step_no[name] += 1
+    wall: dict[str, list[float]] = {n: [] for n in setups}
+    cpu: dict[str, list[float]] = {n: [] for n in setups}
+    for r in range(rounds):
+        for name in setups[r % len(setups):] + setups[:r % len(setups)]:
+            setup = built[name]
+            dist.barrier()
+            w0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                train_step(setup, cfg, rank, step_no[name])
+                step_no[name] += 1
+            w, c = _max_over_ranks([(time.perf_counter() - w0) / steps * 1e3, (time.process_time() - c0) / steps * 1e3])
+            wall[name].append(w)
+            cpu[name].append(c)
+    return {n: {"wall_ms": wall[n], "cpu_ms": cpu[n]} for n in setups}, {n: s.full_parameters() for n, s in built.items()}
+
+
+def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
+    torch.set_num_threads(1)
+    cfg = gpt_config(args["quick"])
+    setups = args["setups"]
+    result: dict = {"world_size": world_size, "memory": {}, "param_diff": {}}
+    full = {}
+    for name in setups:
+        peaks, full[name] = measure_memory(name, cfg, rank)
+        result["memory"][name] = dict(zip(("peak_all", "peak_state", "built"), _max_over_ranks(peaks)))
+    for name in setups:
+        result["param_diff"][name] = _param_diff(full[name], full["torch-ddp"])
+    if world_size == args["time_world"]:
+        result["time"], full = measure_time(setups, cfg, rank, args["rounds"], args["steps"])
+        result["time_param_diff"] = {n: _param_diff(full[n], full["torch-ddp"]) for n in setups}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+def formula(setup: str, psi: int, n: int, largest_unit: int) -> float | None:
+    """The paper's bytes per rank, fp32 AdamW constants (4 + 4 + 8); stage 3 with its working set."""
+    return {"torch-ddp": 16 * psi, "ddp": 16 * psi, "stage1": 8 * psi + 8 * psi / n, "stage2": 4 * psi + 12 * psi / n,
+            "stage3": 16 * psi / n + 2 * 8 * largest_unit, "fsdp2": 16 * psi / n + 2 * 8 * largest_unit}.get(setup)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
+
+
+def report(results: list[dict], cfg, args: dict) -> str:
+    sizes = units(cfg)
+    psi, largest = sum(sizes.values()), max(sizes.values())
+    lines = [f"minddp.models.GPT: {psi:,} parameters, {len(sizes)} units (largest {largest:,} parameters); AdamW fp32; "
+             "4 x 64 tokens per rank; Gloo, CPU, 1 thread per rank",
+             "memory: peak over one whole step (zero_grad, forward, backward, step), every storage an operation "
+             "created (a TorchDispatchMode), max over ranks; 'state' = all minus what autograd saved that is not a "
+             "parameter; formula: fp32 AdamW 4 + 4 + 8 bytes per parameter, stage 3 + 2 units x 8 bytes x the "
+             "largest unit", ""]
+    for res in results:
+        n = res["world_size"]
+        lines += [f"N = {n}", "| setup | peak all MiB | peak state MiB | formula MiB | state / formula | after build MiB "
+                  "| max param diff vs torch DDP |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, m in res["memory"].items():
+            f = formula(name, psi, n, largest)
+            lines.append(f"| {name} | {m['peak_all'] / MiB:.2f} | {m['peak_state'] / MiB:.2f} | "
+                         f"{f / MiB if f else float('nan'):.2f} | {m['peak_state'] / f if f else float('nan'):.2f} | "
+                         f"{m['built'] / MiB:.2f} | {res['param_diff'][name]:.1e} |")
+        lines.append("")
+        if "time" in res:
+            t = res["time"]
+            ref_cpu = statistics.median(t["torch-ddp"]["cpu_ms"])
+            fsdp2_cpu = statistics.median(t["fsdp2"]["cpu_ms"]) if "fsdp2" in t else float("nan")
+            lines += [f"time at N = {n}: {args['rounds']} rounds x {args['steps']} steps, median [min, max] over "
+                      "rounds, slowest rank", "| setup | wall ms/step | CPU ms/step | CPU / torch DDP | CPU / FSDP2 "
+                      "| max param diff vs torch DDP |", "|---|---:|---:|---:|---:|---:|"]
+            for name, v in t.items():
+                c = statistics.median(v["cpu_ms"])
+                lines.append(f"| {name} | {_spread(v['wall_ms'])} | {_spread(v['cpu_ms'])} | {c / ref_cpu:.2f} | "
+                             f"{c / fsdp2_cpu:.2f} | {res['time_param_diff'][name]:.1e} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", default="1,2,4")
+    p.add_argument("--time-world", type=int, default=2, help="world size of the timing (0: none)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4, help="steps per round")
+    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--quick", action="store_true", help="a 2-block GPT, N = 2, 1 round of 1 step")
+    p.add_argument("--json")
+    p.add_argument("--text")
+    a = p.parse_args(argv)
+    setups = [s for s in a.setups.split(",") if s]
+    unknown = set(setups) - set(SETUPS)
+    if unknown or "torch-ddp" not in setups:
+        p.error(f"--setups: known {', '.join(SETUPS)}, torch-ddp required (the reference); got {a.setups}")
+    if "stage3" in setups and not have_stage3():
+        print("stage 3: minddp.fsdp is not in this checkout; left out", file=sys.stderr)
+        setups.remove("stage3")
+    args = {"setups": setups, "quick": a.quick, "rounds": 1 if a.quick else a.rounds, "steps": 1 if a.quick else a.steps,
+            "time_world": 2 if a.quick else a.time_world}
+    worlds = [2] if a.quick else [int(w) for w in a.world_sizes.split(",")]
+    results, load_before = [], os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in worlds:
+            path = os.path.join(tmp, f"{n}.json")
+            spawn(rank_main, n, args, path, backend="gloo")
+            with open(path) as f:
+                results.append(json.load(f))
+    text = report(results, gpt_config(a.quick), args)
+    text += f"load average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after"
+    print(text)
+    if a.text:
+        with open(a.text, "w") as f:
+            f.write(text + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": args, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

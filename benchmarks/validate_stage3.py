@@ -1,0 +1,231 @@
+"""Is the stage-3 simulator honest? ``minddp.simulate.stage3``'s prediction against a measured minddp.fsdp step.
+
+    python benchmarks/validate_stage3.py                       # 2 ranks, Gloo, GPT, 9 rounds
+    python benchmarks/validate_stage3.py --rounds 21 --json docs/validate_stage3.json --text docs/validate_stage3.txt
+
+One spawned job of ``--world-size`` Gloo ranks (one intra-op thread each) does,
+in rounds (so that a shared machine's load drifts over all of it alike):
+
+1. **the network**: all-gather and reduce-scatter alone, float32 buffers of
+   64 KiB to 4 MiB; :func:`minddp.network.fit_link` fits alpha and bandwidth
+   to their medians (a half all-reduce each: the fit is given twice their
+   time, the all-reduce it models);
+2. **the compute**: on this rank alone, each GPT block's forward and backward
+   at the step's activation shape, the whole model's forward and backward
+   (what is not in a block is the root unit's: embeddings, final norm, head,
+   loss) and AdamW's step over all the parameters;
+3. **the measurement**: ``minddp.fsdp`` steps (each block, then the root;
+   AdamW over the shards), prefetch on and off, each block of steps timed on
+   the slowest rank.
+
+Rank 0 then replays the step with :func:`minddp.simulate.stage3.simulate_stage3`
+(units: the root first, then the blocks), with ``overlap`` (communication
+beside compute) and ``shared`` (``overlap=False``: on 2 cores a collective
+pauses compute). Error = predicted / measured - 1. What the replay leaves
+out: the root unit stays gathered from its forward to its backward in
+``minddp.fsdp`` (one all-gather fewer), the Python cost of the hooks and of
+copying gradients into the reduce-scatter buffer, and Gloo's own threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from minddp.launch import spawn  # noqa: E402
+from minddp.models import GPT, GPTConfig  # noqa: E402
+from minddp.network import fit_link  # noqa: E402
+from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3  # noqa: E402
+
+FIT_SIZES = [64 * 1024 * 4**k for k in range(4)]  # 64 KiB .. 4 MiB
+BATCH = 4
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _ms(fn, reps: int = 1) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def _slowest(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def halves_ms(n: int, world_size: int) -> float:
+    """One all-gather and one reduce-scatter of an ``n``-byte buffer, ms each (their mean)."""
+    full, piece = torch.zeros(n // 4), torch.zeros(n // 4 // world_size)
+    reps = max(2, min(20, (2 << 20) // n))
+    dist.barrier()
+    return (_ms(lambda: all_gather(full, piece), reps) + _ms(lambda: reduce_scatter(piece, full), reps)) / 2
+
+
+def compute_profile(cfg: GPTConfig, tokens: torch.Tensor, repeats: int = 3) -> dict:
+    """This rank alone: each block's forward and backward, the whole model's, AdamW's step (ms), the fastest of
+    ``repeats`` (a busy machine only ever adds time)."""
+    runs = [_compute_once(cfg, tokens) for _ in range(repeats)]
+    fastest = lambda pick: min(pick(r) for r in runs)  # noqa: E731
+    blocks = [(fastest(lambda r, i=i: r["blocks"][i][0]), fastest(lambda r, i=i: r["blocks"][i][1]))
+              for i in range(len(runs[0]["blocks"]))]
+    return {"blocks": blocks, "whole": (fastest(lambda r: r["whole"][0]), fastest(lambda r: r["whole"][1])),
+            "optimizer": fastest(lambda r: r["optimizer"])}
+
+
+def _compute_once(cfg: GPTConfig, tokens: torch.Tensor) -> dict:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randn(BATCH, cfg.block_size, cfg.n_embd, requires_grad=True)
+    blocks = []
+    for block in model.blocks:
+        t0 = time.perf_counter()
+        out = block(x)
+        t1 = time.perf_counter()
+        out.sum().backward()
+        blocks.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+    t0 = time.perf_counter()
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    t1 = time.perf_counter()
+    loss.backward()
+    whole = ((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()  # the state is created here, not timed
+    return {"blocks": blocks, "whole": whole, "optimizer": _ms(opt.step)}
+
+
+def fsdp_model(cfg: GPTConfig):
+    from minddp.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
+    torch.set_num_threads(1)
+    cfg = GPTConfig()
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size + 1), generator=torch.Generator().manual_seed(rank))
+    model, opt = fsdp_model(cfg)
+
+    def step():
+        opt.zero_grad()
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    fit = {n: [] for n in FIT_SIZES}
+    profiles, measured = [], {"prefetch": [], "no prefetch": []}
+    for _ in range(args["rounds"]):
+        for n in FIT_SIZES:
+            fit[n].append(halves_ms(n, world_size))
+        profiles.append(compute_profile(cfg, tokens))
+        for name, prefetch in (("prefetch", True), ("no prefetch", False)):
+            model.set_prefetch(prefetch)
+            dist.barrier()
+            measured[name].append(_ms(step, args["steps"]))
+        model.set_prefetch(True)
+    result = {"fit_ms": {n: statistics.median(_slowest(v)) for n, v in fit.items()},
+              "measured_ms": {k: _slowest(v) for k, v in measured.items()},
+              "profiles": profiles, "unit_numel": _unit_numel(cfg)}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+def _unit_numel(cfg: GPTConfig) -> list[int]:
+    model = GPT(cfg)
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    return [sum(p.numel() for p in model.parameters()) - sum(blocks), *blocks]  # the root first
+
+
+def predict(raw: dict, world_size: int) -> dict:
+    sizes = sorted(int(n) for n in raw["fit_ms"])
+    link = fit_link(sizes, [2 * raw["fit_ms"][str(n)] / 1e3 for n in sizes], world_size, "this machine (fitted)")
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    blocks = [(med([p["blocks"][i][0] for p in raw["profiles"]]), med([p["blocks"][i][1] for p in raw["profiles"]]))
+              for i in range(len(raw["profiles"][0]["blocks"]))]
+    whole = (med([p["whole"][0] for p in raw["profiles"]]), med([p["whole"][1] for p in raw["profiles"]]))
+    root = (max(0.0, whole[0] - sum(b[0] for b in blocks)), max(0.0, whole[1] - sum(b[1] for b in blocks)))
+    numel = raw["unit_numel"]
+    units = [Unit("root", 4 * numel[0], 4 * numel[0], *root)]
+    units += [Unit(f"block {i}", 4 * n, 4 * n, *blocks[i]) for i, n in enumerate(numel[1:])]
+    optimizer = med([p["optimizer"] for p in raw["profiles"]])
+    rows = []
+    for name, prefetch in (("prefetch", True), ("no prefetch", False)):
+        ms = raw["measured_ms"][name]
+        row = {"case": name, "measured_ms": med(ms), "min_ms": min(ms), "max_ms": max(ms)}
+        for mode, overlap in (("overlap", True), ("shared", False)):
+            step = simulate_stage3(units, link, world_size, optimizer, Stage3Policy(prefetch=prefetch, overlap=overlap))
+            row[f"{mode}_ms"], row[f"{mode}_error"] = step.step_ms, step.step_ms / row["measured_ms"] - 1
+            row[f"{mode}_error_fastest"] = step.step_ms / row["min_ms"] - 1
+            row["comm_ms"], row["compute_ms"] = step.comm_ms, step.work_ms + step.optimizer_ms
+        rows.append(row)
+    return {"alpha_us": link.alpha_s * 1e6, "bandwidth_MBps": link.bandwidth_Bps / 1e6, "rows": rows,
+            "fit_ms": raw["fit_ms"]}
+
+
+def table(result: dict, world_size: int, rounds: int) -> str:
+    lines = [f"minddp.fsdp on minddp.models.GPT (each block, then the root), AdamW, {world_size} ranks, Gloo, CPU, "
+             f"1 thread per rank; medians over {rounds} rounds",
+             f"network fitted to all-gather and reduce-scatter alone: alpha = {result['alpha_us']:.1f} us per ring step, "
+             f"bandwidth = {result['bandwidth_MBps']:.0f} MB/s",
+             "compute: each figure the fastest of 3 in its round, then the median over rounds; error against the "
+             "measured median (and against the fastest round)",
+             "", "| case | compute ms (model) | comm ms (model) | measured ms (min-max) | predicted overlap | error "
+             "| predicted shared cores | error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['case']} | {r['compute_ms']:.1f} | {r['comm_ms']:.1f} | {r['measured_ms']:.1f} "
+                     f"({r['min_ms']:.1f}-{r['max_ms']:.1f}) | {r['overlap_ms']:.1f} | {r['overlap_error']:+.0%} "
+                     f"({r['overlap_error_fastest']:+.0%}) | {r['shared_ms']:.1f} | {r['shared_error']:+.0%} "
+                     f"({r['shared_error_fastest']:+.0%}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    p.add_argument("--quick", action="store_true", help="2 rounds of 1 step: a smoke test")
+    p.add_argument("--json")
+    p.add_argument("--text")
+    a = p.parse_args(argv)
+    args = {"rounds": 2 if a.quick else a.rounds, "steps": 1 if a.quick else a.steps}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "raw.json")
+        spawn(rank_main, a.world_size, args, path, backend="gloo")
+        with open(path) as f:
+            raw = json.load(f)
+    result = predict(raw, a.world_size)
+    text = table(result, a.world_size, args["rounds"])
+    text += f"\nload average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after"
+    print(text)
+    if a.text:
+        with open(a.text, "w") as f:
+            f.write(text + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": args, **result, "raw": raw}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""When units gather, free and reduce: the step as the units of one model see it.
+
+Every unit of a model shares one :class:`Schedule` (``fully_shard`` on an
+outer module merges the schedules of the units inside it; units with no
+common sharded ancestor keep one each). It is told four things, by the
+module hooks of :mod:`minddp.fsdp.fully_shard`, a gradient hook on the unit's
+outputs, and a hook on each full parameter's gradient accumulation; it
+decides the rest:
+
+* ``before_forward(unit)``: gather the unit (the prefetch may have started
+  it), and start gathering the unit that came next last time;
+* ``after_forward(unit, output)``: free the unit (unless it is the root,
+  the outermost unit, whose backward comes first), and ask to be told when
+  a gradient reaches the output (``register_multi_grad_hook``);
+* ``before_backward(unit)``: gather it again, prefetch the next unit of the
+  last backward's order;
+* ``gradients_done(unit)`` (every parameter's gradient is in): launch its
+  reduce-scatter, wait for the previous unit's (one in flight at a time: each
+  holds a full-size gradient buffer), and free it.
+
+At the end of the backward pass (a callback autograd runs when the pass is
+over) it reduces what never got all its gradients, waits for every
+reduce-scatter, writes the shards' ``.grad`` and frees every unit.
+
+Orders are recorded in the first step and replayed for prefetching after:
+the same model runs the same units in the same order on every rank, so the
+collectives stay in the same order everywhere.
+
+Activation checkpointing runs a unit's forward again *inside* backward;
+there (``_in_backward``) a forward gathers but never frees and never hooks
+the output: the unit is freed when its gradients are done. The reentrant
+kind runs a nested backward pass per checkpoint: the step ends with the
+first pass a unit saw, or with any pass after which no unit waits for a
+gradient. (When the first unit to see a gradient sits inside a reentrant
+checkpoint, with no unit around it, that first pass is a nested one: each
+nested pass then ends a "step" of its own, which stays correct, each waiting
+for what it launched, but backward prefetching stops and a unit with an
+unused parameter is never reduced. Wrap the root, or use ``use_reentrant=False``.)
+
+A unit used twice in one forward is gathered twice; its parameters'
+gradients accumulate over both uses before their hooks fire, so it is
+reduced once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from minddp.fsdp.unit import ShardedUnit
+
+__all__ = ["Schedule"]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Order:
+    """The order units ran in: recorded once, then a guide for prefetching."""
+
+    def __init__(self) -> None:
+        self.recorded: list[ShardedUnit] = []
+        self.complete = False
+        self._position = 0
+
+    def next_to_prefetch(self, unit: ShardedUnit) -> ShardedUnit | None:
+        if not self.complete:
+            self.recorded.append(unit)
+            return None
+        position, self._position = self._position, self._position + 1
+        expected = self.recorded[position] if position < len(self.recorded) else None
+        if expected is not unit:  # this step went another way: stop guessing
+            self._position = len(self.recorded) + 1
+            return None
+        return self.recorded[position + 1] if position + 1 < len(self.recorded) else None
+
+    def step_over(self) -> None:
+        self.complete = True
+        self._position = 0
+
+
+class Schedule:
+    """The shared step state of every unit of one model."""
+
+    def __init__(self, units: list[ShardedUnit] | None = None):
+        self.units: list[ShardedUnit] = units or []
+        self.prefetch = True
+        self._forward_order = _Order()
+        self._backward_order = _Order()
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._ran_forward: list[ShardedUnit] = []
+        self._gradients_done: set[int] = set()
+        self._launched: list[ShardedUnit] = []
+        self._depth = 0
+        self._first_pass: int | None = None
+        self._watched_passes: set[int] = set()
+
+    def adopt(self, other: "Schedule") -> None:
+        """Take over another schedule's units (an outer ``fully_shard`` over inner ones)."""
+        for unit in other.units:
+            if unit not in self.units:
+                self.units.append(unit)
+                unit.schedule = self
+
+    # ------------------------------------------------------------ forward
+    def before_forward(self, unit: ShardedUnit) -> None:
+        if _in_backward():  # recomputed by activation checkpointing
+            self._watch_this_pass()
+            unit.wait_gathered()
+            return
+        if unit not in self._ran_forward:
+            self._ran_forward.append(unit)
+        self._depth += 1
+        unit.wait_gathered()
+        if torch.is_grad_enabled():
+            self._prefetch(self._forward_order.next_to_prefetch(unit))
+
+    def after_forward(self, unit: ShardedUnit, output) -> object:
+        if _in_backward():
+            return output
+        self._depth -= 1
+        hooked = False
+        if torch.is_grad_enabled():
+            needing = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing:
+                register_multi_grad_hook(needing, lambda _: self.before_backward(unit), mode="any")
+                hooked = True
+        # A root (the outermost unit, around others) has its backward first:
+        # freeing it would only gather it again (FSDP2 keeps its root too).
+        keep = (hooked and self._depth == 0 and unit.is_root) or not unit.reshard_after_forward
+        if not keep:
+            unit.free()
+        return output
+
+    # ------------------------------------------------------------ backward
+    def before_backward(self, unit: ShardedUnit) -> None:
+        self._watch_this_pass()
+        unit.wait_gathered()
+        self._prefetch(self._backward_order.next_to_prefetch(unit))
+
+    def gradients_done(self, unit: ShardedUnit) -> None:
+        """Every gradient of ``unit`` arrived (hook on its last parameter's accumulation)."""
+        self._watch_this_pass()
+        self._gradients_done.add(id(unit))
+        if unit.requires_gradient_sync:
+            self._launch_reduce_scatter(unit)
+        unit.free(free_lenders=False)
+        unit.gradients_in = 0
+
+    def _launch_reduce_scatter(self, unit: ShardedUnit) -> None:
+        # A launched reduce-scatter holds its full-size send buffer until waited
+        # for. Waiting for the previous one now (it had a unit's backward to
+        # finish) keeps one unit's gradient in flight, not the whole model's.
+        unit.start_reduce_scatter()
+        for earlier in self._launched:
+            earlier.finish_reduce_scatter()
+        self._launched = [unit]
+
+    def _prefetch(self, unit: ShardedUnit | None) -> None:
+        if unit is not None and self.prefetch:
+            unit.start_gather()
+
+    def _watch_this_pass(self) -> None:
+        # A reentrant activation checkpoint runs a nested backward pass; ask
+        # to be called at the end of each pass we see, and decide there.
+        current = torch._C._current_graph_task_id()
+        if current == -1 or current in self._watched_passes:
+            return
+        if self._first_pass is None:
+            self._first_pass = current
+        self._watched_passes.add(current)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._pass_ended(current))
+
+    def _pass_ended(self, pass_id: int) -> None:
+        waiting = [u for u in self._ran_forward if u.gradients_expected and id(u) not in self._gradients_done]
+        if pass_id == self._first_pass or not waiting:
+            self.finish_backward()
+
+    def finish_backward(self) -> None:
+        """Reduce what is left (in a fixed order), wait for every reduce-scatter, free every unit."""
+        for unit in self._ran_forward:
+            if id(unit) not in self._gradients_done and unit.has_full_gradients() and unit.requires_gradient_sync:
+                self._launch_reduce_scatter(unit)
+            unit.gradients_in = 0
+        for unit in self._launched:
+            unit.finish_reduce_scatter()
+        for unit in self.units:
+            unit.free(free_lenders=False)
+        self._forward_order.step_over()
+        self._backward_order.step_over()
+        self._reset_step()

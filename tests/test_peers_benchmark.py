@@ -1,0 +1,89 @@
+"""benchmarks/fsdp_peers.py: its memory tracker counted on tensors made by hand, and a --quick run end to end.
+
+The tracker (``benchmarks/_live_bytes.py``) is checked without processes: exact byte counts for
+allocations, views, frees, in-place storage resizes (FSDP2's way of freeing), tensor subclasses,
+and activations kept apart from model state. The --quick run (a 2-block GPT, 2 ranks, one round)
+checks that every setup trains to the same parameters as torch's DDP and that the memory table
+has what it promises; it asserts nothing about timings.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from _live_bytes import LiveBytes  # noqa: E402
+
+KiB = 1024
+
+
+def test_live_bytes_counts_allocations_views_and_frees_exactly():
+    with LiveBytes() as live:
+        a = torch.empty(256)  # 1 KiB
+        b = torch.empty(512)  # 2 KiB
+        view = a[10:20]  # no new storage
+        assert (live.current, live.peak) == (3 * KiB, 3 * KiB)
+        del a
+        assert live.current == 3 * KiB  # the view keeps a's storage alive
+        del view, b
+        assert (live.current, live.peak) == (0, 3 * KiB)
+        live.reset_peak()
+        c = torch.ones(128)
+        assert live.peak == KiB // 2
+        del c
+
+
+def test_live_bytes_follows_storage_resizes_and_counts_tensors_made_before_the_window():
+    before = torch.zeros(1024)  # 4 KiB, made outside
+    original = torch.UntypedStorage.resize_
+    with LiveBytes() as live:
+        live.track([before], {"x": before})  # counted once
+        assert live.current == 4 * KiB
+        full = torch.empty(2048)
+        full.untyped_storage().resize_(0)  # FSDP2 frees a gathered parameter like this
+        assert live.current == 4 * KiB
+        full.untyped_storage().resize_(2048 * 4)
+        assert (live.current, live.peak) == (12 * KiB, 12 * KiB)
+    assert torch.UntypedStorage.resize_ is original  # the wrapper lives only as long as the window
+
+
+def test_live_bytes_keeps_activations_apart_from_model_state():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64, bias=False)  # 16 KiB of weight, made before the window
+    with LiveBytes() as live:
+        live.track(lin.weight)
+        live.watch_parameters(lin)
+        x = torch.randn(32, 64, requires_grad=True)  # 8 KiB, saved for backward: an activation
+        y = lin(x)  # 8 KiB output
+        assert live.current == 32 * KiB
+        assert live.current_saved == 8 * KiB  # x only: the weight is a parameter, also saved
+        y.sum().backward()
+        assert live.peak_state <= live.peak - 8 * KiB
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_every_setup_trains_like_torch_ddp(tmp_path):
+    out = tmp_path / "peers.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fsdp_peers.py"), "--quick", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, f"fsdp_peers.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["world_size"] == 2
+    setups = set(result["memory"])
+    assert {"torch-ddp", "ddp", "stage1", "stage2", "fsdp2"} <= setups
+    for name in setups:
+        # Same weights, same batches, two ranks: the same sums, so the same parameters.
+        assert result["param_diff"][name] < 1e-6 and result["time_param_diff"][name] < 1e-6, (name, result)
+        m = result["memory"][name]
+        assert 0 < m["built"] <= m["peak_state"] <= m["peak_all"], (name, m)
+    numel = 43_904  # the quick GPT: parameters + gradients + AdamW's two moments are live at once under DDP
+    assert result["memory"]["ddp"]["peak_state"] >= 16 * numel
+    assert result["memory"]["fsdp2"]["built"] < result["memory"]["ddp"]["built"]  # sharded at construction
+    assert "| fsdp2 |" in proc.stdout and "CPU / FSDP2" in proc.stdout
