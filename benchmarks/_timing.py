@@ -21,10 +21,12 @@ the same initial state, the things it can step:
 ``torch_view``           ``gradient_as_bucket_view`` False (its default) / True
 ``minddp_copy``          ``minddp.MiniDDP``, the same two settings (False is
 ``minddp_view``          its default too)
-``minddp_auto``          ``MiniDDP(bucket_cap_mb="auto")``, otherwise at its
-                         defaults: it measures its first steps and the link,
-                         and rebuilds its buckets once (every implementation
-                         gets the same warm-up, long enough for that)
+``minddp_auto``          MiniDDP at its fastest: ``bucket_cap_mb="auto"`` (it
+                         measures its first steps and the link, and rebuilds
+                         its buckets once; every implementation gets the same
+                         warm-up, long enough for that) and
+                         ``buffer_sync="with_gradients"`` (buffers ride in the
+                         last bucket: one collective fewer where there are any)
 ``<wrapper>_nocomm``     the same four wrappers with a communication hook that
                          communicates nothing (:func:`return_bucket`): what
                          each costs beyond the bare model is its own work
@@ -116,7 +118,7 @@ class Runner:
     def wrapped(self, name: str) -> torch.nn.Module:
         """A fresh model in the wrapper ``name`` of :func:`wrapper_names`."""
         if name == AUTO:
-            ddp = MiniDDP(self.fresh(), bucket_cap_mb="auto")
+            ddp = MiniDDP(self.fresh(), bucket_cap_mb="auto", buffer_sync="with_gradients")
             if self.minddp_hook is not None:
                 ddp.register_comm_hook(None, self.minddp_hook)
             return ddp

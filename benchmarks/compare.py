@@ -31,10 +31,12 @@ medians over rounds, each block's time the slowest rank's:
   False (both wrappers' default) and True; all implementations timed in
   rounds whose order rotates (``--bucket-view`` picks one setting);
 * ``ratio copy``/``ratio view`` = minddp / torch with the same setting;
-* ``minddp auto`` (skip it with ``--no-auto``): ``MiniDDP(bucket_cap_mb="auto")``,
-  which measures its first steps and the link and picks its buckets with
-  the alpha-beta model (``minddp/bucket_planner.py``), with how many buckets
-  it chose; ``ratio auto`` = minddp auto / torch copy (torch at its
+* ``minddp auto`` (skip it with ``--no-auto``): MiniDDP at its fastest,
+  ``MiniDDP(bucket_cap_mb="auto", buffer_sync="with_gradients")``: it
+  measures its first steps and the link and picks its buckets with the
+  alpha-beta model (``minddp/bucket_planner.py``), and its buffers ride in
+  the last gradient bucket (``minddp/buffers_in_bucket.py``); with how many
+  buckets it chose; ``ratio auto`` = minddp auto / torch copy (torch at its
   defaults). Every implementation then warms up for at least
   ``AUTO_WARMUP`` steps, so that the choice is made before timing;
 * ``max diff``: largest parameter difference between torch's DDP and MiniDDP
@@ -156,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gradient_as_bucket_view settings to time, each on both wrappers: copy = False "
                    "(both wrappers' default), view = True")  # fmt: skip
     p.add_argument("--no-auto", action="store_true",
-                   help="skip the auto column (MiniDDP with bucket_cap_mb='auto' against torch's DDP at its defaults)")
+                   help="skip the auto column (MiniDDP with bucket_cap_mb='auto' and buffer_sync='with_gradients', against torch's DDP at its defaults)")
     p.add_argument("--no-overhead", action="store_true",
                    help="skip the wrapper-overhead measurement (each wrapper with a comm hook that communicates nothing)")  # fmt: skip
     p.add_argument("--show", metavar="PATH.json", default=None,
