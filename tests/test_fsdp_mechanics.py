@@ -167,3 +167,35 @@ def test_after_sharding_a_rank_holds_its_shard_not_the_whole_model(ranks):
     # alive (+4 bytes per parameter on every rank), 1.5 x the model at N = 2.
     for held, whole in ranks(2).run(_bytes_after_sharding):
         assert held <= 0.6 * whole, f"{held} bytes live after sharding a model of {whole}"
+
+
+def _send_buffers_alive_at_each_launch(rank, world_size):
+    import weakref
+
+    from minddp.fsdp import unit as unit_module
+
+    torch.set_num_threads(1)
+    model = shard_gpt(gpt())
+    sends, alive_at_launch = [], []
+    original = unit_module._reduce_scatter
+
+    def recording(output, send, **kwargs):
+        alive_at_launch.append(sum(ref() is not None for ref in sends))
+        sends.append(weakref.ref(send))
+        return original(output, send, **kwargs)
+
+    unit_module._reduce_scatter = recording
+    try:
+        for step in range(2):
+            x, y = rank_batch(step, rank, world_size)
+            model(x, y).backward()
+    finally:
+        unit_module._reduce_scatter = original
+    return alive_at_launch
+
+
+def test_a_reduce_scatter_starts_after_the_previous_send_buffer_is_gone(ranks):
+    """Each send buffer is a full unit of gradients: waiting for the previous reduce-scatter
+    *before* filling the next buffer keeps one alive, not two (the step's memory peak)."""
+    for alive in ranks(2).run(_send_buffers_alive_at_each_launch, timeout_s=60):
+        assert alive == [0] * 6, f"send buffers still alive at each launch: {alive}"
