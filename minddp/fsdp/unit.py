@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minddp.fsdp.collectives import PendingReduceScatter, reduce_scatter_is_an_all_reduce, start_reduce_scatter
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.zero.partition import FlatUnit
 
 __all__ = ["Place", "ShardedUnit", "UnitState"]
 
-# torch 2.14 renamed these (the old names warn); keep working on both.
+# torch 2.14 renamed this (the old name warns); keep working on both.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 Place = tuple[nn.Module, str]  # where a parameter is registered: (module, attribute name)
 
@@ -68,7 +68,7 @@ class ShardedUnit:
         self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
         self._gather_work = None
-        self.pending = None  # (work, piece, send) of a launched reduce-scatter: kept alive until waited
+        self.pending: PendingReduceScatter | None = None  # a launched reduce-scatter, until waited for
         self.gradients_in = 0
         self.gathers = self.reduce_scatters = 0  # collectives launched so far (for tests and lessons)
         with torch.no_grad():
@@ -79,6 +79,7 @@ class ShardedUnit:
         self.master_dtype = originals[0].dtype if originals else torch.float32
         device = originals[0].device if originals else torch.device("cpu")
         self.compute_dtype = policy.compute_dtype(self.master_dtype)
+        self._all_reduce_instead = reduce_scatter_is_an_all_reduce(self.group, device)
         self.reduce_dtype = policy.communication_dtype(self.master_dtype)
         piece = self.layout.piece if self.layout else 0
         start = self.layout.ranges[self.rank][0] if self.layout else 0
@@ -187,23 +188,14 @@ class ShardedUnit:
                 full.grad = None
         self.reduce_scatters += 1
         send.mul_(1.0 / self.world_size)  # before the sum, as DDP does: the same rounding as its
-        piece = torch.empty(self.layout.piece, dtype=self.reduce_dtype, device=send.device)
-        work = None
-        if self.world_size > 1:
-            work = _reduce_scatter(piece, send, group=self.group, async_op=True)
-        else:
-            piece.copy_(send)
-        self.pending = (work, piece, send)
+        self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self._all_reduce_instead)
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter; add the piece, in the master dtype, to the shards' ``.grad``."""
         if self.pending is None:
             return
-        work, piece, _ = self.pending
+        piece = self.pending.wait(self.master_dtype)
         self.pending = None
-        if work is not None:
-            work.wait()
-        piece = piece.to(self.master_dtype)
         start = self.layout.ranges[self.rank][0]
         for shard_param, offset, (first, length) in zip(self.shard_params, self.layout.offsets, self.spans):
             if not shard_param.requires_grad:
