@@ -181,13 +181,23 @@ class ShardedUnit:
         """Average the full gradients over the ranks (async); this rank keeps its piece."""
         if self.layout is None or self.pending is not None:
             return
-        send = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
+        # Each gradient is divided by N on its way into the buffer (before the
+        # sum, as DDP does: the same rounding as its); one pass, not a copy then
+        # a multiply, and only the gaps (padding, parameters without a
+        # gradient) are zeroed.
+        send = torch.empty(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
+        send[self.layout.numel:].zero_()
+        scale = 1.0 / self.world_size
         for full, offset in zip(self.full_params, self.layout.offsets):
-            if full.grad is not None:
-                send[offset: offset + full.numel()].copy_(full.grad.reshape(-1))
-                full.grad = None
+            into = send[offset: offset + full.numel()]
+            if full.grad is None:
+                into.zero_()
+            elif full.grad.dtype == send.dtype:
+                torch.mul(full.grad.reshape(-1), scale, out=into)
+            else:  # a low-precision gradient reduced in higher precision: widen, then divide
+                into.copy_(full.grad.reshape(-1)).mul_(scale)
+            full.grad = None
         self.reduce_scatters += 1
-        send.mul_(1.0 / self.world_size)  # before the sum, as DDP does: the same rounding as its
         self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self._all_reduce_instead)
 
     def finish_reduce_scatter(self) -> None:
