@@ -36,15 +36,14 @@ def reduce_scatter_is_an_all_reduce(group: dist.ProcessGroup, device: torch.devi
 class PendingReduceScatter:
     """A launched reduce-scatter: its work, its send buffer, and where this rank's piece will be."""
 
-    def __init__(self, work, send: torch.Tensor, result: torch.Tensor):
-        self._work, self._send, self._result = work, send, result
+    def __init__(self, work, send: torch.Tensor, result: torch.Tensor, result_in_send: bool):
+        self._work, self._send, self._result, self._result_in_send = work, send, result, result_in_send
 
     def wait(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's averaged piece, in ``dtype``, in a storage of its own; the send buffer is let go."""
         if self._work is not None:
             self._work.wait()
-        own_storage = self._result.untyped_storage().data_ptr() != self._send.untyped_storage().data_ptr()
-        piece = self._result.to(dtype) if own_storage else self._result.to(dtype, copy=True)
+        piece = self._result.to(dtype, copy=self._result_in_send)
         self._work = self._send = self._result = None
         return piece
 
@@ -59,8 +58,9 @@ def start_reduce_scatter(send: torch.Tensor, piece: int, rank: int, group: dist.
     """
     mine = send[rank * piece: (rank + 1) * piece]
     if dist.get_world_size(group) == 1:
-        return PendingReduceScatter(None, send, mine)
+        return PendingReduceScatter(None, send, mine, result_in_send=True)
     if all_reduce_instead:
-        return PendingReduceScatter(dist.all_reduce(send, group=group, async_op=True), send, mine)
+        return PendingReduceScatter(dist.all_reduce(send, group=group, async_op=True), send, mine, result_in_send=True)
     result = torch.empty(piece, dtype=send.dtype, device=send.device)
-    return PendingReduceScatter(_reduce_scatter(result, send, group=group, async_op=True), send, result)
+    work = _reduce_scatter(result, send, group=group, async_op=True)
+    return PendingReduceScatter(work, send, result, result_in_send=False)
