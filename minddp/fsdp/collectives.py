@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 __all__ = ["PendingReduceScatter", "reduce_scatter_is_an_all_reduce", "start_reduce_scatter"]
 
-# torch 2.14 renamed this (the old name warns); keep working on both.
+# torch 2.14 renamed this (the old name warns); keep working on both. Bound
+# at import, so a wrapper installed before (lesson 22's simulated link) is
+# the one called.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_TORCHS_OWN = {getattr(distributed_c10d, name, None) for name in ("reduce_scatter_single", "reduce_scatter_tensor")}
 
 
 def reduce_scatter_is_an_all_reduce(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether ``group`` runs a reduce-scatter of tensors on ``device`` through Gloo (an all-reduce inside)."""
+    """Whether ``group`` runs torch's own reduce-scatter of tensors on ``device`` through Gloo (an all-reduce inside).
+
+    A reduce-scatter someone wrapped (a simulated link, a tracer) is not
+    replaced: it is called, as it was meant to be.
+    """
+    if _reduce_scatter not in _TORCHS_OWN:
+        return False
     backend = str(dist.get_backend(group))
     return backend == "gloo" or (device.type == "cpu" and "cpu:gloo" in backend)
 
