@@ -167,3 +167,85 @@ def test_after_sharding_a_rank_holds_its_shard_not_the_whole_model(ranks):
     # alive (+4 bytes per parameter on every rank), 1.5 x the model at N = 2.
     for held, whole in ranks(2).run(_bytes_after_sharding):
         assert held <= 0.6 * whole, f"{held} bytes live after sharding a model of {whole}"
+
+
+def _launches_and_waits(rank, world_size):
+    from minddp.fsdp import unit as unit_module
+
+    torch.set_num_threads(1)
+    model = shard_gpt(gpt())
+    events = []
+    original = unit_module.start_reduce_scatter
+
+    def recording(*args, **kwargs):
+        events.append("launch")
+        pending = original(*args, **kwargs)
+        wait = pending.wait
+        pending.wait = lambda dtype: (events.append("wait"), wait(dtype))[1]
+        return pending
+
+    unit_module.start_reduce_scatter = recording
+    try:
+        for step in range(2):
+            x, y = rank_batch(step, rank, world_size)
+            model(x, y).backward()
+    finally:
+        unit_module.start_reduce_scatter = original
+    return events
+
+
+def test_a_reduce_scatter_is_waited_for_before_the_next_one_fills_its_send_buffer(ranks):
+    """Each send buffer is a full unit of gradients: waiting for the previous reduce-scatter
+    *before* filling the next buffer keeps one alive, not two (the step's memory peak).
+    (Gloo's worker thread may let go of a finished buffer a moment after the wait returns.)"""
+    for events in ranks(2).run(_launches_and_waits, timeout_s=60):
+        assert events == ["launch", "wait"] * 6, events
+
+
+def _collectives_of_one_backward(rank, world_size):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d" and "wait" not in func.__name__:
+                calls.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    model = shard_gpt(gpt())
+    x, y = rank_batch(0, rank, world_size)
+    loss = model(x, y)
+    calls = []
+    with Recording():
+        loss.backward()
+    return [c for c in calls if "gather" not in c]
+
+
+def test_on_gloo_a_units_gradients_are_reduced_by_one_all_reduce_in_place(ranks):
+    """Gloo's reduce_scatter_tensor clones its whole input and all-reduces the clone (torch 2.14):
+    all-reducing the unit's own send buffer is the same all-reduce, without the full-size clone."""
+    blocks = 2
+    for calls in ranks(2).run(_collectives_of_one_backward, timeout_s=60):
+        assert calls == ["allreduce_"] * (1 + blocks), calls
+
+
+def _both_reduce_scatters(rank, world_size):
+    import torch.distributed as dist
+
+    from minddp.fsdp.collectives import start_reduce_scatter
+
+    torch.set_num_threads(1)
+    piece = 1001
+    torch.manual_seed(rank)
+    send = torch.randn(world_size * piece) * 10.0 ** torch.randint(-3, 4, (world_size * piece,))
+    theirs = torch.empty(piece)
+    dist.reduce_scatter_tensor(theirs, send.clone())
+    ours = start_reduce_scatter(send.clone(), piece, rank, dist.group.WORLD, all_reduce_instead=True)
+    real = start_reduce_scatter(send.clone(), piece, rank, dist.group.WORLD, all_reduce_instead=False)
+    return theirs, ours.wait(torch.float32), real.wait(torch.float64)
+
+
+def test_the_all_reduce_form_equals_gloos_reduce_scatter_bit_for_bit(ranks):
+    for theirs, ours, real in ranks(3).run(_both_reduce_scatters, timeout_s=60):
+        assert torch.equal(ours, theirs)
+        assert real.dtype == torch.float64 and torch.equal(real, theirs.double())

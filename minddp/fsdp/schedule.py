@@ -14,9 +14,9 @@ decides the rest:
   a gradient reaches the output (``register_multi_grad_hook``);
 * ``before_backward(unit)``: gather it again, prefetch the next unit of the
   last backward's order;
-* ``gradients_done(unit)`` (every parameter's gradient is in): launch its
-  reduce-scatter, wait for the previous unit's (one in flight at a time: each
-  holds a full-size gradient buffer), and free it.
+* ``gradients_done(unit)`` (every parameter's gradient is in): wait for the
+  previous unit's reduce-scatter, then launch its own (one in flight at a
+  time: each holds a full-size gradient buffer), and free it.
 
 At the end of the backward pass (a callback autograd runs when the pass is
 over) it reduces what never got all its gradients, waits for every
@@ -153,11 +153,13 @@ class Schedule:
 
     def _launch_reduce_scatter(self, unit: ShardedUnit) -> None:
         # A launched reduce-scatter holds its full-size send buffer until waited
-        # for. Waiting for the previous one now (it had a unit's backward to
-        # finish) keeps one unit's gradient in flight, not the whole model's.
-        unit.start_reduce_scatter()
+        # for. Waiting for the previous one first (it had this unit's backward
+        # to finish in, so the wait is usually free), and only then filling this
+        # unit's buffer, keeps one send buffer alive at a time: launching first
+        # and waiting after would hold two, the step's memory peak.
         for earlier in self._launched:
             earlier.finish_reduce_scatter()
+        unit.start_reduce_scatter()
         self._launched = [unit]
 
     def _prefetch(self, unit: ShardedUnit | None) -> None:

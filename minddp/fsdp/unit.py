@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minddp.fsdp.collectives import PendingReduceScatter, reduce_scatter_is_an_all_reduce, start_reduce_scatter
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.zero.partition import FlatUnit
 
 __all__ = ["Place", "ShardedUnit", "UnitState"]
 
-# torch 2.14 renamed these (the old names warn); keep working on both.
+# torch 2.14 renamed this (the old name warns); keep working on both.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 Place = tuple[nn.Module, str]  # where a parameter is registered: (module, attribute name)
 
@@ -68,7 +68,7 @@ class ShardedUnit:
         self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
         self._gather_work = None
-        self.pending = None  # (work, piece, send) of a launched reduce-scatter: kept alive until waited
+        self.pending: PendingReduceScatter | None = None  # a launched reduce-scatter, until waited for
         self.gradients_in = 0
         self.gathers = self.reduce_scatters = 0  # collectives launched so far (for tests and lessons)
         with torch.no_grad():
@@ -79,6 +79,7 @@ class ShardedUnit:
         self.master_dtype = originals[0].dtype if originals else torch.float32
         device = originals[0].device if originals else torch.device("cpu")
         self.compute_dtype = policy.compute_dtype(self.master_dtype)
+        self._all_reduce_instead = reduce_scatter_is_an_all_reduce(self.group, device)
         self.reduce_dtype = policy.communication_dtype(self.master_dtype)
         piece = self.layout.piece if self.layout else 0
         start = self.layout.ranges[self.rank][0] if self.layout else 0
@@ -102,6 +103,9 @@ class ShardedUnit:
                 over_full.register_post_accumulate_grad_hook(self._gradient_arrived)
             self.full_params.append(over_full)
         self.gradients_expected = sum(p.requires_grad for p in self.full_params)
+        held = [length for _, length in self.spans]
+        self._split_sizes = held + [piece - sum(held)]  # each parameter's span, then this piece's padding
+        self._zero = torch.zeros((), dtype=self.compute_dtype, device=device)
         self.full.untyped_storage().resize_(0)
         if self.layout is not None:
             # From here on the layout is geometry only (pieces, offsets): it
@@ -180,36 +184,32 @@ class ShardedUnit:
         """Average the full gradients over the ranks (async); this rank keeps its piece."""
         if self.layout is None or self.pending is not None:
             return
-        send = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
-        for full, offset in zip(self.full_params, self.layout.offsets):
-            if full.grad is not None:
-                send[offset: offset + full.numel()].copy_(full.grad.reshape(-1))
-                full.grad = None
+        # All gradients end to end in one copy, then one division by N (before
+        # the sum, as DDP does: the same rounding as its): two operations per
+        # unit, not a few per parameter. A parameter without a gradient
+        # contributes zeros (a broadcast scalar, nothing allocated).
+        send = torch.empty(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
+        numel = self.layout.numel
+        if numel < send.numel():
+            send[numel:].zero_()  # the padding of the last piece
+        torch.cat([full.grad.reshape(-1) if full.grad is not None else self._zero.expand(full.numel())
+                   for full in self.full_params], out=send[:numel])
+        send.mul_(1.0 / self.world_size)
+        for full in self.full_params:
+            full.grad = None
         self.reduce_scatters += 1
-        send.mul_(1.0 / self.world_size)  # before the sum, as DDP does: the same rounding as its
-        piece = torch.empty(self.layout.piece, dtype=self.reduce_dtype, device=send.device)
-        work = None
-        if self.world_size > 1:
-            work = _reduce_scatter(piece, send, group=self.group, async_op=True)
-        else:
-            piece.copy_(send)
-        self.pending = (work, piece, send)
+        self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self._all_reduce_instead)
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter; add the piece, in the master dtype, to the shards' ``.grad``."""
         if self.pending is None:
             return
-        work, piece, _ = self.pending
+        piece = self.pending.wait(self.master_dtype)
         self.pending = None
-        if work is not None:
-            work.wait()
-        piece = piece.to(self.master_dtype)
-        start = self.layout.ranges[self.rank][0]
-        for shard_param, offset, (first, length) in zip(self.shard_params, self.layout.offsets, self.spans):
+        # This rank's spans lie end to end from the piece's start: one split cuts them all.
+        for shard_param, values in zip(self.shard_params, piece.split(self._split_sizes)):
             if not shard_param.requires_grad:
                 continue
-            at = offset + first - start
-            values = piece[at: at + length] if length else piece[0:0]
             if shard_param.grad is None:
                 shard_param.grad = values
             else:
