@@ -1,0 +1,168 @@
+"""What ``torch_suites.py`` changes in torch's test files before running them.
+
+Two kinds of change, both installed before a test file is imported (its
+``from ... import`` lines copy names) and again in every rank the tests spawn
+(the ranks re-import the runner, which reads :data:`IMPL_ENV`):
+
+1. **The class under test.** ``torch.nn.parallel.DistributedDataParallel`` (and,
+   for the ``minddp`` run, ``torch.distributed.optim.ZeroRedundancyOptimizer``)
+   is replaced by the implementation being tested. The control run keeps
+   torch's classes and goes through the very same patches, so a difference
+   between the two runs is a difference between the implementations.
+
+2. **GPU-only tests run on the CPU.** torch marks most of DDP's tests as
+   needing one GPU per rank (``skip_if_lt_x_gpu(2)`` with 2 ranks,
+   ``skip_if_no_gpu``, ``requires_accelerator_dist_backend``), although what
+   they check (gradients, hooks, checkpointing, unused parameters) does not
+   depend on the device. Such a test runs here with every accelerator device
+   it names mapped to the CPU: an integer device or ``"cuda:N"`` given to a
+   tensor factory, ``Tensor.to`` or ``Module.to`` means ``"cpu"``;
+   ``torch.accelerator.set_device_index`` does nothing; the suites'
+   ``gpus_for_rank`` gives each rank one device, its rank (then mapped to the
+   CPU) and their ``device_type`` is ``"cpu"``; and DDP's ``device_ids`` /
+   ``output_device`` are dropped for a module on the CPU (torch refuses them
+   there). Tests that need *more than one* device per rank
+   (``skip_if_lt_x_gpu(n)`` with ``n`` above the two ranks: model parallelism,
+   multi-device modules) are left to skip: their substance is the devices.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+IMPL_ENV = "TORCH_SUITES_IMPL"  # "torch" (the control) or "minddp"
+IMPLS = ("torch", "minddp")
+RANKS_PER_TEST = 2  # the DDP tests' world size; more GPUs than this means several per rank
+CPU = torch.device("cpu")
+
+
+def _is_accelerator(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, (str, torch.device)):
+        try:
+            return torch.device(device).type not in ("cpu", "meta")
+        except RuntimeError:
+            return False
+    return False
+
+
+class CpuDevices(TorchFunctionMode):
+    """Every accelerator device a torch function is asked for becomes the CPU."""
+
+    _MOVES = {torch.Tensor.to}
+    _TO_ACCELERATOR = {torch.Tensor.cuda}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._TO_ACCELERATOR:
+            return args[0].to(CPU)
+        if _is_accelerator(kwargs.get("device")):
+            kwargs["device"] = CPU
+        if func in self._MOVES:
+            args = tuple(CPU if i > 0 and _is_accelerator(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+def _no_device_index(_index: Any) -> None:
+    """``torch.accelerator.set_device_index`` for a test moved to the CPU: nothing to select."""
+
+
+def on_cpu(test: Callable) -> Callable:
+    """Run ``test`` with accelerator devices mapped to the CPU (see the module docstring)."""
+
+    @functools.wraps(test)
+    def run_on_cpu(*args, **kwargs):
+        saved = torch.accelerator.set_device_index
+        torch.accelerator.set_device_index = _no_device_index
+        try:
+            with CpuDevices():
+                return test(*args, **kwargs)
+        finally:
+            torch.accelerator.set_device_index = saved
+
+    run_on_cpu.retargeted_to_cpu = True
+    return run_on_cpu
+
+
+def _retarget_decorators() -> None:
+    """Replace torch's GPU skip decorators (before the test files import them)."""
+    import torch.testing._internal.common_distributed as common_distributed
+
+    original_lt_x_gpu = common_distributed.skip_if_lt_x_gpu
+
+    def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = False):
+        if x <= RANKS_PER_TEST:
+            return on_cpu
+        return original_lt_x_gpu(x, allow_cpu=allow_cpu)
+
+    common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
+    common_distributed.skip_if_no_gpu = on_cpu
+    common_distributed.requires_accelerator_dist_backend = lambda backends=None: on_cpu
+
+
+def retarget_suite_module(module: Any) -> None:
+    """A torch test file's own device selection, once it is imported: one CPU device per rank."""
+    if hasattr(module, "gpus_for_rank"):
+        module.gpus_for_rank = lambda world_size: [[rank] for rank in range(world_size)]
+    if getattr(module, "device_type", "cpu") != "cpu":
+        module.device_type = "cpu"
+
+
+def _on_cpu(module: torch.nn.Module) -> bool:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def cpu_ddp(ddp_class: type) -> type:
+    """``ddp_class`` that drops ``device_ids`` and ``output_device`` for a module on the CPU."""
+
+    class CpuRetargetedDDP(ddp_class):
+        def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):
+            if _on_cpu(module):
+                device_ids, output_device = None, None
+            super().__init__(module, device_ids, output_device, *args, **kwargs)
+
+    CpuRetargetedDDP.__name__ = CpuRetargetedDDP.__qualname__ = ddp_class.__name__
+    return CpuRetargetedDDP
+
+
+def _swap_classes(impl: str) -> None:
+    import torch.distributed.optim
+    import torch.nn.parallel
+
+    if impl == "minddp":
+        from minddp import MiniDDP
+        from minddp.zero import ZeroRedundancyOptimizer
+
+        ddp_class: type = MiniDDP
+        torch.distributed.optim.ZeroRedundancyOptimizer = ZeroRedundancyOptimizer
+    else:
+        ddp_class = torch.nn.parallel.DistributedDataParallel
+    torch.nn.parallel.DistributedDataParallel = cpu_ddp(ddp_class)
+
+
+_installed: str | None = None
+
+
+def install(impl: str) -> None:
+    """Install every patch for ``impl`` in this process (once), and tell spawned ranks to do the same."""
+    global _installed
+    if impl not in IMPLS:
+        raise ValueError(f"{IMPL_ENV} must be one of {IMPLS}, got {impl!r}")
+    if _installed is not None:
+        if _installed != impl:
+            raise RuntimeError(f"patches for {_installed!r} are already installed; one implementation per process")
+        return
+    os.environ[IMPL_ENV] = impl
+    os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")  # a hang fails after 2 minutes
+    _retarget_decorators()
+    _swap_classes(impl)
+    _installed = impl
