@@ -99,11 +99,20 @@ def first_error_line(text: str) -> str:
     return line.strip()[:200]
 
 
-def run_one(test: unittest.TestCase) -> dict:
+def shims_used(shim_log: Path, test_id: str) -> list[str]:
+    if not shim_log.exists():
+        return []
+    lines = (line.split("\t") for line in shim_log.read_text().splitlines())
+    return sorted({shim for test, shim in lines if test == test_id})
+
+
+def run_one(test: unittest.TestCase, shim_log: Path) -> dict:
     result = unittest.TestResult()
     start = time.monotonic()
+    os.environ[patches.CURRENT_TEST_ENV] = test.id()
     test.run(result)
-    outcome: dict = {"test": test.id(), "seconds": round(time.monotonic() - start, 1)}
+    outcome: dict = {"test": test.id(), "seconds": round(time.monotonic() - start, 1),
+                     "shims": shims_used(shim_log, test.id())}
     method = getattr(test, test._testMethodName, None)
     outcome["on_cpu"] = bool(getattr(method, "retargeted_to_cpu", False))
     if result.skipped:
@@ -119,11 +128,13 @@ def run_one(test: unittest.TestCase) -> dict:
 def run_worker(impl: str, suite_dir: Path, pattern: str | None, jsonl: Path) -> None:
     """Run the selected tests for one implementation in this process, appending results to ``jsonl``."""
     os.environ[SUITE_DIR_ENV] = str(suite_dir)
+    shim_log = jsonl.with_suffix(f".{os.getpid()}.shims")  # this run's only
+    os.environ[patches.SHIM_LOG_ENV] = str(shim_log)
     patches.install(impl)
     tests = collect(import_suites(suite_modules(suite_dir)), pattern)
     with jsonl.open("a") as out:
         for test in tests:
-            outcome = dict(run_one(test), impl=impl)
+            outcome = dict(run_one(test, shim_log), impl=impl)
             out.write(json.dumps(outcome) + "\n")
             out.flush()
             print(f"[{impl}] {outcome['result']:4} {outcome['seconds']:6.1f}s {test.id()} {outcome['error']}",
@@ -145,7 +156,8 @@ def table(control: dict[str, dict], tested: dict[str, dict]) -> str:
             error = f"torch: {theirs.get('error', '')}"
         short = name.split(".", 1)[-1] + (" (on CPU)" if ours.get("on_cpu") or theirs.get("on_cpu") else "")
         cell = error.replace("|", "\\|")
-        lines.append(f"| {short} | {theirs.get('result', '-')} | {ours.get('result', '-')} | {cell} |")
+        result = ours.get("result", "-") + "".join(f" (shim {s})" for s in ours.get("shims", []))
+        lines.append(f"| {short} | {theirs.get('result', '-')} | {result} | {cell} |")
     counts = {impl: sum(r.get("result") == "pass" for r in rows.values())
               for impl, rows in (("torch", control), ("minddp", tested))}
     ran = {impl: sum(r.get("result") != "skip" for r in rows.values())
