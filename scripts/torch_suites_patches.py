@@ -110,18 +110,22 @@ def on_cpu(test: Callable) -> Callable:
     return run_on_cpu
 
 
-def _retarget_decorators() -> None:
-    """Replace torch's GPU skip decorators (before the test files import them)."""
-    import torch.testing._internal.common_distributed as common_distributed
-
-    original_lt_x_gpu = common_distributed.skip_if_lt_x_gpu
+def retarget_lt_x_gpu(original: Callable) -> Callable:
+    """torch's ``skip_if_lt_x_gpu(x)``, but a test asking for one GPU per rank (or fewer) runs on the CPU."""
 
     def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = False):
         if x <= RANKS_PER_TEST:
             return on_cpu
-        return original_lt_x_gpu(x, allow_cpu=allow_cpu)
+        return original(x, allow_cpu=allow_cpu)
 
-    common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
+    return skip_if_lt_x_gpu
+
+
+def _retarget_decorators() -> None:
+    """Replace torch's GPU skip decorators (before the test files import them)."""
+    import torch.testing._internal.common_distributed as common_distributed
+
+    common_distributed.skip_if_lt_x_gpu = retarget_lt_x_gpu(common_distributed.skip_if_lt_x_gpu)
     common_distributed.skip_if_no_gpu = on_cpu
     common_distributed.requires_accelerator_dist_backend = lambda backends=None: on_cpu
 
