@@ -12,7 +12,7 @@ Two kinds of change, both installed before a test file is imported (its
 
 2. **GPU-only tests run on the CPU.** torch marks most of DDP's tests as
    needing one GPU per rank (``skip_if_lt_x_gpu(2)`` with 2 ranks,
-   ``skip_if_no_gpu``, ``requires_accelerator_dist_backend``), although what
+   ``skip_if_no_gpu``), although what
    they check (gradients, hooks, checkpointing, unused parameters) does not
    depend on the device. Such a test runs here with every accelerator device
    it names mapped to the CPU: an integer device or ``"cuda:N"`` given to a
@@ -24,6 +24,8 @@ Two kinds of change, both installed before a test file is imported (its
    there). Tests that need *more than one* device per rank
    (``skip_if_lt_x_gpu(n)`` with ``n`` above the two ranks: model parallelism,
    multi-device modules) are left to skip: their substance is the devices.
+   So are tests marked ``requires_accelerator_dist_backend``: they need NCCL
+   (torch's ZeRO refuses ``overlap_with_ddp`` on Gloo, "may meet hangs").
 
 3. **Shims, for the minddp run only** (off with ``TORCH_SUITES_SHIMS=0``).
    A few tests call a torch-private method in passing, to check something
@@ -127,7 +129,6 @@ def _retarget_decorators() -> None:
 
     common_distributed.skip_if_lt_x_gpu = retarget_lt_x_gpu(common_distributed.skip_if_lt_x_gpu)
     common_distributed.skip_if_no_gpu = on_cpu
-    common_distributed.requires_accelerator_dist_backend = lambda backends=None: on_cpu
 
 
 def retarget_suite_module(module: Any) -> None:
