@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import unittest
 from typing import Any, Callable
 
 import torch
@@ -112,6 +113,15 @@ def on_cpu(test: Callable) -> Callable:
     return run_on_cpu
 
 
+def needs_accelerator_backend(backends: Any = None) -> Callable:
+    """torch's ``requires_accelerator_dist_backend``, asked at run time: is there an accelerator?
+
+    torch's own asks whether NCCL was compiled in, which a CUDA wheel on a
+    machine without a GPU answers yes; the test then fails, not skips.
+    """
+    return unittest.skipUnless(torch.accelerator.is_available(), "needs an accelerator communication backend")
+
+
 def retarget_lt_x_gpu(original: Callable) -> Callable:
     """torch's ``skip_if_lt_x_gpu(x)``, but a test asking for one GPU per rank (or fewer) runs on the CPU."""
 
@@ -129,6 +139,7 @@ def _retarget_decorators() -> None:
 
     common_distributed.skip_if_lt_x_gpu = retarget_lt_x_gpu(common_distributed.skip_if_lt_x_gpu)
     common_distributed.skip_if_no_gpu = on_cpu
+    common_distributed.requires_accelerator_dist_backend = needs_accelerator_backend
 
 
 def retarget_suite_module(module: Any) -> None:

@@ -121,3 +121,11 @@ def test_device_ids_are_dropped_for_a_module_on_the_cpu():
     wrapped = patches.cpu_ddp(RecordingDDP)(torch.nn.Linear(1, 1), device_ids=[0], output_device=0, static_graph=True)
     assert (wrapped.device_ids, wrapped.output_device, wrapped.kwargs) == (None, None, {"static_graph": True})
     assert patches.cpu_ddp(RecordingDDP).__name__ == "RecordingDDP"
+
+
+def test_tests_needing_an_accelerator_backend_skip_without_one():
+    @patches.needs_accelerator_backend()
+    def test():
+        pass
+
+    assert getattr(test, "__unittest_skip__", False) is (not torch.accelerator.is_available())
