@@ -45,6 +45,7 @@ SUITE_FILES = ("test_c10d_common.py", "test_c10d_gloo.py", "test_zero_redundancy
 ALL_TESTS_FILES = ("test_zero_redundancy_optimizer",)  # every test of these files is selected
 DDP_NAME = re.compile(r"ddp|distributeddataparallel", re.IGNORECASE)
 SUITE_DIR_ENV = "TORCH_SUITES_DIR"
+PEER_GONE = re.compile(r"Connection (closed|reset) by peer")  # a rank that failed because another one did
 EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b.*)$")
 
 
@@ -89,14 +90,18 @@ def collect(modules: list, pattern: str | None = None) -> list[unittest.TestCase
     return tests
 
 
-def first_error_line(text: str) -> str:
-    """The exception a failed test ended on (the first rank's, for a multi-process test)."""
-    blocks = re.split(r"Process \d+ exited with error code \d+ and exception:\n", text)
-    block = blocks[1] if len(blocks) > 1 else text
+def last_exception(block: str) -> str:
     lines = [m.group(1) for m in map(EXCEPTION_LINE.match, block.splitlines()) if m]
     lines = [line for line in lines if not line.startswith("Traceback")]
-    line = lines[-1] if lines else (block.strip().splitlines() or [""])[-1]
-    return line.strip()[:200]
+    return (lines[-1] if lines else (block.strip().splitlines() or [""])[-1]).strip()
+
+
+def first_error_line(text: str) -> str:
+    """The exception a failed test ended on: the first rank's, unless that rank only lost its peer."""
+    blocks = re.split(r"Process \d+ exited with error code \d+ and exception:\n", text)
+    causes = [last_exception(block) for block in (blocks[1:] or blocks)]
+    own = [cause for cause in causes if not PEER_GONE.search(cause)]
+    return (own or causes)[0][:200]
 
 
 def shims_used(shim_log: Path, test_id: str) -> list[str]:

@@ -74,6 +74,8 @@ def test_first_error_line_is_the_first_ranks_exception():
         "Process 1 exited with error code 10 and exception:\nValueError: other rank\n"
     )
     assert torch_suites.first_error_line(text) == "AssertionError: grads differ"
+    peer_gone = text.replace("AssertionError: grads differ", "RuntimeError: [pair.cc:561] Connection closed by peer")
+    assert torch_suites.first_error_line(peer_gone) == "ValueError: other rank"
 
 
 def test_table_names_results_shims_and_counts():
