@@ -163,14 +163,21 @@ def table(control: dict[str, dict], tested: dict[str, dict]) -> str:
         cell = error.replace("|", "\\|")
         result = ours.get("result", "-") + "".join(f" (shim {s})" for s in ours.get("shims", []))
         lines.append(f"| {short} | {theirs.get('result', '-')} | {result} | {cell} |")
-    counts = {impl: sum(r.get("result") == "pass" for r in rows.values())
-              for impl, rows in (("torch", control), ("minddp", tested))}
-    ran = {impl: sum(r.get("result") != "skip" for r in rows.values())
-           for impl, rows in (("torch", control), ("minddp", tested))}
     lines.append("")
-    lines.append(f"torch passes {counts['torch']} of {ran['torch']} that ran; "
-                 f"minddp passes {counts['minddp']} of {ran['minddp']}.")
+    files = sorted({name.split(".")[0] for name in set(control) | set(tested)})
+    for prefix in [f + "." for f in files] + [""]:
+        lines.append(summary(prefix, control, tested))
     return "\n".join(lines)
+
+
+def summary(prefix: str, control: dict[str, dict], tested: dict[str, dict]) -> str:
+    """``torch passes P of R that ran; minddp passes ...`` over the tests whose id starts with ``prefix``."""
+    said = []
+    for impl, rows in (("torch", control), ("minddp", tested)):
+        mine = [row for name, row in rows.items() if name.startswith(prefix)]
+        passed, ran = sum(r.get("result") == "pass" for r in mine), sum(r.get("result") != "skip" for r in mine)
+        said.append(f"{impl} passes {passed} of {ran}" + (" that ran" if impl == "torch" else ""))
+    return f"{prefix.rstrip('.') + ': ' if prefix else ''}{'; '.join(said)}."
 
 
 def main(argv: list[str] | None = None) -> None:

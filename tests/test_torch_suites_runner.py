@@ -85,7 +85,8 @@ def test_table_names_results_shims_and_counts():
     text = torch_suites.table(control, tested)
     assert "| C.test_a | pass | FAIL | KeyError: x |" in text
     assert "| C.test_b (on CPU) | pass | pass (shim _all_params) |  |" in text
-    assert text.endswith("torch passes 2 of 2 that ran; minddp passes 1 of 2.")
+    assert text.endswith("m: torch passes 2 of 2 that ran; minddp passes 1 of 2.\n"
+                         "torch passes 2 of 2 that ran; minddp passes 1 of 2.")
 
 
 def test_accelerator_devices_become_the_cpu():
