@@ -387,7 +387,7 @@ class Reducer:
         state, hook = self.comm_hook
         future = hook(state, GradBucket(bucket, len(self.buckets)))
         if not isinstance(future, torch._C.Future):  # torch.futures.Future and what collectives return
-            raise TypeError(f"MiniDDP's comm hook {getattr(hook, '__name__', hook)!r}: callback must return a "
+            raise RuntimeError(f"MiniDDP's comm hook {getattr(hook, '__name__', hook)!r}: callback must return a "
                             f"torch.futures.Future object, but got {type(future).__name__}")
         return future
 
