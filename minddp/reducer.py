@@ -29,14 +29,12 @@ The buckets themselves (a flat buffer and its life cycle) are in
 :mod:`minddp.buckets`; what "communicate" means (all-reduce, or a compressed
 one) in :mod:`minddp.comm_hooks`.
 
-What code above the reducer may use (mechanism here, policy there): the
-arrival log of the last backward (``watch_arrivals``, ``arrival_log``),
-``rebuild(order, cap_bytes, first_cap_bytes)``, ``backward_done_callbacks``,
-``communicate_buffer`` (a scratch buffer sent the way buckets travel), and
-``bucket_reduced_hook`` and ``use_bucket_storage`` (ZeRO stage 2). The
-learned bucket order (:mod:`minddp.bucket_order`) and
-``bucket_cap_mb="auto"`` (:mod:`minddp.bucket_planner`) are built on the
-first four.
+What code above the reducer may call (mechanism here, policy there) is in
+:mod:`minddp.reducer_hooks`: the arrival log, ``rebuild``, the
+backward-done callbacks, bucket storage, a passenger in the last bucket.
+The learned bucket order (:mod:`minddp.bucket_order`),
+``bucket_cap_mb="auto"`` (:mod:`minddp.bucket_planner`), ZeRO stage 2 and
+``buffer_sync="with_gradients"`` are built on them.
 
 Why dividing *before* summing: the sum of N half-precision gradients can
 overflow where their average would not.
@@ -53,8 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, BucketStorage, ScratchBucket, TensorSpec, assign_buckets
+from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, TensorSpec, assign_buckets
 from minddp.comm_hooks import GradBucket
+from minddp.reducer_hooks import ReducerHookPoints
 from minddp.trace import StepObserver, profiler_range
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
@@ -74,8 +73,12 @@ class ReducerOptions:
     learn_bucket_order: bool = True
 
 
-class Reducer:
-    """Averages the gradients of ``params`` over ``process_group`` during backward."""
+class Reducer(ReducerHookPoints):
+    """Averages the gradients of ``params`` over ``process_group`` during backward.
+
+    (What policies above may call, the hook points, is in
+    :class:`~minddp.reducer_hooks.ReducerHookPoints`; this class is the path.)
+    """
 
     def __init__(self, params: list[nn.Parameter], names: list[str], process_group: dist.ProcessGroup,
                  options: ReducerOptions, observer: StepObserver):
@@ -86,25 +89,11 @@ class Reducer:
         self.observer = observer
         self._index = {p: i for i, p in enumerate(params)}
         self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
-        self._caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))  # bytes: cap, first cap
-        self._storage = BucketStorage()  # where bucket buffers come from (use_bucket_storage)
+        self._init_hook_points(int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
         self._offered: set[int] = set()  # buckets waited for and offered to bucket_reduced_hook, this backward
         self._reclaimed: set[int] = set()  # ... of which the hook took the result (no .grad to write)
-        # A passenger in the last bucket (carry_in_last_bucket): MiniDDP's buffers, with buffer_sync="with_gradients".
-        self.passenger = None
-        self.carry_passenger = False  # set at each synchronized forward: does this backward carry it?
-        self.passenger_arrived = False  # did the last backward bring it? (MiniDDP delivers it at forward)
         # Buckets, in the order gradients are expected: reverse registration.
         self._build_buckets(list(reversed(range(len(params)))))
-        self.arrival_log: list[tuple[int, float]] = []  # this backward's (index, perf_counter), while watched
-        self._arrival_watchers: set[object] = set()
-        self._recording = False  # anyone watching? Read by every hook: one attribute
-        # Called at the end of every synchronized backward (and a joined
-        # rank's stand-in for one), after .grad is written: the place for a
-        # policy that watches steps and may rebuild the buckets.
-        self.backward_done_callbacks: list[Callable[[], None]] = []
-        # Why the buckets will still change, if a policy above plans to rebuild them.
-        self.planned_rebuild: str | None = None
         self._static_graph = options.static_graph  # read by every hook: one attribute, not two
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
@@ -120,9 +109,6 @@ class Reducer:
         self.backward_started = False
         self.backwards_done = 0
         self.comm_hook: tuple[Any, Callable] | None = None
-        # ZeRO stage 2's hook point: called with each bucket once its communication
-        # is done; True means "the result is taken care of": no .grad is written.
-        self._bucket_reduced_hook: Callable[[GradBucket], bool] | None = None
         self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
         self._pass_now: int | None = None  # the pass the last hook fired in
         self._tracing = observer.tracer is not None  # per-gradient trace events
@@ -133,62 +119,6 @@ class Reducer:
         self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
         self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
         self._static_used: list[bool] | None = None  # ... and which parameters some rank uses
-
-    @property
-    def bucket_reduced_hook(self) -> Callable[[GradBucket], bool] | None:
-        return self._bucket_reduced_hook
-
-    @bucket_reduced_hook.setter
-    def bucket_reduced_hook(self, hook: Callable[[GradBucket], bool] | None) -> None:
-        if hook is not None and self.planned_rebuild is not None:
-            raise ValueError(
-                f"{self.planned_rebuild}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
-                "those buckets: give MiniDDP a fixed bucket_cap_mb to use them together")
-        self._bucket_reduced_hook = hook
-
-    def watch_arrivals(self, watcher: object, on: bool = True) -> None:
-        """Keep ``arrival_log`` (which gradient came when) for every backward while some ``watcher`` asks."""
-        (self._arrival_watchers.add if on else self._arrival_watchers.discard)(watcher)
-        self._recording = bool(self._arrival_watchers)
-
-    # ------------------------------------------------------------------ buckets
-    @property
-    def caps(self) -> tuple[int, int | None]:
-        """Bucket cap and first-bucket cap, in bytes."""
-        return self._caps
-
-    @property
-    def bucket_order(self) -> list[int]:
-        """Parameter indices in the order the buckets hold them."""
-        return [i for indices in self._indices for i in indices]
-
-    def rebuild(self, order: list[int], cap_bytes: int, first_cap_bytes: int | None) -> None:
-        """Bucket the parameters anew: indices in expected-arrival ``order``, these caps.
-
-        Between backwards only, and with the same arguments on every rank
-        (the caller broadcasts its decision): buckets are what keeps the
-        ranks' collectives matched.
-        """
-        if self.backward_started:
-            raise RuntimeError("Reducer.rebuild during a backward: buckets change only between steps")
-        if sorted(order) != list(range(len(self.params))):
-            raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
-        self._caps = (cap_bytes, first_cap_bytes)
-        self._build_buckets(order)
-
-    def carry_in_last_bucket(self, passenger) -> None:
-        """Send ``passenger`` (``numel``, ``fits(dtype)``, ``pack(tail)``, ``receive(tail)``) in the last
-        bucket's communication, in ``numel`` extra elements after its gradients; None stops it."""
-        self.passenger = passenger
-        self._build_buckets(self.bucket_order)
-
-    def use_bucket_storage(self, storage: BucketStorage) -> None:
-        """Take bucket buffers from ``storage`` from now on (see :class:`~minddp.buckets.BucketStorage`):
-        with ``keep_buffers`` False, a buffer goes back as soon as the ``bucket_reduced_hook`` took its result."""
-        for bucket in self.buckets:
-            bucket.release()
-        self._storage = storage
-        self._build_buckets(self.bucket_order)
 
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
@@ -503,10 +433,6 @@ class Reducer:
         missing = self.unready_names()
         self._reset_buckets()
         return missing
-
-    def communicate_buffer(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """Send a scratch ``buffer`` the way buckets travel (comm hook included), e.g. to time the link."""
-        return self._communicate(ScratchBucket(buffer, len(self.buckets)))
 
     # ---------------------------------------------------------- uneven inputs
     def shadow_backward(self) -> None:
