@@ -23,7 +23,8 @@ finally calls ``rebuild``. :class:`~minddp.ddp.MiniDDP` sets it up when
    :class:`~minddp.simulate.profile.ComputeProfile`;
 2. **link**: a short probe: all-reduces of two sizes through the very path
    the buckets take (the comm hook included, so a simulated link is measured
-   as such), fitted with :func:`minddp.network.fit_link`;
+   as such), the fastest of a few tries each (load only adds time), fitted
+   with :func:`minddp.network.fit_link`;
 3. **overlap**: can an all-reduce run while backward computes? On a GPU,
    yes (the device's streams do both). On CPU tensors, Gloo's all-reduce
    sums and copies on a CPU thread of this process: it overlaps with
@@ -74,7 +75,10 @@ DEFAULT_CAP_MB = 25.0  # torch's
 CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
 MEASURED_BACKWARDS = 3  # synchronized backwards measured, after the first one
 PROBE_SMALL_BYTES = 64 * 1024
-PROBE_REPEATS = 3  # each probe timed this many times; the median counts
+# Each probe is timed this many times and the fastest counts: load on the
+# machine only ever adds time, so the fastest is the link's own (a median
+# under load read a 0.05 ms link as several ms, and chose too few buckets).
+PROBE_REPEATS = 5
 # An all-reduce that keeps this process's CPU busy for less than this share of
 # its time mostly waits, and leaves the cores to backward (Gloo on loopback,
 # measured on 2 cores: 0.35 to 0.6; a simulated link, sleeping: under 0.1).
@@ -222,7 +226,7 @@ class AutoBuckets:
         element = torch.empty((), dtype=dtype).element_size()
         buffers = [torch.zeros(n // element, dtype=dtype, device=device) for n in sizes]
         timings = [[_timed(communicate, b) for _ in range(PROBE_REPEATS)] for b in buffers]
-        seconds = [statistics.median(wall for wall, _ in t) for t in timings]
+        seconds = [min(wall for wall, _ in t) for t in timings]
         cpu_share = sum(cpu for t in timings for _, cpu in t) / sum(wall for t in timings for wall, _ in t)
         overlap = communication_overlaps(device, world_size, comm_hook, cpu_share)
         if not is_rank0:
