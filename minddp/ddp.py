@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.bucket_order import LearnedBucketOrder
-from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.bucket_planner import AutoBuckets
 from minddp.buffers_in_bucket import BuffersInLastBucket
+from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.join import Join, JoinHook, under_torchs_join
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_replicas_in_sync, check_same_parameters
@@ -169,8 +169,9 @@ class MiniDDP(nn.Module):
         options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, gradient_as_bucket_view,
                                  find_unused_parameters, static_graph, reduce_dtype, learn_bucket_order)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options, self._observer)
-        # Policies above the reducer, driving it through its hook points: the
-        # learned bucket order (torch's), then bucket_cap_mb="auto".
+        # Policies above the reducer, driving it through its hook points
+        # (minddp/reducer_hooks.py): the learned bucket order (torch's), the
+        # buffers riding in the last bucket, then bucket_cap_mb="auto".
         if learn_bucket_order:
             LearnedBucketOrder(self.reducer)
         if self.buffer_sync == "with_gradients" and self.world_size > 1 and self._buffers_to_sync:
