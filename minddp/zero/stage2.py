@@ -16,7 +16,7 @@ communication with backward stays. Three narrow contacts with MiniDDP:
   the bucket by N, drops the ``.grad`` just copied into it, and
   reduce-scatters it, this rank's piece landing in the optimizer's shard
   gradient (straight into it where the piece lies there end to end);
-* the reducer's ``bucket_reduced_hook`` (:mod:`minddp.reducer`): told that
+* the reducer's ``bucket_reduced_hook`` (:mod:`minddp.reducer_hooks`): told that
   the optimizer took the bucket, the reducer does not write ``.grad``, and
   the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
 * the reducer's bucket storage: buffers lent by a small pool
