@@ -42,7 +42,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +52,7 @@ import torch.distributed as dist  # noqa: E402
 
 from _fsdp_setups import SETUPS, build, gpt_config, have_stage3, train_step, units  # noqa: E402
 from _live_bytes import LiveBytes  # noqa: E402
-from minddp.launch import spawn  # noqa: E402
+from _outputs import emit, ranks_json  # noqa: E402
 
 MiB = 2**20
 
@@ -192,22 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     args = {"setups": setups, "quick": a.quick, "rounds": 1 if a.quick else a.rounds, "steps": 1 if a.quick else a.steps,
             "time_world": 2 if a.quick else a.time_world}
     worlds = [2] if a.quick else [int(w) for w in a.world_sizes.split(",")]
-    results, load_before = [], os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in worlds:
-            path = os.path.join(tmp, f"{n}.json")
-            spawn(rank_main, n, args, path, backend="gloo")
-            with open(path) as f:
-                results.append(json.load(f))
+    load_before = os.getloadavg()[0]
+    results = [ranks_json(rank_main, n, args) for n in worlds]
     text = report(results, gpt_config(a.quick), args)
     text += f"load average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after"
-    print(text)
-    if a.text:
-        with open(a.text, "w") as f:
-            f.write(text + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": args, "results": results}, f, indent=1)
+    emit(text, a.text, a.json, {"args": args, "results": results})
     return 0
 
 

@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from _outputs import emit, ranks_json  # noqa: E402
 from _timing import Runner  # noqa: E402  (the benchmark's models, batches and step: same as compare.py)
-from minddp.launch import spawn  # noqa: E402
 from minddp.network import fit_link  # noqa: E402
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step  # noqa: E402
 
@@ -169,20 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     args = {"models": a.models.split(","), "caps": [float(c) for c in a.bucket_mb.split(",")],
             "rounds": 3 if a.quick else a.rounds, "steps_per_block": 2 if a.quick else a.steps_per_block,
             "trace_steps": 3 if a.quick else 8}
-    with tempfile.TemporaryDirectory() as tmp:
-        raw_path = os.path.join(tmp, "raw.json")
-        spawn(rank_main, a.world_size, args, raw_path, backend="gloo")
-        with open(raw_path) as f:
-            raw = json.load(f)
+    raw = ranks_json(rank_main, a.world_size, args)
     result = predict(raw, a.world_size)
-    text = table(result, a.world_size, args["rounds"])
-    print(text)
-    if a.text:
-        with open(a.text, "w") as f:
-            f.write(text + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": args, **result}, f, indent=1)
+    emit(table(result, a.world_size, args["rounds"]), a.text, a.json, {"args": args, **result})
     return 0
 
 

@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from minddp.launch import spawn  # noqa: E402
+from _outputs import emit, ranks_json  # noqa: E402
 from minddp.models import GPT, GPTConfig  # noqa: E402
 from minddp.network import fit_link  # noqa: E402
 from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3  # noqa: E402
@@ -209,21 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     args = {"rounds": 2 if a.quick else a.rounds, "steps": 1 if a.quick else a.steps}
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "raw.json")
-        spawn(rank_main, a.world_size, args, path, backend="gloo")
-        with open(path) as f:
-            raw = json.load(f)
+    raw = ranks_json(rank_main, a.world_size, args)
     result = predict(raw, a.world_size)
     text = table(result, a.world_size, args["rounds"])
     text += f"\nload average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after"
-    print(text)
-    if a.text:
-        with open(a.text, "w") as f:
-            f.write(text + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": args, **result, "raw": raw}, f, indent=1)
+    emit(text, a.text, a.json, {"args": args, **result, "raw": raw})
     return 0
 
 
