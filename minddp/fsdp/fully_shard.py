@@ -94,7 +94,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     _check_one_dtype(name, own)
 
     unit = ShardedUnit(name, [p for p, _ in own], places, group, mp_policy,
-                       on_gradient=lambda u: u.schedule.gradients_done(u))
+                       on_gradient=lambda u: u.schedule.gradients_done(u),
+                       make_room=lambda u: u.schedule.make_room(u))
     unit.reshard_after_forward = reshard_after_forward
     unit.is_root = bool(inner)
     unit.schedule = Schedule([unit])

@@ -2,7 +2,7 @@
 
 Every unit of a model shares one :class:`Schedule` (``fully_shard`` on an
 outer module merges the schedules of the units inside it; units with no
-common sharded ancestor keep one each). It is told four things, by the
+common sharded ancestor keep one each). It is told five things, by the
 module hooks of :mod:`minddp.fsdp.fully_shard`, a gradient hook on the unit's
 outputs, and a hook on each full parameter's gradient accumulation; it
 decides the rest:
@@ -14,9 +14,11 @@ decides the rest:
   a gradient reaches the output (``register_multi_grad_hook``);
 * ``before_backward(unit)``: gather it again, prefetch the next unit of the
   last backward's order;
-* ``gradients_done(unit)`` (every parameter's gradient is in): wait for the
-  previous unit's reduce-scatter, then launch its own (one in flight at a
-  time: each holds a full-size gradient buffer), and free it.
+* ``make_room(unit)`` (its first gradient arrived; each gradient goes into
+  the unit's send buffer as it arrives): wait for the previous unit's
+  reduce-scatter, so that one send buffer lives at a time;
+* ``gradients_done(unit)`` (every parameter's gradient is in): launch its
+  reduce-scatter, and free it.
 
 At the end of the backward pass (a callback autograd runs when the pass is
 over) it reduces what never got all its gradients, waits for every
@@ -151,14 +153,21 @@ class Schedule:
         unit.free(free_lenders=False)
         unit.gradients_in = 0
 
-    def _launch_reduce_scatter(self, unit: ShardedUnit) -> None:
-        # A launched reduce-scatter holds its full-size send buffer until waited
-        # for. Waiting for the previous one first (it had this unit's backward
-        # to finish in, so the wait is usually free), and only then filling this
-        # unit's buffer, keeps one send buffer alive at a time: launching first
-        # and waiting after would hold two, the step's memory peak.
+    def make_room(self, unit: ShardedUnit) -> None:
+        """``unit`` is about to make its send buffer (its first gradient arrived): the last one goes first.
+
+        A launched reduce-scatter holds its full-size send buffer until waited
+        for. Waiting for it before this unit fills a buffer of its own (the
+        previous unit's reduce-scatter had this unit's first backward
+        operations to finish in, so the wait is usually short) keeps one send
+        buffer alive at a time: two would be the step's memory peak.
+        """
         for earlier in self._launched:
-            earlier.finish_reduce_scatter()
+            if earlier is not unit:
+                earlier.finish_reduce_scatter()
+
+    def _launch_reduce_scatter(self, unit: ShardedUnit) -> None:
+        self.make_room(unit)
         unit.start_reduce_scatter()
         self._launched = [unit]
 
@@ -185,7 +194,7 @@ class Schedule:
     def finish_backward(self) -> None:
         """Reduce what is left (in a fixed order), wait for every reduce-scatter, free every unit."""
         for unit in self._ran_forward:
-            if id(unit) not in self._gradients_done and unit.has_full_gradients() and unit.requires_gradient_sync:
+            if id(unit) not in self._gradients_done and unit.has_gradients() and unit.requires_gradient_sync:
                 self._launch_reduce_scatter(unit)
             unit.gradients_in = 0
         for unit in self._launched:

@@ -14,9 +14,10 @@ tensors (``full_params``) are created once and kept for the unit's whole life;
 back. Keeping the same tensor objects is what lets autograd find them again:
 the graph of a forward holds them, and in backward their storage is simply
 full again. Their gradients arrive on them (``.grad``, full size, compute
-dtype); :meth:`start_reduce_scatter` averages them over the ranks into this
-rank's piece, and :meth:`finish_reduce_scatter` hands the piece, in fp32, to
-the shard parameters' ``.grad``.
+dtype) and go at once, divided by N, into the unit's send buffer (made at its
+first gradient); :meth:`start_reduce_scatter` sums that buffer over the
+ranks into this rank's piece, and :meth:`finish_reduce_scatter` hands the
+piece, in fp32, to the shard parameters' ``.grad``.
 
 Life cycle: ``SHARDED -> (start_gather) GATHERING -> (wait_gathered) GATHERED
 -> (free) SHARDED``; a reduce-scatter runs beside it (``pending``).
@@ -31,14 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.fsdp.collectives import PendingReduceScatter, reduce_scatter_is_an_all_reduce, start_reduce_scatter
+from minddp.fsdp.collectives import PendingReduceScatter, runs_pairwise, start_all_gather, start_reduce_scatter
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.zero.partition import FlatUnit
 
 __all__ = ["Place", "ShardedUnit", "UnitState"]
-
-# torch 2.14 renamed this (the old name warns); keep working on both.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 Place = tuple[nn.Module, str]  # where a parameter is registered: (module, attribute name)
 
@@ -54,7 +52,8 @@ class ShardedUnit:
 
     def __init__(self, name: str, params: list[nn.Parameter], places: list[list[Place]],
                  group: dist.ProcessGroup, policy: MixedPrecisionPolicy,
-                 on_gradient: Callable[["ShardedUnit"], None]):
+                 on_gradient: Callable[["ShardedUnit"], None],
+                 make_room: Callable[["ShardedUnit"], None] = lambda unit: None):
         """``params``: the unit's own parameters (distinct); ``places[i]``: where ``params[i]`` sits."""
         self.name = name
         self.group = group
@@ -67,6 +66,9 @@ class ShardedUnit:
         self.is_root = False  # around other units: kept gathered from its forward into backward
         self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
+        self._make_room = make_room  # called before a send buffer is made: the previous one may go first
+        self._send: torch.Tensor | None = None  # this step's gradients, scaled, end to end (reduce dtype)
+        self._sent: list[bool] = []  # per parameter: its gradient is in ``_send``
         self._gather_work = None
         self.pending: PendingReduceScatter | None = None  # a launched reduce-scatter, until waited for
         self.gradients_in = 0
@@ -79,7 +81,7 @@ class ShardedUnit:
         self.master_dtype = originals[0].dtype if originals else torch.float32
         device = originals[0].device if originals else torch.device("cpu")
         self.compute_dtype = policy.compute_dtype(self.master_dtype)
-        self._all_reduce_instead = reduce_scatter_is_an_all_reduce(self.group, device)
+        self.by_hand = runs_pairwise(self.group, device)
         self.reduce_dtype = policy.communication_dtype(self.master_dtype)
         piece = self.layout.piece if self.layout else 0
         start = self.layout.ranges[self.rank][0] if self.layout else 0
@@ -100,12 +102,12 @@ class ShardedUnit:
             over_full.set_(self.full.untyped_storage(), offset, original.shape, _contiguous_strides(original.shape))
             over_full.requires_grad_(requires_grad)
             if requires_grad:
-                over_full.register_post_accumulate_grad_hook(self._gradient_arrived)
+                over_full.register_post_accumulate_grad_hook(self._gradient_hook(len(self.full_params)))
             self.full_params.append(over_full)
         self.gradients_expected = sum(p.requires_grad for p in self.full_params)
         held = [length for _, length in self.spans]
         self._split_sizes = held + [piece - sum(held)]  # each parameter's span, then this piece's padding
-        self._zero = torch.zeros((), dtype=self.compute_dtype, device=device)
+        self._places_in_send = self.layout.offsets if self.layout else []
         self.full.untyped_storage().resize_(0)
         if self.layout is not None:
             # From here on the layout is geometry only (pieces, offsets): it
@@ -138,7 +140,7 @@ class ShardedUnit:
             self.gathers += 1
             send = self.shard.to(self.compute_dtype)
             if self.world_size > 1:
-                self._gather_work = _all_gather(self.full, send, group=self.group, async_op=True)
+                self._gather_work = start_all_gather(self.full, send, self.group, self.by_hand)
             else:
                 self.full.copy_(send)
         self.state = UnitState.GATHERING
@@ -175,30 +177,57 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
 
     # ------------------------------------------------------------ gradients
-    def _gradient_arrived(self, _: torch.Tensor) -> None:
-        self.gradients_in += 1
-        if self.gradients_in == self.gradients_expected:
-            self._on_gradient(self)
+    def _gradient_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def arrived(full: torch.Tensor) -> None:
+            # Into the send buffer at once, and the full-size .grad let go: a
+            # unit holds its buffer and one gradient, not all its gradients
+            # twice. Not the root's: its gradients come around the other
+            # units' (a final norm first, an embedding last), and a buffer
+            # filled from the first would stay through the whole backward.
+            if self.requires_gradient_sync and self.layout is not None and not self.is_root:
+                self._into_send_buffer(index, full.grad)
+                full.grad = None
+            self.gradients_in += 1
+            if self.gradients_in == self.gradients_expected:
+                self._on_gradient(self)
+        return arrived
+
+    def _place_in_send_buffer(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s place in this step's send buffer (made at the first gradient of the step)."""
+        if self._send is None:
+            self._make_room(self)
+            self._send = torch.empty(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
+            self._send[self.layout.numel:].zero_()  # the padding of the last piece
+            self._sent = [False] * len(self.full_params)
+        start = self._places_in_send[index]
+        return self._send[start: start + self.full_params[index].numel()]
+
+    def _into_send_buffer(self, index: int, grad: torch.Tensor) -> None:
+        """One full-size gradient, divided by N, into its place: before the sum, as DDP divides (the
+        same rounding as its), in the reduce dtype. A second one in the same step (a nested backward
+        pass) adds to it."""
+        place, grad = self._place_in_send_buffer(index), grad.reshape(-1)
+        if self._sent[index]:
+            place.add_(grad.to(self.reduce_dtype).mul_(1.0 / self.world_size))
+        elif grad.dtype == place.dtype:
+            torch.mul(grad, 1.0 / self.world_size, out=place)
+        else:
+            place.copy_(grad).mul_(1.0 / self.world_size)
+        self._sent[index] = True
 
     def start_reduce_scatter(self) -> None:
-        """Average the full gradients over the ranks (async); this rank keeps its piece."""
+        """Average the unit's gradients over the ranks (async); this rank keeps its piece."""
         if self.layout is None or self.pending is not None:
             return
-        # All gradients end to end in one copy, then one division by N (before
-        # the sum, as DDP does: the same rounding as its): two operations per
-        # unit, not a few per parameter. A parameter without a gradient
-        # contributes zeros (a broadcast scalar, nothing allocated).
-        send = torch.empty(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
-        numel = self.layout.numel
-        if numel < send.numel():
-            send[numel:].zero_()  # the padding of the last piece
-        torch.cat([full.grad.reshape(-1) if full.grad is not None else self._zero.expand(full.numel())
-                   for full in self.full_params], out=send[:numel])
-        send.mul_(1.0 / self.world_size)
-        for full in self.full_params:
-            full.grad = None
+        for index, full in enumerate(self.full_params):
+            if full.grad is not None:  # accumulated while sync was off, and not hooked since
+                self._into_send_buffer(index, full.grad)
+                full.grad = None
+            elif self._send is None or not self._sent[index]:  # no gradient on this rank: zeros
+                self._place_in_send_buffer(index).zero_()
+        send, self._send = self._send, None
         self.reduce_scatters += 1
-        self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self._all_reduce_instead)
+        self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self.by_hand)
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter; add the piece, in the master dtype, to the shards' ``.grad``."""
@@ -215,8 +244,9 @@ class ShardedUnit:
             else:
                 shard_param.grad.add_(values)
 
-    def has_full_gradients(self) -> bool:
-        return any(full.grad is not None for full in self.full_params)
+    def has_gradients(self) -> bool:
+        """Did a gradient arrive this step (in the send buffer), or is one held from an earlier backward?"""
+        return self._send is not None or any(full.grad is not None for full in self.full_params)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -91,8 +91,9 @@ def reduce_scatter(send: torch.Tensor, piece: int, group: dist.ProcessGroup,
                    out: torch.Tensor | None = None) -> PairwiseWork:
     """Sum chunk ``rank`` of ``send`` (N chunks of ``piece``) over the ranks; ``wait()`` returns it.
 
-    The sum lands in ``out`` if given (``piece`` elements), else in a new
-    tensor. ``send`` must not change until then; its other chunks are sent
+    The sum lands in ``out`` if given (``piece`` elements), else in one of
+    the N-1 receive buffers (each ``piece`` long: the only memory this
+    takes). ``send`` must not change until then; its other chunks are sent
     as they are, and its own chunk is read, not written.
     """
     me, n = dist.get_rank(group), dist.get_world_size(group)
@@ -106,10 +107,17 @@ def reduce_scatter(send: torch.Tensor, piece: int, group: dist.ProcessGroup,
 
     def add_up() -> torch.Tensor:
         parts = [received.get(r, chunks[me]) for r in range(n)]
-        total = out if out is not None else torch.empty(piece, dtype=send.dtype, device=send.device)
         if n == 1:
-            return total.copy_(parts[0])
-        torch.add(parts[0], parts[1], out=total)
+            return out.copy_(parts[0]) if out is not None else parts[0].clone()
+        # The first two in either order (c0 + c1 == c1 + c0, to the bit), into
+        # ``out`` or into a receive buffer (no tensor more); then the rest, in order.
+        first, second = parts[0], parts[1]
+        if out is not None:
+            total = torch.add(first, second, out=out)
+        elif first is chunks[me]:
+            total = second.add_(first)
+        else:
+            total = first.add_(second)
         for part in parts[2:]:
             total.add_(part)
         return total
