@@ -32,11 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.fsdp.collectives import PendingReduceScatter, runs_pairwise, start_all_gather, start_reduce_scatter
+from minddp.fsdp.collectives import PendingReduceScatter, reduce_scatter_is_an_all_reduce, start_reduce_scatter
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.zero.partition import FlatUnit
 
 __all__ = ["Place", "ShardedUnit", "UnitState"]
+
+# torch 2.14 renamed this (the old name warns); keep working on both.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 Place = tuple[nn.Module, str]  # where a parameter is registered: (module, attribute name)
 
@@ -81,7 +84,7 @@ class ShardedUnit:
         self.master_dtype = originals[0].dtype if originals else torch.float32
         device = originals[0].device if originals else torch.device("cpu")
         self.compute_dtype = policy.compute_dtype(self.master_dtype)
-        self.by_hand = runs_pairwise(self.group, device)
+        self._all_reduce_instead = reduce_scatter_is_an_all_reduce(self.group, device)
         self.reduce_dtype = policy.communication_dtype(self.master_dtype)
         piece = self.layout.piece if self.layout else 0
         start = self.layout.ranges[self.rank][0] if self.layout else 0
@@ -140,7 +143,7 @@ class ShardedUnit:
             self.gathers += 1
             send = self.shard.to(self.compute_dtype)
             if self.world_size > 1:
-                self._gather_work = start_all_gather(self.full, send, self.group, self.by_hand)
+                self._gather_work = _all_gather(self.full, send, group=self.group, async_op=True)
             else:
                 self.full.copy_(send)
         self.state = UnitState.GATHERING
@@ -227,7 +230,7 @@ class ShardedUnit:
                 self._place_in_send_buffer(index).zero_()
         send, self._send = self._send, None
         self.reduce_scatters += 1
-        self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self.by_hand)
+        self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self._all_reduce_instead)
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter; add the piece, in the master dtype, to the shards' ``.grad``."""

@@ -9,13 +9,15 @@ algorithm sends.
 
 On Gloo (torch 2.14, CPU), torch's ``reduce_scatter_tensor`` is not that: it
 clones the whole input and all-reduces the clone, twice the bytes and a
-full-size buffer more; and Gloo's all-reduce and all-gather spend far more CPU
-than the bytes need. Measured here at 2 ranks on a 0.45 MB buffer, CPU per
-call: all-reduce 1.2-1.4 ms, ``reduce_scatter_tensor`` 1.0 ms, the same
-reduce-scatter as sends and receives 0.2-0.4 ms
-(``benchmarks/pairwise_collectives.py``). So on Gloo, ZeRO stage 2 and
-``minddp.fsdp`` send by hand; any other backend (NCCL) has real
-collectives, and gets them (:func:`runs_pairwise`).
+full-size buffer more. Sending by hand sends half as much and needs (N-1)/N
+of a buffer to receive into. What it does not save is time: called back to
+back on an idle machine it costs a third of the CPU of Gloo's collectives
+(``benchmarks/pairwise_collectives.py``), but between real computation, on
+a loaded machine, the difference is lost in the noise, and posting a send
+or a receive can block the caller while Gloo's network thread holds the
+connection (Gloo's own collectives run on its worker threads). So it is a
+memory tool: :func:`runs_pairwise` says where it applies (Gloo on CPU, no
+wrapped collectives).
 
 The sum: chunk by chunk in rank order, ``((c0 + c1) + c2) + ...``. At two
 ranks that is the same bits as any all-reduce (``a + b == b + a``); at three
