@@ -15,18 +15,33 @@ What it cannot see: memory a backend allocates in C++ without a tensor
 (Gloo's own transfer buffers), and tensors created before the window that
 are not handed to :meth:`LiveBytes.track`.
 
-**Activations apart.** Beside the total, the tracker keeps what autograd
-saves for backward (``saved_tensors_hooks``) unless it is a parameter's
-storage (parameters are seen at every module's forward pre-hook, after any
-sharding wrapper has gathered them): the peak of *model state* (parameters,
-gathered units, gradients, optimizer state, communication buffers) is the
-peak of total minus those activations. Temporaries of backward (gradients
-flowing between layers) stay in the total and in model state: small batches
-keep them small.
+**Model state apart.** Beside every live byte (``peak``), the peak of *model
+state* (``peak_state``): what the ZeRO paper's formula counts, parameters,
+gradients and optimizer state, plus what a wrapper needs to move them (its
+gathered units, buckets, send and receive buffers). A storage is model state
+if, at any time in the window, it was
+
+* a parameter's (seen at every module's forward pre-hook, after a sharding
+  wrapper has gathered it: a gathered unit is state),
+* a parameter's gradient (a hook on every such parameter sees each gradient
+  autograd hands it, before it is accumulated, kept or sent),
+* a tensor a collective touched (every ``c10d`` operation's tensors), or
+* alive between steps: when the measured step begins (:meth:`reset_peak`)
+  or when :attr:`peak_state` is read after it (parameters, optimizer state,
+  gradients a wrapper wrote, buffers kept from step to step; a training
+  loop holds nothing else between steps).
+
+Everything else is activations: what autograd saved, the gradients flowing
+between layers in backward, operators' temporaries, inputs and the loss.
+Whether a storage is state is known only once the window has seen it all (a
+tensor born in backward may be handed to a parameter as its gradient), so
+the peak of model state is replayed from the window's log of allocations
+and frees at the end.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -39,11 +54,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted
-        self.saved: set[int] = set()  # storages autograd saved that are not parameters
-        self.parameters: set[int] = set()
-        self.current = self.current_saved = 0
-        self.peak = self.peak_state = 0
+        self.current = self.peak = 0
+        self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (serial, bytes counted)
+        self._serials = itertools.count()
+        self._state: set[int] = set()  # serials of storages found to be model state
+        self._at_reset: dict[int, int] = {}  # serial -> bytes, live when the measured step began
+        self._log: list[tuple[int, int]] = []  # (serial, change in bytes) since then
         self._resize = None
 
     # ------------------------------------------------------------------ the window
@@ -54,24 +70,35 @@ class LiveBytes(TorchDispatchMode):
         def resize_(storage, nbytes):
             before = storage.nbytes()
             out = original(storage, nbytes)
-            if id(storage) in tracker.sizes:
+            if id(storage) in tracker._live:
                 tracker._add(id(storage), storage.nbytes() - before)
             return out
 
         torch.UntypedStorage.resize_ = resize_
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
-        self._hooks.__exit__(*exc)
         return super().__exit__(*exc)
 
     def reset_peak(self) -> None:
-        """Start a new peak from what is live now."""
+        """The measured step begins: peaks from what is live now."""
         self.peak = self.current
-        self.peak_state = self.current - self.current_saved
+        self._at_reset = dict(self._live.values())
+        self._log = []
+
+    @property
+    def peak_state(self) -> int:
+        """The most bytes of model state live at once since :meth:`reset_peak` (replayed from the log)."""
+        between_steps = set(self._at_reset) | {serial for serial, _ in self._live.values()}
+        state = self._state | between_steps
+        current = sum(nbytes for serial, nbytes in self._at_reset.items() if serial in state)
+        peak = current
+        for serial, change in self._log:
+            if serial in state:
+                current += change
+                peak = max(peak, current)
+        return peak
 
     # ------------------------------------------------------------------ what is seen
     def track(self, *tensors) -> None:
@@ -81,12 +108,18 @@ class LiveBytes(TorchDispatchMode):
                 self._see(t)
 
     def watch_parameters(self, model: torch.nn.Module) -> None:
-        """Learn each module's parameters as it runs (after sharding wrappers gathered them): not activations."""
+        """Learn each module's parameters as it runs (after sharding wrappers gathered them), and their gradients."""
+        hooked: set[int] = set()
+
         def note(module, _args):
             for name in module._parameters:
                 p = getattr(module, name, None)
-                if torch.is_tensor(p):
-                    self.parameters.add(id(p.untyped_storage()))
+                if not torch.is_tensor(p):
+                    continue
+                self._mark(p)
+                if p.requires_grad and p.is_leaf and id(p) not in hooked:
+                    hooked.add(id(p))  # parameters live as long as the model: ids are not reused
+                    p.register_hook(lambda grad: self._mark(grad))
 
         for m in model.modules():
             m.register_forward_pre_hook(note)
@@ -96,6 +129,10 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if torch.is_tensor(t):
                 self._see(t)
+        if func.namespace == "c10d":  # a collective's tensors: communication buffers
+            for t in tree_leaves((args, kwargs)):
+                if torch.is_tensor(t):
+                    self._mark(t)
         return out
 
     def _see(self, t: torch.Tensor) -> None:
@@ -109,33 +146,35 @@ class LiveBytes(TorchDispatchMode):
             return
         storage = t.untyped_storage()
         key = id(storage)
-        if key in self.sizes:
+        if key in self._live:
             return
-        self.sizes[key] = 0
+        self._live[key] = (next(self._serials), 0)
         self._add(key, storage.nbytes())
         weakref.finalize(storage, self._forget, key)
 
-    def _pack(self, t):
-        if torch.is_tensor(t) and not is_traceable_wrapper_subclass(t) and t.device.type != "meta":
-            key = id(t.untyped_storage())
-            if key in self.sizes and key not in self.parameters and key not in self.saved:
-                self.saved.add(key)
-                self.current_saved += self.sizes[key]
-        return t
+    def _mark(self, t: torch.Tensor) -> None:
+        """``t``'s storage is model state."""
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if torch.is_tensor(inner):
+                    self._mark(inner)
+            return
+        if t.device.type == "meta":
+            return
+        self._see(t)
+        self._state.add(self._live[id(t.untyped_storage())][0])
 
     # ------------------------------------------------------------------ the books
     def _add(self, key: int, nbytes: int) -> None:
-        self.sizes[key] += nbytes
+        serial, counted = self._live[key]
+        self._live[key] = (serial, counted + nbytes)
         self.current += nbytes
-        if key in self.saved:
-            self.current_saved += nbytes
         self.peak = max(self.peak, self.current)
-        self.peak_state = max(self.peak_state, self.current - self.current_saved)
+        self._log.append((serial, nbytes))
 
     def _forget(self, key: int) -> None:
-        nbytes = self.sizes.pop(key, 0)
+        serial, nbytes = self._live.pop(key, (None, 0))
         self.current -= nbytes
-        if key in self.saved:
-            self.saved.discard(key)
-            self.current_saved -= nbytes
-        self.parameters.discard(key)
+        if serial is not None:
+            self._log.append((serial, -nbytes))

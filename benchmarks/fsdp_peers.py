@@ -15,9 +15,11 @@ torch's ``fully_shard`` (FSDP2), both per block then the root.
 every storage an operation creates while it lives): one step to warm up,
 then the peak over one whole step (``zero_grad``, forward, backward,
 ``step``), the maximum over ranks. Two figures: every live tensor
-(``all``), and *model state* (``all`` minus what autograd saved for
-backward that is not a parameter: parameters, gathered units, gradients,
-optimizer state, buckets and other buffers of the wrapper). Beside it the
+(``all``), and *model state*: parameters (gathered units included),
+gradients, optimizer state and the wrapper's communication buffers (buckets,
+send and receive buffers), apart from activations (what autograd saved, the
+gradients flowing between layers in backward, operators' temporaries; the
+rule is ``_live_bytes.py``'s). Beside it the
 ZeRO paper's formula with fp32 AdamW's constants, 4 bytes of parameter, 4 of
 gradient, K = 8 of state (the paper's mixed-precision 2 + 2 + 12 also make
 16 bytes, split otherwise): DDP 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N,
@@ -141,8 +143,8 @@ def report(results: list[dict], cfg, args: dict) -> str:
     lines = [f"minddp.models.GPT: {psi:,} parameters, {len(sizes)} units (largest {largest:,} parameters); AdamW fp32; "
              "4 x 64 tokens per rank; Gloo, CPU, 1 thread per rank",
              "memory: peak over one whole step (zero_grad, forward, backward, step), every storage an operation "
-             "created (a TorchDispatchMode), max over ranks; 'state' = all minus what autograd saved that is not a "
-             "parameter; formula: fp32 AdamW 4 + 4 + 8 bytes per parameter, stage 3 + 2 units x 8 bytes x the "
+             "created (a TorchDispatchMode), max over ranks; 'state' = parameters (gathered units included), gradients, "
+             "optimizer state, communication buffers, not activations (saved, flowing between layers, temporaries); formula: fp32 AdamW 4 + 4 + 8 bytes per parameter, stage 3 + 2 units x 8 bytes x the "
              "largest unit", ""]
     for res in results:
         n = res["world_size"]

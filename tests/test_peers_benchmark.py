@@ -2,7 +2,7 @@
 
 The tracker (``benchmarks/_live_bytes.py``) is checked without processes: exact byte counts for
 allocations, views, frees, in-place storage resizes (FSDP2's way of freeing), tensor subclasses,
-and activations kept apart from model state. The --quick run (a 2-block GPT, 2 ranks, one round)
+and model state (parameters, gradients, communication buffers) kept apart from activations. The --quick run (a 2-block GPT, 2 ranks, one round)
 checks that every setup trains to the same parameters as torch's DDP and that the memory table
 has what it promises; it asserts nothing about timings.
 """
@@ -53,18 +53,28 @@ def test_live_bytes_follows_storage_resizes_and_counts_tensors_made_before_the_w
     assert torch.UntypedStorage.resize_ is original  # the wrapper lives only as long as the window
 
 
-def test_live_bytes_keeps_activations_apart_from_model_state():
+def test_live_bytes_counts_parameters_and_their_gradients_as_model_state_not_activations():
+    """Two 16 KiB weights, a batch of 32: in backward the 8 KiB gradients flowing from the
+    second layer back to the first, and what the forward saved, are activations; the weights
+    and their gradients are model state, 64 KiB exactly. Not vacuous: counting every byte
+    but what autograd saved (this tracker's earlier rule) put the flowing gradients in too."""
     torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 64, bias=False)  # 16 KiB of weight, made before the window
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 64, bias=False))
+    def step():
+        x = torch.randn(32, 64)  # made in the step (anything alive between steps is model state)
+        model(x).sum().backward()
+
     with LiveBytes() as live:
-        live.track(lin.weight)
-        live.watch_parameters(lin)
-        x = torch.randn(32, 64, requires_grad=True)  # 8 KiB, saved for backward: an activation
-        y = lin(x)  # 8 KiB output
-        assert live.current == 32 * KiB
-        assert live.current_saved == 8 * KiB  # x only: the weight is a parameter, also saved
-        y.sum().backward()
-        assert live.peak_state <= live.peak - 8 * KiB
+        live.track(list(model.parameters()))
+        live.watch_parameters(model)
+        live.reset_peak()
+        step()
+        assert live.peak > live.peak_state == 64 * KiB
+        live.reset_peak()  # from here, what lives from the step before counts (the gradients too)
+        for p in model.parameters():
+            p.grad = None  # zero_grad: the gradients go
+        assert live.peak_state == 64 * KiB
 
 
 @pytest.mark.timeout(120)

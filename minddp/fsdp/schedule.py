@@ -9,9 +9,10 @@ decides the rest:
 
 * ``before_forward(unit)``: gather the unit (the prefetch may have started
   it), and start gathering the unit that came next last time;
-* ``after_forward(unit, output)``: free the unit (unless it is the root,
-  the outermost unit, whose backward comes first), and ask to be told when
-  a gradient reaches the output (``register_multi_grad_hook``);
+* ``after_forward(unit, output)``: free the unit (unless its backward comes
+  first: the root, the outermost unit, and the last unit of the forward),
+  and ask to be told when a gradient reaches the output
+  (``register_multi_grad_hook``);
 * ``before_backward(unit)``: gather it again, prefetch the next unit of the
   last backward's order;
 * ``make_room(unit)`` (its first gradient arrived; each gradient goes into
@@ -78,6 +79,9 @@ class _Order:
             return None
         return self.recorded[position + 1] if position + 1 < len(self.recorded) else None
 
+    def ends_with(self, unit: ShardedUnit) -> bool:
+        return self.complete and bool(self.recorded) and self.recorded[-1] is unit
+
     def step_over(self) -> None:
         self.complete = True
         self._position = 0
@@ -133,7 +137,10 @@ class Schedule:
                 hooked = True
         # A root (the outermost unit, around others) has its backward first:
         # freeing it would only gather it again (FSDP2 keeps its root too).
-        keep = (hooked and self._depth == 0 and unit.is_root) or not unit.reshard_after_forward
+        # So has the last unit of the forward (known from the first step on),
+        # right after the root's: keeping it saves one all-gather per step.
+        first_back = unit.is_root and self._depth == 0 or self._forward_order.ends_with(unit)
+        keep = (hooked and first_back) or not unit.reshard_after_forward
         if not keep:
             unit.free()
         return output

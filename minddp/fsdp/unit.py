@@ -32,14 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.fsdp.collectives import PendingReduceScatter, reduce_scatter_is_an_all_reduce, start_reduce_scatter
+from minddp.fsdp.collectives import PendingReduceScatter, gloo_collectives, start_all_gather, start_reduce_scatter
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.zero.partition import FlatUnit
 
 __all__ = ["Place", "ShardedUnit", "UnitState"]
-
-# torch 2.14 renamed this (the old name warns); keep working on both.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 Place = tuple[nn.Module, str]  # where a parameter is registered: (module, attribute name)
 
@@ -84,7 +81,7 @@ class ShardedUnit:
         self.master_dtype = originals[0].dtype if originals else torch.float32
         device = originals[0].device if originals else torch.device("cpu")
         self.compute_dtype = policy.compute_dtype(self.master_dtype)
-        self._all_reduce_instead = reduce_scatter_is_an_all_reduce(self.group, device)
+        self.on_gloo = gloo_collectives(self.group, device)
         self.reduce_dtype = policy.communication_dtype(self.master_dtype)
         piece = self.layout.piece if self.layout else 0
         start = self.layout.ranges[self.rank][0] if self.layout else 0
@@ -143,7 +140,7 @@ class ShardedUnit:
             self.gathers += 1
             send = self.shard.to(self.compute_dtype)
             if self.world_size > 1:
-                self._gather_work = _all_gather(self.full, send, group=self.group, async_op=True)
+                self._gather_work = start_all_gather(self.full, send, self.group, as_broadcasts=self.on_gloo)
             else:
                 self.full.copy_(send)
         self.state = UnitState.GATHERING
@@ -230,7 +227,7 @@ class ShardedUnit:
                 self._place_in_send_buffer(index).zero_()
         send, self._send = self._send, None
         self.reduce_scatters += 1
-        self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self._all_reduce_instead)
+        self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self.on_gloo)
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter; add the piece, in the master dtype, to the shards' ``.grad``."""
