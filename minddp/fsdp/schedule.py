@@ -14,9 +14,9 @@ decides the rest:
   and ask to be told when a gradient reaches the output
   (``register_multi_grad_hook``);
 * ``before_backward(unit)``: gather it again, prefetch the next unit of the
-  last backward's order;
-* ``make_room(unit)`` (its first gradient arrived; each gradient goes into
-  the unit's send buffer as it arrives): wait for the previous unit's
+  last backward's order, and point its gradients into its send buffer;
+* ``make_room(unit)`` (the unit is about to make its send buffer, into
+  which autograd accumulates its gradients): wait for the previous unit's
   reduce-scatter, so that one send buffer lives at a time;
 * ``gradients_done(unit)`` (every parameter's gradient is in): launch its
   reduce-scatter, and free it.
@@ -150,6 +150,11 @@ class Schedule:
         self._watch_this_pass()
         unit.wait_gathered()
         self._prefetch(self._backward_order.next_to_prefetch(unit))
+        # Its gradients straight into its send buffer. Not the root's: they
+        # come around the other units' (a final norm first, an embedding
+        # last), and its buffer would stay through the whole backward.
+        if unit.requires_gradient_sync and not unit.is_root:
+            unit.gradients_into_send_buffer()
 
     def gradients_done(self, unit: ShardedUnit) -> None:
         """Every gradient of ``unit`` arrived (hook on its last parameter's accumulation)."""

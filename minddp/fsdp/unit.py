@@ -14,10 +14,11 @@ tensors (``full_params``) are created once and kept for the unit's whole life;
 back. Keeping the same tensor objects is what lets autograd find them again:
 the graph of a forward holds them, and in backward their storage is simply
 full again. Their gradients arrive on them (``.grad``, full size, compute
-dtype) and go at once, divided by N, into the unit's send buffer (made at its
-first gradient); :meth:`start_reduce_scatter` sums that buffer over the
-ranks into this rank's piece, and :meth:`finish_reduce_scatter` hands the
-piece, in fp32, to the shard parameters' ``.grad``.
+dtype), accumulated by autograd straight into their places in the unit's
+send buffer (:meth:`gradients_into_send_buffer`, before the unit's
+backward); :meth:`start_reduce_scatter` divides that buffer by N and sums it
+over the ranks into this rank's piece, and :meth:`finish_reduce_scatter`
+hands the piece, in fp32, to the shard parameters' ``.grad``.
 
 Life cycle: ``SHARDED -> (start_gather) GATHERING -> (wait_gathered) GATHERED
 -> (free) SHARDED``; a reduce-scatter runs beside it (``pending``).
@@ -67,8 +68,7 @@ class ShardedUnit:
         self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
         self._make_room = make_room  # called before a send buffer is made: the previous one may go first
-        self._send: torch.Tensor | None = None  # this step's gradients, scaled, end to end (reduce dtype)
-        self._sent: list[bool] = []  # per parameter: its gradient is in ``_send``
+        self._send: torch.Tensor | None = None  # this step's gradients, end to end (reduce dtype)
         self._gather_work = None
         self.pending: PendingReduceScatter | None = None  # a launched reduce-scatter, until waited for
         self.gradients_in = 0
@@ -102,7 +102,7 @@ class ShardedUnit:
             over_full.set_(self.full.untyped_storage(), offset, original.shape, _contiguous_strides(original.shape))
             over_full.requires_grad_(requires_grad)
             if requires_grad:
-                over_full.register_post_accumulate_grad_hook(self._gradient_hook(len(self.full_params)))
+                over_full.register_post_accumulate_grad_hook(self._gradient_arrived)
             self.full_params.append(over_full)
         self.gradients_expected = sum(p.requires_grad for p in self.full_params)
         held = [length for _, length in self.spans]
@@ -177,55 +177,50 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
 
     # ------------------------------------------------------------ gradients
-    def _gradient_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def arrived(full: torch.Tensor) -> None:
-            # Into the send buffer at once, and the full-size .grad let go: a
-            # unit holds its buffer and one gradient, not all its gradients
-            # twice. Not the root's: its gradients come around the other
-            # units' (a final norm first, an embedding last), and a buffer
-            # filled from the first would stay through the whole backward.
-            if self.requires_gradient_sync and self.layout is not None and not self.is_root:
-                self._into_send_buffer(index, full.grad)
-                full.grad = None
-            self.gradients_in += 1
-            if self.gradients_in == self.gradients_expected:
-                self._on_gradient(self)
-        return arrived
+    def _gradient_arrived(self, _: torch.Tensor) -> None:
+        self.gradients_in += 1
+        if self.gradients_in == self.gradients_expected:
+            self._on_gradient(self)
 
-    def _place_in_send_buffer(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s place in this step's send buffer (made at the first gradient of the step)."""
+    def _send_buffer(self) -> torch.Tensor:
+        """This step's send buffer, zeros (a gradient that never comes counts as zeros), made once."""
         if self._send is None:
             self._make_room(self)
-            self._send = torch.empty(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
-            self._send[self.layout.numel:].zero_()  # the padding of the last piece
-            self._sent = [False] * len(self.full_params)
-        start = self._places_in_send[index]
-        return self._send[start: start + self.full_params[index].numel()]
+            self._send = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
+        return self._send
 
-    def _into_send_buffer(self, index: int, grad: torch.Tensor) -> None:
-        """One full-size gradient, divided by N, into its place: before the sum, as DDP divides (the
-        same rounding as its), in the reduce dtype. A second one in the same step (a nested backward
-        pass) adds to it."""
-        place, grad = self._place_in_send_buffer(index), grad.reshape(-1)
-        if self._sent[index]:
-            place.add_(grad.to(self.reduce_dtype).mul_(1.0 / self.world_size))
-        elif grad.dtype == place.dtype:
-            torch.mul(grad, 1.0 / self.world_size, out=place)
-        else:
-            place.copy_(grad).mul_(1.0 / self.world_size)
-        self._sent[index] = True
+    def gradients_into_send_buffer(self) -> None:
+        """Before the unit's backward: each parameter's ``.grad`` becomes its place in the send buffer.
+
+        Autograd then accumulates every gradient straight into it (as DDP's
+        ``gradient_as_bucket_view`` does into a bucket): no full-size
+        ``.grad`` beside the buffer, no copy, no Python per gradient. Only
+        when gradients are reduced in their own dtype (else they are copied,
+        and cast, at the launch).
+        """
+        if self.layout is None or self.reduce_dtype != self.compute_dtype:
+            return
+        send = self._send_buffer()
+        for full, start in zip(self.full_params, self._places_in_send):
+            if full.requires_grad:
+                place = send[start: start + full.numel()].view(full.shape)
+                if full.grad is not None and full.grad.data_ptr() != place.data_ptr():
+                    place.copy_(full.grad)  # accumulated before (sync off, or a tied use elsewhere)
+                full.grad = place
 
     def start_reduce_scatter(self) -> None:
         """Average the unit's gradients over the ranks (async); this rank keeps its piece."""
         if self.layout is None or self.pending is not None:
             return
-        for index, full in enumerate(self.full_params):
-            if full.grad is not None:  # accumulated while sync was off, and not hooked since
-                self._into_send_buffer(index, full.grad)
-                full.grad = None
-            elif self._send is None or not self._sent[index]:  # no gradient on this rank: zeros
-                self._place_in_send_buffer(index).zero_()
-        send, self._send = self._send, None
+        send = self._send_buffer()
+        for full, start in zip(self.full_params, self._places_in_send):
+            place = send[start: start + full.numel()]
+            if full.grad is not None and full.grad.data_ptr() != place.data_ptr():
+                place.copy_(full.grad.reshape(-1))  # a gradient that did not land in its place: copied (and cast)
+            full.grad = None
+        # One division by N for the whole unit, before the sum, as DDP divides (the same rounding as its).
+        send.mul_(1.0 / self.world_size)
+        self._send = None
         self.reduce_scatters += 1
         self.pending = start_reduce_scatter(send, self.layout.piece, self.rank, self.group, self.on_gloo)
 
@@ -245,8 +240,7 @@ class ShardedUnit:
                 shard_param.grad.add_(values)
 
     def has_gradients(self) -> bool:
-        """Did a gradient arrive this step (in the send buffer), or is one held from an earlier backward?"""
-        return self._send is not None or any(full.grad is not None for full in self.full_params)
+        return any(full.grad is not None for full in self.full_params)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
