@@ -10,7 +10,7 @@ one intra-op thread per rank. The setups are ``_fsdp_setups.py``'s: torch's
 DDP, MiniDDP, ZeRO stage 1 and 2 on MiniDDP, ``minddp.fsdp`` (stage 3) and
 torch's ``fully_shard`` (FSDP2), both per block then the root.
 
-**Memory, measured**: for each setup, fresh, inside a
+**Memory, measured**: for each setup, in rank processes of its own, inside a
 :class:`_live_bytes.LiveBytes` window (a ``TorchDispatchMode`` that counts
 every storage an operation creates while it lives): one step to warm up,
 then the peak over one whole step (``zero_grad``, forward, backward,
@@ -84,6 +84,14 @@ def measure_memory(name: str, cfg, rank: int) -> tuple[list[float], dict]:
     return peaks, setup.full_parameters()
 
 
+def trained(name: str, cfg, rank: int) -> dict:
+    """The full parameters of ``name`` after the same 2 steps, measured by nothing."""
+    setup = build(name, cfg)
+    for step in range(2):
+        train_step(setup, cfg, rank, step)
+    return setup.full_parameters()
+
+
 def measure_time(setups: list[str], cfg, rank: int, rounds: int, steps: int) -> tuple[dict, dict]:
     """Per setup: per-round medians of (wall, CPU) ms per step, slowest rank; and full parameters at the end."""
     built = {name: build(name, cfg) for name in setups}
@@ -108,23 +116,40 @@ def measure_time(setups: list[str], cfg, rank: int, rounds: int, steps: int) -> 
     return {n: {"wall_ms": wall[n], "cpu_ms": cpu[n]} for n in setups}, {n: s.full_parameters() for n, s in built.items()}
 
 
-def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
+def memory_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
+    """One setup's memory, in rank processes of its own (what an earlier setup leaves behind, its
+    hooks, its process group's state, stays out of the count), then torch's DDP's parameters."""
     torch.set_num_threads(1)
     cfg = gpt_config(args["quick"])
-    setups = args["setups"]
-    result: dict = {"world_size": world_size, "memory": {}, "param_diff": {}}
-    full = {}
-    for name in setups:
-        peaks, full[name] = measure_memory(name, cfg, rank)
-        result["memory"][name] = dict(zip(("peak_all", "peak_state", "built"), _max_over_ranks(peaks)))
-    for name in setups:
-        result["param_diff"][name] = _param_diff(full[name], full["torch-ddp"])
-    if world_size == args["time_world"]:
-        result["time"], full = measure_time(setups, cfg, rank, args["rounds"], args["steps"])
-        result["time_param_diff"] = {n: _param_diff(full[n], full["torch-ddp"]) for n in setups}
+    peaks, full = measure_memory(args["setup"], cfg, rank)
+    reference = full if args["setup"] == "torch-ddp" else trained("torch-ddp", cfg, rank)
+    result = {"memory": dict(zip(("peak_all", "peak_state", "built"), _max_over_ranks(peaks))),
+              "param_diff": _param_diff(full, reference)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
+
+
+def time_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
+    torch.set_num_threads(1)
+    cfg = gpt_config(args["quick"])
+    setups = args["setups"]
+    times, full = measure_time(setups, cfg, rank, args["rounds"], args["steps"])
+    result = {"time": times, "time_param_diff": {n: _param_diff(full[n], full["torch-ddp"]) for n in setups}}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+def measure(world_size: int, args: dict) -> dict:
+    """Every setup's memory (each in fresh rank processes), and the timings at ``--time-world``."""
+    result: dict = {"world_size": world_size, "memory": {}, "param_diff": {}}
+    for name in args["setups"]:
+        one = ranks_json(memory_main, world_size, {**args, "setup": name})
+        result["memory"][name], result["param_diff"][name] = one["memory"], one["param_diff"]
+    if world_size == args["time_world"]:
+        result.update(ranks_json(time_main, world_size, args))
+    return result
 
 
 def formula(setup: str, psi: int, n: int, largest_unit: int) -> float | None:
@@ -194,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "time_world": 2 if a.quick else a.time_world}
     worlds = [2] if a.quick else [int(w) for w in a.world_sizes.split(",")]
     load_before = os.getloadavg()[0]
-    results = [ranks_json(rank_main, n, args) for n in worlds]
+    results = [measure(n, args) for n in worlds]
     text = report(results, gpt_config(a.quick), args)
     text += f"load average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after"
     emit(text, a.text, a.json, {"args": args, "results": results})
