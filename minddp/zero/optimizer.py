@@ -34,7 +34,7 @@ Options after torch's signature (popped from ``defaults``):
 * ``shard_gradients``: stage 2, on a MiniDDP passed as ``ddp``.
 * ``partition``: ``"flat"`` (default) or ``"greedy"`` (torch's).
 * ``overlap_comm`` (stage 2, default True): reduce-scatter a bucket while
-  backward goes on, at most two at once, each holding a buffer of the pool
+  the next one fills, two buffers of the pool in use
   (:mod:`minddp.zero.bucket_pool`). False waits for each as it is sent:
   one buffer in all, no overlap (DeepSpeed's option of the same name).
 

@@ -21,7 +21,7 @@ communication with backward stays. Three narrow contacts with MiniDDP:
   the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
 * the reducer's bucket storage: buffers lent by a small pool
   (:mod:`minddp.zero.bucket_pool`), given back as soon as a bucket's piece
-  has arrived, during backward. At most ``BUCKETS_IN_FLIGHT`` buckets hold
+  has arrived, during backward. At most ``BUCKET_BUFFERS`` buckets hold
   one at a time (``overlap_comm=False``: one), so the peak is the shard
   gradients (4 psi / N bytes in fp32) plus a few buckets, not a second copy
   of the model's gradients (measured: ``tests/test_zero_stage2_memory.py``,
@@ -46,9 +46,10 @@ from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.partition import FlatUnit
 
-# Reduce-scatters in flight at once (each holds a pool buffer), with overlap_comm=True (the default):
-# one on the wire while the next is sent. With overlap_comm=False each is waited for as it is sent.
-BUCKETS_IN_FLIGHT = 2
+# Pool buffers in use at once with overlap_comm=True (the default): one bucket's reduce-scatter on the
+# wire while the next bucket fills the other (DeepSpeed's double buffer). With overlap_comm=False each
+# reduce-scatter is waited for as it is sent: one buffer.
+BUCKET_BUFFERS = 2
 
 __all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "missing_from",
            "reduce_scatter_hook", "use_pool"]
@@ -186,17 +187,22 @@ def _shard_slice(zero, index: int) -> torch.Tensor | None:
 
 
 def _wait_for_room(zero) -> None:
-    """At most ``BUCKETS_IN_FLIGHT`` reduce-scatters at once: wait for the oldest before sending another.
+    """Before a bucket is sent, wait for the older reduce-scatters: then at most ``BUCKET_BUFFERS`` buckets
+    hold a pool buffer, the one being sent and the next one filling.
 
     The pool lends a buffer to every bucket between its first gradient and
     its arrival. When backward outruns the network (here: small layers, two
     CPU cores), every bucket would be in flight at once and the pool would
-    grow to the whole model. Waiting bounds it to a few buckets, at the cost
-    of some overlap (DeepSpeed's ``overlap_comm`` makes the same trade).
+    grow to the whole model. Bounded, a bucket's reduce-scatter still
+    overlaps the next bucket's backward (DeepSpeed's ``overlap_comm`` makes
+    the same trade). An arrived bucket's buffer goes back right after this
+    launch (the reducer reclaims finished buckets then), before the next
+    bucket's first gradient takes one: a second bucket still on the wire
+    would make a third buffer.
     """
     in_flight = zero._in_flight
-    while in_flight and (in_flight[0].done() or len(in_flight) >= BUCKETS_IN_FLIGHT):
-        in_flight.popleft().wait()  # arrived: the reducer gives its buffer back at the next launch
+    while in_flight and (in_flight[0].done() or len(in_flight) >= BUCKET_BUFFERS - 1):
+        in_flight.popleft().wait()
 
 
 def _took(zero, bucket: GradBucket) -> bool:
