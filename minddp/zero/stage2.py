@@ -15,7 +15,8 @@ communication with backward stays. Three narrow contacts with MiniDDP:
 * a comm hook (:func:`reduce_scatter_hook`, torch's contract) that divides
   the bucket by N, drops the ``.grad`` just copied into it, and
   reduce-scatters it, this rank's piece landing in the optimizer's shard
-  gradient (straight into it where the piece lies there end to end);
+  gradient (straight into it where the piece lies there end to end; on
+  Gloo by sends and receives, :mod:`minddp.zero.pairwise`);
 * the reducer's ``bucket_reduced_hook`` (:mod:`minddp.reducer_hooks`): told that
   the optimizer took the bucket, the reducer does not write ``.grad``, and
   the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
@@ -44,6 +45,8 @@ import torch.distributed as dist
 from minddp.comm_hooks import GradBucket
 from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
+from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise
+from minddp.zero.pairwise import runs_pairwise
 from minddp.zero.partition import FlatUnit
 
 # Pool buffers in use at once with overlap_comm=True (the default): one bucket's reduce-scatter on the
@@ -151,9 +154,7 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     direct = _shard_slice(zero, index)  # received straight into the shard gradient, when it can be
     zero._written_units.add(index)
     piece = direct if direct is not None else torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
-    work = _reduce_scatter(piece, send, group=group, async_op=True) if n > 1 else None
-    if work is None:
-        piece.copy_(send)
+    work = _start_reduce_scatter(send, piece, group)
 
     def arrived() -> None:
         if direct is None:
@@ -165,6 +166,23 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     if not zero.overlap_comm:  # one buffer in all: the next bucket fills it once this one has arrived
         future.wait()
     return future
+
+
+def _start_reduce_scatter(send: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup):
+    """Start summing this rank's piece of ``send`` over the ranks into ``piece``; the work to wait for
+    (None: one rank, done already).
+
+    On Gloo as sends and receives (:mod:`minddp.zero.pairwise`): Gloo's
+    ``reduce_scatter_tensor`` clones the whole bucket and all-reduces the
+    clone, a bucket more memory at every launch and twice the bytes; by hand
+    the other rank's piece is received straight into ``piece`` at two ranks.
+    """
+    if dist.get_world_size(group) == 1:
+        piece.copy_(send)
+        return None
+    if runs_pairwise(group, send.device):
+        return reduce_scatter_pairwise(send, piece.numel(), group, out=piece)
+    return _reduce_scatter(piece, send, group=group, async_op=True)
 
 
 def _shard_slice(zero, index: int) -> torch.Tensor | None:
