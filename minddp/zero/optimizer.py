@@ -71,7 +71,6 @@ whatever its ``.grad`` holds (its last gradient; ``None`` after
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -80,6 +79,7 @@ from torch.optim import Optimizer
 
 from minddp.join import Join, JoinHook
 from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
+from minddp.zero.clipping import clip_shards_by_global_norm_
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
 from minddp.zero.partition import PARTITIONS, FlatUnit, Segment, flat_units, greedy_units
 from minddp.zero.presence import stepped_parameters
@@ -256,23 +256,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model.
 
         Call after ``backward()`` and before ``step()``, on every rank (a collective).
-        The norm is summed over the shards and all-reduced; returns it.
+        The norm is summed over the shards and all-reduced
+        (:mod:`minddp.zero.clipping`); returns it.
         """
         self._collect_gradients()
         self._clipped = (max_norm, norm_type)
         grads = [self._shard_grad(s) for s in self.layout.shards]
-        device = grads[0].device
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() if g.numel() else torch.zeros((), device=device) for g in grads]).max()
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = local
-        else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
-            dist.all_reduce(local, group=self.process_group)
-            total = local.pow(1.0 / norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
-        return total
+        return clip_shards_by_global_norm_(grads, max_norm, norm_type, self.process_group)
 
     # ----------------------------------------------------------------- step
     def step(self, closure: Callable[[], float] | None = None, **kwargs) -> float | None:
