@@ -118,7 +118,8 @@ def completed(value: torch.Tensor) -> torch.futures.Future:
 
 
 class WorkFuture(torch.futures.Future):
-    """A future for an asynchronous collective whose ``Work`` has none (Gloo's reduce-scatter).
+    """A future for an asynchronous collective whose work has none (Gloo's reduce-scatter; the
+    sends and receives of :mod:`minddp.zero.pairwise`, whose ``PairwiseWork`` sums the piece in ``wait``).
 
     The collective runs in the background from the launch; ``wait()`` (the
     reducer's, at the end of backward) blocks on it, then hands the piece over.
