@@ -10,7 +10,12 @@ model (Psi = 10.5 M, 4 bytes each), AdamW, 4 MB buckets (one layer each).
   the least DDP can hold), in copy mode and with bucket views;
 * after backward <= 4 Psi / N (the shard gradients) + the pool;
 * the parameters after each step equal stage 1's, bit for bit (the same
-  averages, stepped elementwise).
+  averages, stepped elementwise);
+* the pool holds two buffers with ``overlap_comm=True`` (one bucket on the
+  wire while the next fills, DeepSpeed's double buffer), one without;
+* a bucket's reduce-scatter needs no hidden full-bucket copy (torch's Gloo
+  ``reduce_scatter_tensor`` clones the bucket): counted by torch's profiler
+  from the allocator, what it allocates and frees again within the call.
 """
 
 import pytest
@@ -20,7 +25,7 @@ from torch import nn
 
 from minddp import MiniDDP
 from minddp.zero import ZeroRedundancyOptimizer
-from minddp.zero.memory import GradientPeak, gradient_bytes
+from minddp.zero.memory import GradientPeak, allocation_peak, gradient_bytes
 
 WIDTH, LAYERS, BATCH = 1024, 10, 4
 CAP_MB = 4.5  # one layer (4 MiB + bias) per bucket
@@ -32,7 +37,7 @@ def tower() -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
-def _measure(rank, world_size, setup):
+def _measure(rank, world_size, setup, overlap_comm=True):
     module = tower()
     peak = GradientPeak(module)
     as_view = setup in ("ddp", "stage2 views")
@@ -41,7 +46,7 @@ def _measure(rank, world_size, setup):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, ddp=model, lr=1e-3,
-                                      shard_gradients=setup.startswith("stage2"))
+                                      shard_gradients=setup.startswith("stage2"), overlap_comm=overlap_comm)
     peak.watch(model, opt)
     g = torch.Generator().manual_seed(rank)
     after = 0
@@ -56,6 +61,7 @@ def _measure(rank, world_size, setup):
     psi = sum(p.numel() for p in module.parameters())
     units = len(getattr(opt, "layout").units) if hasattr(opt, "layout") else 0
     return {"peak": peak.peak, "after": after, "pool": pool.nbytes if pool is not None else 0, "psi": psi,
+            "pool_buffers": len(pool.buffers) if pool is not None else 0,
             "units": units,
             "params": [p.detach().clone() for p in module.parameters()] if world_size == 2 else None}
 
@@ -83,3 +89,53 @@ def test_stage2_equals_stage1_bit_for_bit(ranks):
     for a, b in zip(stage1, stage2):
         for p, q in zip(a["params"], b["params"]):
             assert torch.equal(p, q), "stage 2 differs from stage 1"
+
+
+@pytest.mark.parametrize("overlap_comm, buffers", [(True, 2), (False, 1)])
+def test_pool_holds_one_bucket_filling_and_one_on_the_wire(ranks, overlap_comm, buffers):
+    """With overlap_comm, a bucket's reduce-scatter overlaps the next bucket's backward: two buffers. An
+    older reduce-scatter still in flight, or one arrived and not yet given back, would be a third."""
+    for r in ranks(2).run(_measure, "stage2 views", overlap_comm, timeout_s=120):
+        assert r["pool_buffers"] <= buffers, f"overlap_comm={overlap_comm}: the pool grew to " \
+                                             f"{r['pool_buffers']} buffers ({r['pool'] / MiB:.1f} MiB)"
+
+
+def _reduce_scatter_transients(rank, world_size):
+    """The bytes each bucket's comm hook allocates and frees again (overlap_comm=False: it waits for its
+    reduce-scatter inside), measured in the third backward, and one bucket's bytes."""
+    module = tower()
+    model = MiniDDP(module, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, ddp=model, lr=1e-3,
+                                  shard_gradients=True, overlap_comm=False)
+    state, hook = model.reducer.comm_hook
+    transients = []
+
+    def profiled(state, bucket):
+        future = None
+
+        def send_and_wait():
+            nonlocal future
+            future = hook(state, bucket)
+            future.wait()
+        peak, kept = allocation_peak(send_and_wait)
+        transients.append(peak - kept)
+        return future
+
+    model.reducer.comm_hook = (state, profiled)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        x = torch.randn(BATCH, WIDTH, generator=g)
+        opt.zero_grad(set_to_none=True)
+        transients.clear()
+        F.mse_loss(model(x), x).backward()
+        opt.step()
+    return max(transients), 4 * max(b.numel for b in model.reducer.buckets)
+
+
+def test_reduce_scatter_allocates_no_copy_of_the_bucket_at_two_ranks(ranks):
+    """At two ranks the piece from the other rank is received straight into the shard gradient and this
+    rank's own half added to it (a + b == b + a: the same bits): nothing more than a few bytes of
+    bookkeeping is allocated. Gloo's reduce_scatter_tensor would clone the whole bucket."""
+    for transient, bucket_bytes in ranks(2).run(_reduce_scatter_transients, timeout_s=120):
+        assert transient < 64 * 1024, f"a reduce-scatter allocated {transient / MiB:.2f} MiB for a while " \
+                                      f"(a bucket is {bucket_bytes / MiB:.2f} MiB)"

@@ -8,6 +8,11 @@
 * :func:`gather_to`: shard-shaped tensors (optimizer state) to one rank,
   shaped like the parameters, for a consolidated checkpoint.
 
+On Gloo the all-gather and the reduce-scatter are sends and receives
+(:mod:`minddp.zero.pairwise`: Gloo's reduce-scatter clones its input and
+all-reduces it, twice the bytes). The sum's order is then the rank order: at
+three ranks or more it may differ from Gloo's ring in the last bit.
+
 A unit can be a whole parameter group (stage 1), so a collective over it at
 once would need a temporary as large as the group. Each is cut into chunks of
 at most ``CHUNK_BYTES`` per rank: the temporaries stay small, the bytes on the
@@ -21,6 +26,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from minddp.zero.pairwise import all_gather as all_gather_pairwise
+from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise
+from minddp.zero.pairwise import runs_pairwise
 from minddp.zero.shards import Shard, ShardLayout
 
 __all__ = ["CHUNK_BYTES", "WorkFuture", "completed", "all_gather_params", "reduce_scatter_grads", "gather_to"]
@@ -45,7 +53,9 @@ def all_gather_params(layout: ShardLayout, shard_tensor: Callable[[Shard], torch
         mine = layout.piece(index, shard_tensor)
         for lo, hi in _chunks(unit.piece, mine.element_size()):
             gathered = torch.empty(n * (hi - lo), dtype=mine.dtype, device=mine.device)
-            if n > 1:
+            if n > 1 and runs_pairwise(group, mine.device):
+                all_gather_pairwise(gathered, mine[lo:hi].contiguous(), group).wait()
+            elif n > 1:
                 _all_gather(gathered, mine[lo:hi].contiguous(), group=group)
             else:
                 gathered.copy_(mine[lo:hi])
@@ -65,8 +75,13 @@ def reduce_scatter_grads(layout: ShardLayout, source: Callable[[torch.Tensor], t
     for index, unit in enumerate(layout.units):
         piece = torch.empty(unit.piece, dtype=unit.dtype, device=unit.device)
         for lo, hi in _chunks(unit.piece, piece.element_size()):
-            send = torch.cat([unit.read(rank, lo, hi, source) for rank in range(n)]).mul_(1.0 / divisor)
-            if n > 1:
+            send = torch.empty(n * (hi - lo), dtype=unit.dtype, device=unit.device)
+            for rank in range(n):  # one rank's chunk at a time: no second copy of all of them (a cat's)
+                send[rank * (hi - lo): (rank + 1) * (hi - lo)] = unit.read(rank, lo, hi, source)
+            send.mul_(1.0 / divisor)
+            if n > 1 and runs_pairwise(group, send.device):
+                reduce_scatter_pairwise(send, hi - lo, group, out=piece[lo:hi]).wait()
+            elif n > 1:
                 _reduce_scatter(piece[lo:hi], send, group=group)
             else:
                 piece[lo:hi] = send
@@ -103,7 +118,8 @@ def completed(value: torch.Tensor) -> torch.futures.Future:
 
 
 class WorkFuture(torch.futures.Future):
-    """A future for an asynchronous collective whose ``Work`` has none (Gloo's reduce-scatter).
+    """A future for an asynchronous collective whose work has none (Gloo's reduce-scatter; the
+    sends and receives of :mod:`minddp.zero.pairwise`, whose ``PairwiseWork`` sums the piece in ``wait``).
 
     The collective runs in the background from the launch; ``wait()`` (the
     reducer's, at the end of backward) blocks on it, then hands the piece over.

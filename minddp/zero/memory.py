@@ -22,12 +22,13 @@ parameters (the local optimizer steps a flat copy, 1/N of the model).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes", "gradient_bytes", "GradientPeak"]
+__all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes", "gradient_bytes", "GradientPeak",
+           "allocation_peak"]
 
 
 def paper_bytes(stage: int, numel: int, world_size: int, param_bytes: int = 2, grad_bytes: int = 2,
@@ -137,3 +138,17 @@ class GradientPeak:
 
     def reset(self) -> None:
         self.peak = 0
+
+
+def allocation_peak(run: Callable[[], object]) -> tuple[int, int]:
+    """Run ``run()`` under torch's profiler: (the most bytes allocated at once above the start, the bytes
+    still allocated at its end). Every allocation counts, whichever code made it (a collective's hidden
+    copy too): the profiler sees the allocator, not the tensors Python can reach. The first minus the
+    second is what ``run`` needed only for a while (a temporary, a received piece)."""
+    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=False) as prof:
+        run()
+    live = peak = 0
+    for event in sorted(prof.function_events, key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak, live

@@ -34,7 +34,7 @@ Options after torch's signature (popped from ``defaults``):
 * ``shard_gradients``: stage 2, on a MiniDDP passed as ``ddp``.
 * ``partition``: ``"flat"`` (default) or ``"greedy"`` (torch's).
 * ``overlap_comm`` (stage 2, default True): reduce-scatter a bucket while
-  backward goes on, at most two at once, each holding a buffer of the pool
+  the next one fills, two buffers of the pool in use
   (:mod:`minddp.zero.bucket_pool`). False waits for each as it is sent:
   one buffer in all, no overlap (DeepSpeed's option of the same name).
 
@@ -71,7 +71,6 @@ whatever its ``.grad`` holds (its last gradient; ``None`` after
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -80,12 +79,14 @@ from torch.optim import Optimizer
 
 from minddp.join import Join, JoinHook
 from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
+from minddp.zero.clipping import clip_shards_by_global_norm_
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
-from minddp.zero.partition import PARTITIONS, FlatUnit, Segment, flat_units, greedy_units
+from minddp.zero.local_optimizer import copy_hyperparameters, rebuild_local_optimizer
+from minddp.zero.partition import PARTITIONS
 from minddp.zero.presence import stepped_parameters
 from minddp.zero.shards import Shard, ShardLayout
 from minddp.zero.stage1_hook import attach_allreduce
-from minddp.zero.stage2 import attach, bucket_units, check_attachable, check_buckets_unchanged, missing_from, use_pool
+from minddp.zero.stage2 import attach, check_attachable, check_buckets_unchanged, use_pool
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -148,56 +149,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._ready = True
 
     # ------------------------------------------------------------ partition
-    @staticmethod
-    def _params_of(group: dict) -> list[torch.Tensor]:
-        """Every parameter of a group, frozen or not (trainability is decided at each step, by
-        ``.grad``, as torch does); a tied weight is one parameter, listed once."""
-        return list({id(p): p for p in group["params"]}.values())
-
-    def _units(self) -> list[FlatUnit]:
-        mine = list({id(p): p for g in self.param_groups for p in self._params_of(g)}.values())
-        if self.shard_gradients and not missing_from(self):
-            # MiniDDP's buckets; what it does not reduce (frozen when it was built), flat.
-            units = bucket_units(self.ddp, self.world_size)
-            bucketed = {id(p) for u in units for p in u.params}
-            return units + flat_units([p for p in mine if id(p) not in bucketed], self.world_size)
-        if self.shard_gradients:  # a group still to be added: retaken from the buckets at the first step
-            return flat_units(mine, self.world_size)
-        totals = [0] * self.world_size
-        units: list[FlatUnit] = []
-        for group in self.param_groups:
-            params = self._params_of(group)
-            if params:
-                units += flat_units(params, self.world_size) if self.partition == "flat" else \
-                    greedy_units(params, self.world_size, totals)
-        return units
-
     def _repartition(self) -> None:
-        """(Re)build the layout and the local optimizer, keeping the state of every segment that stays.
-
-        The local optimizer's state is per segment view, so a segment owned
-        before and after (same parameter, same elements) keeps its state
-        whatever else moved: a group added, stage 2's groups retaken.
-        """
-        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in self._params_of(g)}
-        units = self._units()
-        if not units:
-            raise ValueError("ZeroRedundancyOptimizer got no parameter")
-        old_state = {}
-        if self.layout is not None:
-            old_state = {_where(seg): self.optim.state[view] for shard in self.layout.shards
-                         for seg, view in zip(shard.segments, shard.views) if view in self.optim.state}
-        self.layout = ShardLayout(units, group_of, self.rank, self.world_size)
-        self.layout.fill(lambda s: s.master, lambda p: p.detach())
-        groups = [{**{k: v for k, v in group.items() if k != "params"},
-                   "params": [v for s in self.layout.shards_of_group(i) for v in s.views]}
-                  for i, group in enumerate(self.param_groups)]
-        self.optim = self.optimizer_class(groups, **self._optim_defaults)
-        _copy_hyperparameters(self.optim.param_groups, self.param_groups)  # the class's defaults, seen here
-        for shard in self.layout.shards:
-            for seg, view in zip(shard.segments, shard.views):
-                if _where(seg) in old_state:
-                    self.optim.state[view] = old_state[_where(seg)]
+        """(Re)build the layout and the local optimizer (:mod:`minddp.zero.local_optimizer`), keeping
+        the state of every segment that stays."""
+        self.layout, self.optim = rebuild_local_optimizer(self)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (on every rank, as torch): its parameters are partitioned and join the shards.
@@ -256,23 +211,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model.
 
         Call after ``backward()`` and before ``step()``, on every rank (a collective).
-        The norm is summed over the shards and all-reduced; returns it.
+        The norm is summed over the shards and all-reduced
+        (:mod:`minddp.zero.clipping`); returns it.
         """
         self._collect_gradients()
         self._clipped = (max_norm, norm_type)
         grads = [self._shard_grad(s) for s in self.layout.shards]
-        device = grads[0].device
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() if g.numel() else torch.zeros((), device=device) for g in grads]).max()
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = local
-        else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
-            dist.all_reduce(local, group=self.process_group)
-            total = local.pow(1.0 / norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
-        return total
+        return clip_shards_by_global_norm_(grads, max_norm, norm_type, self.process_group)
 
     # ----------------------------------------------------------------- step
     def step(self, closure: Callable[[], float] | None = None, **kwargs) -> float | None:
@@ -293,7 +238,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             self.clip_grad_norm_(*self._last_clip)
         if not shadow:
             self._last_clip, self._clipped = self._clipped, None
-        _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # an LR scheduler's changes
+        copy_hyperparameters(self.param_groups, self.optim.param_groups)  # an LR scheduler's changes
         with torch.no_grad():  # weights changed since the last all-gather (a model.load_state_dict) count:
             self.layout.fill(lambda s: s.master, lambda p: p.detach())  # a copy of 1/N of them
         self._gradients_into_views(shadow)  # what .grad holds now counts, closure or not (as torch's ZeRO)
@@ -301,7 +246,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             loss = self.optim.step(**kwargs)
         else:
             loss = self.optim.step(closure=self._closure_for_shards(closure), **kwargs)
-        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._end_gradient_round()
         self._pending_load = None
         if self.shard_gradients:
@@ -393,14 +338,3 @@ class _ZeroJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Nothing to agree on: every step ended with the all-gather of every shard."""
-
-
-def _where(segment: Segment) -> tuple:
-    return id(segment.param), segment.param_start, segment.length
-
-
-def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
-    for src, dst in zip(source, target):
-        for key, value in src.items():
-            if key != "params":
-                dst[key] = value

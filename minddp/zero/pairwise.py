@@ -93,33 +93,32 @@ def reduce_scatter(send: torch.Tensor, piece: int, group: dist.ProcessGroup,
                    out: torch.Tensor | None = None) -> PairwiseWork:
     """Sum chunk ``rank`` of ``send`` (N chunks of ``piece``) over the ranks; ``wait()`` returns it.
 
-    The sum lands in ``out`` if given (``piece`` elements), else in one of
-    the N-1 receive buffers (each ``piece`` long: the only memory this
-    takes). ``send`` must not change until then; its other chunks are sent
+    The sum lands in ``out`` if given (``piece`` elements), else in a new
+    tensor. ``send`` must not change until then; its other chunks are sent
     as they are, and its own chunk is read, not written.
+
+    Memory: one of the sum's first two terms is received straight into the
+    result (the first summand of a ``+`` may be either: ``a + b == b + a``,
+    bit for bit), so only N-2 chunks are received into temporaries: none
+    at two ranks.
     """
     me, n = dist.get_rank(group), dist.get_world_size(group)
     chunks = list(send.split(piece))
+    total = out if out is not None else torch.empty(piece, dtype=send.dtype, device=send.device)
+    into_total = 1 if me == 0 else 0  # the rank whose chunk is received into the result itself
     received: dict[int, torch.Tensor] = {}
     works = []
     for rank, global_rank in _peers(group):
         works.append(dist.isend(chunks[rank], global_rank, group=group, tag=_SCATTER_TAG))
-        received[rank] = torch.empty(piece, dtype=send.dtype, device=send.device)
+        received[rank] = total if rank == into_total else \
+            torch.empty(piece, dtype=send.dtype, device=send.device)
         works.append(dist.irecv(received[rank], global_rank, group=group, tag=_SCATTER_TAG))
 
     def add_up() -> torch.Tensor:
-        parts = [received.get(r, chunks[me]) for r in range(n)]
         if n == 1:
-            return out.copy_(parts[0]) if out is not None else parts[0].clone()
-        # The first two in either order (c0 + c1 == c1 + c0, to the bit), into
-        # ``out`` or into a receive buffer (no tensor more); then the rest, in order.
-        first, second = parts[0], parts[1]
-        if out is not None:
-            total = torch.add(first, second, out=out)
-        elif first is chunks[me]:
-            total = second.add_(first)
-        else:
-            total = first.add_(second)
+            return total.copy_(chunks[me])
+        parts = [received.get(r, chunks[me]) for r in range(n)]
+        total.add_(parts[1 - into_total])  # now chunk 0 + chunk 1
         for part in parts[2:]:
             total.add_(part)
         return total

@@ -15,13 +15,14 @@ communication with backward stays. Three narrow contacts with MiniDDP:
 * a comm hook (:func:`reduce_scatter_hook`, torch's contract) that divides
   the bucket by N, drops the ``.grad`` just copied into it, and
   reduce-scatters it, this rank's piece landing in the optimizer's shard
-  gradient (straight into it where the piece lies there end to end);
+  gradient (straight into it where the piece lies there end to end; on
+  Gloo by sends and receives, :mod:`minddp.zero.pairwise`);
 * the reducer's ``bucket_reduced_hook`` (:mod:`minddp.reducer_hooks`): told that
   the optimizer took the bucket, the reducer does not write ``.grad``, and
   the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
 * the reducer's bucket storage: buffers lent by a small pool
   (:mod:`minddp.zero.bucket_pool`), given back as soon as a bucket's piece
-  has arrived, during backward. At most ``BUCKETS_IN_FLIGHT`` buckets hold
+  has arrived, during backward. At most ``BUCKET_BUFFERS`` buckets hold
   one at a time (``overlap_comm=False``: one), so the peak is the shard
   gradients (4 psi / N bytes in fp32) plus a few buckets, not a second copy
   of the model's gradients (measured: ``tests/test_zero_stage2_memory.py``,
@@ -44,11 +45,14 @@ import torch.distributed as dist
 from minddp.comm_hooks import GradBucket
 from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
+from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise
+from minddp.zero.pairwise import runs_pairwise
 from minddp.zero.partition import FlatUnit
 
-# Reduce-scatters in flight at once (each holds a pool buffer), with overlap_comm=True (the default):
-# one on the wire while the next is sent. With overlap_comm=False each is waited for as it is sent.
-BUCKETS_IN_FLIGHT = 2
+# Pool buffers in use at once with overlap_comm=True (the default): one bucket's reduce-scatter on the
+# wire while the next bucket fills the other (DeepSpeed's double buffer). With overlap_comm=False each
+# reduce-scatter is waited for as it is sent: one buffer.
+BUCKET_BUFFERS = 2
 
 __all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "missing_from",
            "reduce_scatter_hook", "use_pool"]
@@ -150,9 +154,7 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     direct = _shard_slice(zero, index)  # received straight into the shard gradient, when it can be
     zero._written_units.add(index)
     piece = direct if direct is not None else torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
-    work = _reduce_scatter(piece, send, group=group, async_op=True) if n > 1 else None
-    if work is None:
-        piece.copy_(send)
+    work = _start_reduce_scatter(send, piece, group)
 
     def arrived() -> None:
         if direct is None:
@@ -164,6 +166,23 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     if not zero.overlap_comm:  # one buffer in all: the next bucket fills it once this one has arrived
         future.wait()
     return future
+
+
+def _start_reduce_scatter(send: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup):
+    """Start summing this rank's piece of ``send`` over the ranks into ``piece``; the work to wait for
+    (None: one rank, done already).
+
+    On Gloo as sends and receives (:mod:`minddp.zero.pairwise`): Gloo's
+    ``reduce_scatter_tensor`` clones the whole bucket and all-reduces the
+    clone, a bucket more memory at every launch and twice the bytes; by hand
+    the other rank's piece is received straight into ``piece`` at two ranks.
+    """
+    if dist.get_world_size(group) == 1:
+        piece.copy_(send)
+        return None
+    if runs_pairwise(group, send.device):
+        return reduce_scatter_pairwise(send, piece.numel(), group, out=piece)
+    return _reduce_scatter(piece, send, group=group, async_op=True)
 
 
 def _shard_slice(zero, index: int) -> torch.Tensor | None:
@@ -186,17 +205,22 @@ def _shard_slice(zero, index: int) -> torch.Tensor | None:
 
 
 def _wait_for_room(zero) -> None:
-    """At most ``BUCKETS_IN_FLIGHT`` reduce-scatters at once: wait for the oldest before sending another.
+    """Before a bucket is sent, wait for the older reduce-scatters: then at most ``BUCKET_BUFFERS`` buckets
+    hold a pool buffer, the one being sent and the next one filling.
 
     The pool lends a buffer to every bucket between its first gradient and
     its arrival. When backward outruns the network (here: small layers, two
     CPU cores), every bucket would be in flight at once and the pool would
-    grow to the whole model. Waiting bounds it to a few buckets, at the cost
-    of some overlap (DeepSpeed's ``overlap_comm`` makes the same trade).
+    grow to the whole model. Bounded, a bucket's reduce-scatter still
+    overlaps the next bucket's backward (DeepSpeed's ``overlap_comm`` makes
+    the same trade). An arrived bucket's buffer goes back right after this
+    launch (the reducer reclaims finished buckets then), before the next
+    bucket's first gradient takes one: a second bucket still on the wire
+    would make a third buffer.
     """
     in_flight = zero._in_flight
-    while in_flight and (in_flight[0].done() or len(in_flight) >= BUCKETS_IN_FLIGHT):
-        in_flight.popleft().wait()  # arrived: the reducer gives its buffer back at the next launch
+    while in_flight and (in_flight[0].done() or len(in_flight) >= BUCKET_BUFFERS - 1):
+        in_flight.popleft().wait()
 
 
 def _took(zero, bucket: GradBucket) -> bool:
