@@ -233,15 +233,12 @@ def _collectives_of_one_backward(rank, world_size):
     return calls
 
 
-def test_on_gloo_a_unit_is_reduced_by_one_all_reduce_in_place_and_gathered_by_broadcasts(ranks):
+def test_on_gloo_a_units_gradients_are_reduced_by_one_all_reduce_in_place(ranks):
     """Gloo's reduce_scatter_tensor clones its whole input and all-reduces the clone (torch 2.14):
-    all-reducing the unit's own send buffer is the same all-reduce, without the full-size clone.
-    Gloo's all-gather keeps the CPU busy while it waits for a late rank; one broadcast per rank,
-    each piece straight into its place, moves the same bytes without that. In the first
-    backward each block is gathered again (2 ranks: 2 broadcasts) and every unit reduced."""
+    all-reducing the unit's own send buffer is the same all-reduce, without the full-size clone."""
     blocks = 2
     for calls in ranks(2).run(_collectives_of_one_backward, timeout_s=60):
-        assert sorted(calls) == sorted(["allreduce_"] * (1 + blocks) + ["broadcast_"] * (2 * blocks)), calls
+        assert [c for c in calls if "gather" not in c] == ["allreduce_"] * (1 + blocks), calls
 
 
 def _both_reduce_scatters(rank, world_size):

@@ -15,13 +15,6 @@ a :class:`PendingReduceScatter`, which keeps the send buffer alive until
 :meth:`~PendingReduceScatter.wait` hands back this rank's piece in a storage of
 its own (so a gradient made of it does not pin the full-size buffer).
 
-Gloo's all-gather has a cost of its own: while it waits for a rank that is
-late, its threads keep the CPU busy (measured: a peer 50 ms late costs
-10-20 ms of CPU, against under 1 ms for an all-reduce or a broadcast). A
-prefetched all-gather waits the longest. So on Gloo a unit is gathered by N
-broadcasts, rank r's piece from rank r straight into its place in ``full``:
-the same bytes, no buffer more, and no spinning
-(:func:`start_all_gather`).
 """
 
 from __future__ import annotations
@@ -30,52 +23,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-__all__ = ["PendingReduceScatter", "gloo_collectives", "start_all_gather", "start_reduce_scatter"]
+__all__ = ["PendingReduceScatter", "all_gather", "gloo_collectives", "start_reduce_scatter"]
 
-# torch 2.14 renamed this (the old name warns); keep working on both. Bound
+# torch 2.14 renamed these (the old names warn); keep working on both. Bound
 # at import, so a wrapper installed before (lesson 22's simulated link) is
 # the one called.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_TORCHS_OWN = {getattr(distributed_c10d, name, None) for name in
-               ("reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single", "all_gather_into_tensor")}
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_TORCHS_OWN = {getattr(distributed_c10d, name, None) for name in ("reduce_scatter_single", "reduce_scatter_tensor")}
 
 
 def gloo_collectives(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether ``group`` runs torch's own all-gather and reduce-scatter of tensors on ``device`` through Gloo.
+    """Whether ``group`` runs torch's own reduce-scatter of tensors on ``device`` through Gloo (an all-reduce inside).
 
     A collective someone wrapped (a simulated link, a tracer) is not
     replaced: it is called, as it was meant to be.
     """
-    if _reduce_scatter not in _TORCHS_OWN or _all_gather not in _TORCHS_OWN:
+    if _reduce_scatter not in _TORCHS_OWN:
         return False
     backend = str(dist.get_backend(group))
     return backend == "gloo" or (device.type == "cpu" and "cpu:gloo" in backend)
-
-
-class _AllOf:
-    """Several launched collectives, waited for as one."""
-
-    def __init__(self, works: list):
-        self._works = works
-
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-
-
-def start_all_gather(full: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup, as_broadcasts: bool):
-    """Every rank's ``mine`` into ``full`` (N pieces end to end), asynchronously; returns what to ``wait()`` for.
-
-    ``as_broadcasts`` (on Gloo): this rank's piece copied into its place,
-    then one broadcast per rank from that place; else torch's all-gather.
-    """
-    if not as_broadcasts:
-        return _all_gather(full, mine, group=group, async_op=True)
-    piece, me = mine.numel(), dist.get_rank(group)
-    full[me * piece: (me + 1) * piece].copy_(mine)
-    return _AllOf([dist.broadcast(full[r * piece: (r + 1) * piece], dist.get_global_rank(group, r), group=group,
-                                  async_op=True) for r in range(dist.get_world_size(group))])
 
 
 class PendingReduceScatter:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.fsdp.fully_shard import units_of
-from minddp.fsdp.collectives import start_all_gather
+from minddp.fsdp.collectives import all_gather
 from minddp.fsdp.unit import ShardedUnit
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_parameters"]
@@ -26,7 +26,7 @@ def _gather_unit(unit: ShardedUnit) -> list[torch.Tensor]:
         return []
     flat = torch.empty(unit.world_size * unit.layout.piece, dtype=unit.master_dtype, device=unit.shard.device)
     if unit.world_size > 1:
-        start_all_gather(flat, unit.shard.detach(), unit.group, as_broadcasts=unit.on_gloo).wait()
+        all_gather(flat, unit.shard.detach(), group=unit.group)
     else:
         flat.copy_(unit.shard.detach())
     return [flat[offset: offset + full.numel()].view(full.shape).clone()

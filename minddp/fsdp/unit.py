@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.fsdp.collectives import PendingReduceScatter, gloo_collectives, start_all_gather, start_reduce_scatter
+from minddp.fsdp.collectives import PendingReduceScatter, all_gather, gloo_collectives, start_reduce_scatter
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.zero.partition import FlatUnit
 
@@ -140,7 +140,7 @@ class ShardedUnit:
             self.gathers += 1
             send = self.shard.to(self.compute_dtype)
             if self.world_size > 1:
-                self._gather_work = start_all_gather(self.full, send, self.group, as_broadcasts=self.on_gloo)
+                self._gather_work = all_gather(self.full, send, group=self.group, async_op=True)
             else:
                 self.full.copy_(send)
         self.state = UnitState.GATHERING
