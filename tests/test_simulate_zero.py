@@ -203,6 +203,16 @@ def test_stage3_on_shared_cores_compute_stands_still_while_the_wire_runs():
     assert s.forward_end_ms == pytest.approx(7.0)  # a's compute paused 1.5..3 by b's prefetch
 
 
+def test_stage3_keeping_the_last_unit_skips_its_gather_in_backward():
+    # b ran last in forward, so its backward comes first: kept whole, a is prefetched at once.
+    s = simulate_stage3(UNITS, LINK, 2, optimizer_ms=4.0, policy=Stage3Policy(keep_last=True))
+    assert _timeline(s) == [
+        ("al", "a", 0, 1.5), ("al", "b", 1.5, 3.0),
+        ("al", "a", 5.5, 7), ("re", "b", 9.5, 11), ("re", "a", 13.5, 15)]
+    assert s.step_ms == pytest.approx(15 + 2)
+    assert s.step_ms < simulate_stage3(UNITS, LINK, 2, 4.0).step_ms
+
+
 def test_stage3_sends_three_halves_of_ddps_bytes_and_two_without_resharding():
     n = 4
     ddp = zero_step(ComputeProfile(0, [Gradient("a", 1, MB), Gradient("b", 2, MB)], 0), LINK, n, "ddp", NO_FIRST_CAP)

@@ -62,6 +62,9 @@ class Stage3Policy:
     prefetch: bool = True  # issue the next unit's all-gather when this unit starts computing
     reshard_after_forward: bool = True  # free after forward (gather again in backward); False: 2Ψ, more memory
     overlap: bool = True  # False: compute and communication share the core (see module doc)
+    # True: the last unit of the forward stays gathered into its backward, which comes next
+    # (minddp.fsdp from its second step; FSDP2 gathers it again unless told otherwise)
+    keep_last: bool = False
 
 
 @dataclass
@@ -141,10 +144,12 @@ class _Wire:
         return t + left
 
 
-def _pass(units: list[Unit], wire: _Wire, t: float, phase: str, gather: bool) -> float:
-    """Forward (or backward, with ``units`` reversed) through every unit; returns when the last one is done."""
+def _pass(units: list[Unit], wire: _Wire, t: float, phase: str, gather: bool, first_gathered: bool = False) -> float:
+    """Forward (or backward, with ``units`` reversed) through every unit; returns when the last one is done.
+
+    ``first_gathered``: the first unit is whole already (kept from the forward)."""
     prefetch = wire.policy.prefetch and gather
-    ready = {0: wire.issue("all_gather", units[0], phase, t)} if prefetch else {}
+    ready = {0: t} if first_gathered else {0: wire.issue("all_gather", units[0], phase, t)} if prefetch else {}
     for i, unit in enumerate(units):
         if i not in ready:
             ready[i] = wire.issue("all_gather", unit, phase, t) if gather else t
@@ -167,7 +172,8 @@ def simulate_stage3(units: list[Unit], network: Link | Hierarchy, world_size: in
     wire = _Wire(network, world_size, policy)
     forward_end = _pass(units, wire, 0.0, "forward", gather=True)
     # Without resharding, the parameters gathered in forward stay for backward: no second all-gather.
-    backward_end = _pass(units[::-1], wire, forward_end, "backward", gather=policy.reshard_after_forward)
+    backward_end = _pass(units[::-1], wire, forward_end, "backward", gather=policy.reshard_after_forward,
+                         first_gathered=policy.keep_last)
     work = sum(u.forward_ms + u.backward_ms for u in units)
     comm_end = max([c.end_ms for c in wire.collectives], default=0.0)
     return Stage3Step(world_size, forward_end, backward_end, comm_end, optimizer_ms / world_size, work,
