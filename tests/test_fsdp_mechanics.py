@@ -193,7 +193,7 @@ def _launches_and_waits(rank, world_size):
         return call
 
     for unit in units_of(model):
-        unit._make_room = recorded(unit, "fill", unit._make_room)  # just before it makes its send buffer
+        unit._lend_buffer = recorded(unit, "fill", unit._lend_buffer)  # when it takes a send buffer
         unit.start_reduce_scatter = recorded(unit, "launch", unit.start_reduce_scatter)
         unit.finish_reduce_scatter = recorded(unit, "wait", unit.finish_reduce_scatter)
     for step in range(2):
@@ -261,3 +261,64 @@ def test_the_all_reduce_form_equals_gloos_reduce_scatter_bit_for_bit(ranks):
     for theirs, ours, real in ranks(3).run(_both_reduce_scatters, timeout_s=60):
         assert torch.equal(ours, theirs)
         assert real.dtype == torch.float64 and torch.equal(real, theirs.double())
+
+
+class _Sandwich(torch.nn.Module):
+    """``outer`` used twice, around ``inner``: outer's backward begins, inner's runs whole, outer's ends."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.outer, self.inner = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.outer(torch.tanh(self.inner(self.outer(x))))
+
+
+def _sandwich(rank, world_size):
+    from minddp.fsdp import full_state_dict, fully_shard
+
+    torch.set_num_threads(1)
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    reference = _Sandwich()
+    sum(reference(x).pow(2).mean() for x in batches).div(world_size).backward()
+    model = _Sandwich()
+    fully_shard(model.outer), fully_shard(model.inner), fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(2):  # the second step lends the send buffer with every order known
+        optimizer.zero_grad()
+        model(batches[rank]).pow(2).mean().backward()
+    optimizer.step()
+    stepped = full_state_dict(model)
+    return {name: (stepped[name], p.detach() - p.grad) for name, p in reference.named_parameters()}
+
+
+def test_a_unit_whose_backward_begins_inside_anothers_gets_a_send_buffer_of_its_own(ranks):
+    """``inner``'s backward runs while ``outer`` (used before and after it) is still filling
+    its send buffer: ``inner`` must not be lent that buffer. Not vacuous: lending it makes
+    both units' gradients share memory, and ``outer``'s weights move by ``inner``'s."""
+    for results in ranks(2).run(_sandwich, timeout_s=60):
+        for name, (ours, expected) in results.items():
+            torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _buffers_lent(rank, world_size):
+    from minddp.fsdp.fully_shard import units_of
+
+    torch.set_num_threads(1)
+    model = shard_gpt(gpt())
+    lent = []
+    for unit in units_of(model):
+        unit._lend_buffer = lambda u, lend=unit._lend_buffer: lent.append(lend(u)) or lent[-1]
+    for step in range(2):
+        x, y = rank_batch(step, rank, world_size)
+        model(x, y).backward()
+    return [t.untyped_storage().data_ptr() for t in lent], len(units_of(model))
+
+
+def test_one_send_buffer_is_lent_to_every_unit_of_a_step(ranks):
+    """The same storage, unit after unit (not a fresh one each time: a finished collective's
+    tensors may be let go by Gloo's thread a moment late, and two would then be alive)."""
+    for pointers, units in ranks(2).run(_buffers_lent, timeout_s=60):
+        assert len(pointers) == 2 * units
+        assert len(set(pointers[:units])) == 1 and len(set(pointers[units:])) == 1, pointers

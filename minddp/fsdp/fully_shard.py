@@ -95,7 +95,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
 
     unit = ShardedUnit(name, [p for p, _ in own], places, group, mp_policy,
                        on_gradient=lambda u: u.schedule.gradients_done(u),
-                       make_room=lambda u: u.schedule.make_room(u))
+                       lend_buffer=lambda u: u.schedule.lend_send_buffer(u))
     unit.reshard_after_forward = reshard_after_forward
     unit.is_root = bool(inner)
     unit.schedule = Schedule([unit])

@@ -15,9 +15,9 @@ decides the rest:
   (``register_multi_grad_hook``);
 * ``before_backward(unit)``: gather it again, prefetch the next unit of the
   last backward's order, and point its gradients into its send buffer;
-* ``make_room(unit)`` (the unit is about to make its send buffer, into
-  which autograd accumulates its gradients): wait for the previous unit's
-  reduce-scatter, so that one send buffer lives at a time;
+* ``lend_send_buffer(unit)`` (the unit needs a buffer for its gradients,
+  which autograd accumulates into it): wait for the previous unit's
+  reduce-scatter and lend the step's one send buffer again;
 * ``gradients_done(unit)`` (every parameter's gradient is in): launch its
   reduce-scatter, and free it.
 
@@ -98,6 +98,8 @@ class Schedule:
         self._reset_step()
 
     def _reset_step(self) -> None:
+        self._buffer: torch.Tensor | None = None  # the send buffer, lent to one unit at a time (none between steps)
+        self._filling: ShardedUnit | None = None  # the unit it is lent to, until that unit launches
         self._ran_forward: list[ShardedUnit] = []
         self._gradients_done: set[int] = set()
         self._launched: list[ShardedUnit] = []
@@ -165,22 +167,39 @@ class Schedule:
         unit.free(free_lenders=False)
         unit.gradients_in = 0
 
-    def make_room(self, unit: ShardedUnit) -> None:
-        """``unit`` is about to make its send buffer (its first gradient arrived): the last one goes first.
+    def lend_send_buffer(self, unit: ShardedUnit) -> torch.Tensor:
+        """Zeros for ``unit``'s gradients: the step's one send buffer, once the reduce-scatter that used it is done.
 
         A launched reduce-scatter holds its full-size send buffer until waited
-        for. Waiting for it before this unit fills a buffer of its own (the
-        previous unit's reduce-scatter had this unit's first backward
+        for. Waiting for it before the next unit takes the buffer (the
+        previous unit's reduce-scatter had this unit's gather and first
         operations to finish in, so the wait is usually short) keeps one send
-        buffer alive at a time: two would be the step's memory peak.
+        buffer at a time: two would be the step's memory peak. Lending the
+        same buffer again, rather than a new one, keeps that true even while
+        Gloo's thread lets go of a finished collective's tensors a moment
+        late. A unit whose backward begins while another still fills the
+        buffer (two branches) gets zeros of its own.
         """
         for earlier in self._launched:
             if earlier is not unit:
                 earlier.finish_reduce_scatter()
+        numel, dtype, device = unit.full.numel(), unit.reduce_dtype, unit.full.device
+        shared = self._buffer
+        if self._filling not in (None, unit):
+            return torch.zeros(numel, dtype=dtype, device=device)
+        if shared is None or shared.dtype != dtype or shared.device != device or shared.numel() < numel:
+            largest = max(u.full.numel() for u in self.units if u.reduce_dtype == dtype)
+            self._buffer = shared = torch.empty(max(largest, numel), dtype=dtype, device=device)
+        self._filling = unit
+        return shared[:numel].zero_()
 
     def _launch_reduce_scatter(self, unit: ShardedUnit) -> None:
-        self.make_room(unit)
+        for earlier in self._launched:
+            if earlier is not unit:
+                earlier.finish_reduce_scatter()
         unit.start_reduce_scatter()
+        if self._filling is unit:
+            self._filling = None
         self._launched = [unit]
 
     def _prefetch(self, unit: ShardedUnit | None) -> None:

@@ -54,7 +54,7 @@ class ShardedUnit:
     def __init__(self, name: str, params: list[nn.Parameter], places: list[list[Place]],
                  group: dist.ProcessGroup, policy: MixedPrecisionPolicy,
                  on_gradient: Callable[["ShardedUnit"], None],
-                 make_room: Callable[["ShardedUnit"], None] = lambda unit: None):
+                 lend_buffer: Callable[["ShardedUnit"], torch.Tensor] | None = None):
         """``params``: the unit's own parameters (distinct); ``places[i]``: where ``params[i]`` sits."""
         self.name = name
         self.group = group
@@ -67,7 +67,7 @@ class ShardedUnit:
         self.is_root = False  # around other units: kept gathered from its forward into backward
         self.schedule = None  # the Schedule of the model's units, set by fully_shard
         self._on_gradient = on_gradient
-        self._make_room = make_room  # called before a send buffer is made: the previous one may go first
+        self._lend_buffer = lend_buffer or _own_buffer  # this step's send buffer, zeros (the Schedule lends one)
         self._send: torch.Tensor | None = None  # this step's gradients, end to end (reduce dtype)
         self._gather_work = None
         self.pending: PendingReduceScatter | None = None  # a launched reduce-scatter, until waited for
@@ -183,10 +183,9 @@ class ShardedUnit:
             self._on_gradient(self)
 
     def _send_buffer(self) -> torch.Tensor:
-        """This step's send buffer, zeros (a gradient that never comes counts as zeros), made once."""
+        """This step's send buffer, zeros (a gradient that never comes counts as zeros), taken once."""
         if self._send is None:
-            self._make_room(self)
-            self._send = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.full.device)
+            self._send = self._lend_buffer(self)
         return self._send
 
     def gradients_into_send_buffer(self) -> None:
@@ -241,6 +240,10 @@ class ShardedUnit:
 
     def has_gradients(self) -> bool:
         return any(full.grad is not None for full in self.full_params)
+
+
+def _own_buffer(unit: ShardedUnit) -> torch.Tensor:
+    return torch.zeros(unit.full.numel(), dtype=unit.reduce_dtype, device=unit.full.device)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
