@@ -178,7 +178,7 @@ class Schedule:
         same buffer again, rather than a new one, keeps that true even while
         Gloo's thread lets go of a finished collective's tensors a moment
         late. A unit whose backward begins while another still fills the
-        buffer (two branches) gets zeros of its own.
+        buffer (a unit used before and after it) gets zeros of its own.
         """
         for earlier in self._launched:
             if earlier is not unit:
