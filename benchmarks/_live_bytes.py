@@ -136,34 +136,20 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def _see(self, t: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(t):
-            for name in t.__tensor_flatten__()[0]:
-                inner = getattr(t, name)
-                if torch.is_tensor(inner):
-                    self._see(inner)
-            return
-        if t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self._live:
-            return
-        self._live[key] = (next(self._serials), 0)
-        self._add(key, storage.nbytes())
-        weakref.finalize(storage, self._forget, key)
+        for plain in _plain_tensors(t):
+            storage = plain.untyped_storage()
+            key = id(storage)
+            if key in self._live:
+                continue
+            self._live[key] = (next(self._serials), 0)
+            self._add(key, storage.nbytes())
+            weakref.finalize(storage, self._forget, key)
 
     def _mark(self, t: torch.Tensor) -> None:
         """``t``'s storage is model state."""
-        if is_traceable_wrapper_subclass(t):
-            for name in t.__tensor_flatten__()[0]:
-                inner = getattr(t, name)
-                if torch.is_tensor(inner):
-                    self._mark(inner)
-            return
-        if t.device.type == "meta":
-            return
-        self._see(t)
-        self._state.add(self._live[id(t.untyped_storage())][0])
+        for plain in _plain_tensors(t):
+            self._see(plain)
+            self._state.add(self._live[id(plain.untyped_storage())][0])
 
     # ------------------------------------------------------------------ the books
     def _add(self, key: int, nbytes: int) -> None:
@@ -178,3 +164,14 @@ class LiveBytes(TorchDispatchMode):
         self.current -= nbytes
         if serial is not None:
             self._log.append((serial, -nbytes))
+
+
+def _plain_tensors(t: torch.Tensor):
+    """The tensors with storage behind ``t``: itself, or a subclass's (a DTensor's) inner ones; none on meta."""
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            inner = getattr(t, name)
+            if torch.is_tensor(inner):
+                yield from _plain_tensors(inner)
+    elif t.device.type != "meta":
+        yield t

@@ -180,9 +180,7 @@ class Schedule:
         late. A unit whose backward begins while another still fills the
         buffer (a unit used before and after it) gets zeros of its own.
         """
-        for earlier in self._launched:
-            if earlier is not unit:
-                earlier.finish_reduce_scatter()
+        self._finish_launched_before(unit)
         numel, dtype, device = unit.full.numel(), unit.reduce_dtype, unit.full.device
         shared = self._buffer
         if self._filling not in (None, unit):
@@ -194,13 +192,16 @@ class Schedule:
         return shared[:numel].zero_()
 
     def _launch_reduce_scatter(self, unit: ShardedUnit) -> None:
-        for earlier in self._launched:
-            if earlier is not unit:
-                earlier.finish_reduce_scatter()
+        self._finish_launched_before(unit)
         unit.start_reduce_scatter()
         if self._filling is unit:
             self._filling = None
         self._launched = [unit]
+
+    def _finish_launched_before(self, unit: ShardedUnit) -> None:
+        for earlier in self._launched:
+            if earlier is not unit:
+                earlier.finish_reduce_scatter()
 
     def _prefetch(self, unit: ShardedUnit | None) -> None:
         if unit is not None and self.prefetch:
