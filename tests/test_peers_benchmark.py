@@ -97,3 +97,25 @@ def test_quick_run_every_setup_trains_like_torch_ddp(tmp_path):
     assert result["memory"]["ddp"]["peak_state"] >= 16 * numel
     assert result["memory"]["fsdp2"]["built"] < result["memory"]["ddp"]["built"]  # sharded at construction
     assert "| fsdp2 |" in proc.stdout and "CPU / FSDP2" in proc.stdout
+
+
+def test_thread_cpu_reader_charges_work_to_the_thread_that_did_it():
+    """benchmarks/fsdp_threads.py reads each thread's CPU from /proc: 0.3 s of busy work on the main
+    thread shows there, and a busy helper thread does not (it is 'other')."""
+    import threading
+    import time
+
+    import fsdp_threads
+
+    def busy(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    before = fsdp_threads.thread_cpu_ms()
+    busy(0.3)
+    helper = threading.Thread(target=busy, args=(0.3,))
+    helper.start(), helper.join()
+    after = fsdp_threads.thread_cpu_ms()
+    assert 250 <= after["main"] - before["main"] <= 450
+    assert after["gloo_tcp_loop"] == before["gloo_tcp_loop"]
