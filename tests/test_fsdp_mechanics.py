@@ -242,11 +242,14 @@ def _collectives_of_one_backward(rank, world_size):
     return calls
 
 
-def test_on_gloo_a_units_gradients_are_reduced_by_one_all_reduce_in_place(ranks):
-    """Gloo's reduce_scatter_tensor clones its whole input and all-reduces the clone (torch 2.14):
-    all-reducing the unit's own send buffer is the same all-reduce, without the full-size clone."""
+def test_on_gloo_a_units_gradients_are_reduced_by_one_exchange_at_two_ranks_one_all_reduce_at_more(ranks):
+    """Gloo's reduce_scatter_tensor clones its whole input and all-reduces the clone (torch 2.14).
+    At two ranks a unit's halves are exchanged instead (one all-to-all, half the bytes); at three,
+    the unit's own send buffer is all-reduced in place: the same all-reduce, without the clone."""
     blocks = 2
     for calls in ranks(2).run(_collectives_of_one_backward, timeout_s=60):
+        assert [c for c in calls if "gather" not in c] == ["alltoall_base_"] * (1 + blocks), calls
+    for calls in ranks(3).run(_collectives_of_one_backward, timeout_s=60):
         assert [c for c in calls if "gather" not in c] == ["allreduce_"] * (1 + blocks), calls
 
 
@@ -266,10 +269,13 @@ def _both_reduce_scatters(rank, world_size):
     return theirs, ours.wait(torch.float32), real.wait(torch.float64)
 
 
-def test_the_all_reduce_form_equals_gloos_reduce_scatter_bit_for_bit(ranks):
-    for theirs, ours, real in ranks(3).run(_both_reduce_scatters, timeout_s=60):
-        assert torch.equal(ours, theirs)
-        assert real.dtype == torch.float64 and torch.equal(real, theirs.double())
+def test_the_gloo_forms_equal_gloos_reduce_scatter_bit_for_bit(ranks):
+    """Values over seven decades, so a different summation order would show in the last bits
+    (at two ranks there is one order: ``a + b == b + a``)."""
+    for world_size in (2, 3):  # the exchange, then the all-reduce in place
+        for theirs, ours, real in ranks(world_size).run(_both_reduce_scatters, timeout_s=60):
+            assert torch.equal(ours, theirs)
+            assert real.dtype == torch.float64 and torch.equal(real, theirs.double())
 
 
 class _Sandwich(torch.nn.Module):

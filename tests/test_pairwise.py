@@ -73,3 +73,51 @@ def _on_gloo(rank, world_size):
 
 def test_used_on_gloo_on_cpu(ranks):
     assert all(ranks(2).run(_on_gloo, timeout_s=60))
+
+
+def _collectives_called(rank, world_size):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d" and "wait" not in func.__name__:
+                calls.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    send, whole = _spread_values(rank, world_size), torch.empty(world_size * PIECE)
+    calls = []
+    with Recording():
+        pairwise.reduce_scatter(send, PIECE, dist.group.WORLD).wait()
+        pairwise.all_gather(whole, send[:PIECE].clone(), dist.group.WORLD).wait()
+    return calls
+
+
+def test_at_two_ranks_each_is_one_exchange_not_sends_and_receives(ranks):
+    """One all-to-all runs on Gloo's worker thread like any collective (half the CPU of the
+    all-reduce in a real step); sends and receives are posted one by one from the caller."""
+    for calls in ranks(2).run(_collectives_called, timeout_s=60):
+        assert calls == ["alltoall_base_", "alltoall_base_"], calls
+    for calls in ranks(3).run(_collectives_called, timeout_s=60):
+        assert "alltoall_base_" not in calls and calls.count("send") == 4, calls
+
+
+def _in_a_group_of_two(rank, world_size):
+    torch.set_num_threads(1)
+    pair = dist.new_group([1, 2])  # every rank takes part in making it
+    if rank == 0:
+        return None
+    me = dist.get_rank(pair)
+    send = torch.arange(2 * PIECE, dtype=torch.float32) * (rank + 1)
+    summed = pairwise.reduce_scatter(send, PIECE, pair).wait()
+    whole = torch.empty(2 * PIECE)
+    pairwise.all_gather(whole, torch.full((PIECE,), float(rank)), pair).wait()
+    return summed, send[me * PIECE: (me + 1) * PIECE] * 5 / (rank + 1), whole
+
+
+def test_the_exchange_works_in_a_group_of_two_out_of_three(ranks):
+    """Ranks 1 and 2 of three: the group's own ranks (0 and 1) choose what is sent, not the global ones."""
+    for result in ranks(3).run(_in_a_group_of_two, timeout_s=60)[1:]:
+        summed, expected, whole = result
+        assert torch.equal(summed, expected)  # (rank 1's x2) + (rank 2's x3) = x5
+        assert torch.equal(whole, torch.cat([torch.full((PIECE,), 1.0), torch.full((PIECE,), 2.0)]))

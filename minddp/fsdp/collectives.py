@@ -4,11 +4,20 @@ On Gloo, torch's ``reduce_scatter_tensor`` is not a reduce-scatter:
 ``ProcessGroupGloo`` (torch 2.14) clones the whole input on the caller's
 thread, all-reduces the clone, and copies this rank's chunk out when the work
 is waited for. That is an all-reduce's traffic (twice a reduce-scatter's),
-plus one more full-size buffer and copy per unit per step. A unit's send
-buffer is already a private copy of its gradients, so all-reducing *it* in
-place and reading this rank's chunk runs the very same all-reduce, hence the
-same bits, without the clone. Any other backend (NCCL) has a real
-reduce-scatter, and gets it.
+plus one more full-size buffer and copy per unit per step. So on Gloo:
+
+* at two ranks, a real reduce-scatter: the peer's half of the send buffer
+  goes out and the peer's half for this rank comes in, as one exchange
+  (:func:`minddp.zero.pairwise.reduce_scatter`), and this rank adds its own
+  half: half the bytes, one collective, and half the CPU of the all-reduce
+  in a real step (``benchmarks/fsdp_threads.py``). ``a + b == b + a``, so
+  the same bits as Gloo's all-reduce;
+* at three or more, a unit's send buffer is already a private copy of its
+  gradients, so all-reducing *it* in place and reading this rank's chunk runs
+  the very same all-reduce as torch's, hence the same bits, without the
+  clone.
+
+Any other backend (NCCL) has a real reduce-scatter, and gets it.
 
 Life cycle: :func:`start_reduce_scatter` launches (asynchronously) and returns
 a :class:`PendingReduceScatter`, which keeps the send buffer alive until
@@ -22,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+
+from minddp.zero import pairwise
 
 __all__ = ["PendingReduceScatter", "all_gather", "gloo_collectives", "start_reduce_scatter"]
 
@@ -64,13 +75,19 @@ def start_reduce_scatter(send: torch.Tensor, piece: int, rank: int, group: dist.
                          all_reduce_instead: bool) -> PendingReduceScatter:
     """Sum ``send`` (``world size x piece`` elements) over the ranks; this rank keeps chunk ``rank``.
 
-    ``all_reduce_instead``: sum the whole buffer in place (what Gloo's
-    reduce-scatter does, on a clone); else a real reduce-scatter into a new
+    ``all_reduce_instead`` (Gloo): at two ranks, exchange halves; at more,
+    sum the whole buffer in place (what Gloo's reduce-scatter does, on a
+    clone). Else a real reduce-scatter. Both of those sum into a new
     ``piece``-long tensor. A world of one only reads its own chunk.
     """
     mine = send[rank * piece: (rank + 1) * piece]
-    if dist.get_world_size(group) == 1:
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
         return PendingReduceScatter(None, send, mine, result_in_send=True)
+    if all_reduce_instead and world_size == 2:
+        result = torch.empty(piece, dtype=send.dtype, device=send.device)
+        return PendingReduceScatter(pairwise.reduce_scatter(send, piece, group, out=result), send, result,
+                                    result_in_send=False)
     if all_reduce_instead:
         return PendingReduceScatter(dist.all_reduce(send, group=group, async_op=True), send, mine, result_in_send=True)
     result = torch.empty(piece, dtype=send.dtype, device=send.device)

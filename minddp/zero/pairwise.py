@@ -10,14 +10,20 @@ algorithm sends.
 On Gloo (torch 2.14, CPU), torch's ``reduce_scatter_tensor`` is not that: it
 clones the whole input and all-reduces the clone, twice the bytes and a
 full-size buffer more. Sending by hand sends half as much and needs (N-1)/N
-of a buffer to receive into. What it does not save is time: called back to
-back on an idle machine it costs a third of the CPU of Gloo's collectives
-(``benchmarks/pairwise_collectives.py``), but between real computation, on
-a loaded machine, the difference is lost in the noise, and posting a send
-or a receive can block the caller while Gloo's network thread holds the
-connection (Gloo's own collectives run on its worker threads). So it is a
-memory tool: :func:`runs_pairwise` says where it applies (Gloo on CPU, no
-wrapped collectives).
+of a buffer to receive into.
+
+At two ranks each collective is one exchange with the one peer, and it goes
+as one Gloo collective: ``all_to_all_single`` with nothing sent to oneself
+(the peer's chunk out, this rank's in), run on Gloo's worker thread like any
+collective. Between real computation that costs half the CPU of the
+all-reduce (``benchmarks/pairwise_collectives.py``, and ``minddp.fsdp``'s
+step in ``benchmarks/fsdp_threads.py``). At three ranks and more the sends
+and receives are posted one by one; there, called back to back on an idle
+machine they cost a third of the CPU of Gloo's collectives, but between real
+computation on a loaded machine the difference is lost in the noise, and
+posting a send or a receive can block the caller while Gloo's network thread
+holds the connection. :func:`runs_pairwise` says where they apply (Gloo on
+CPU, no wrapped collectives).
 
 The sum: chunk by chunk in rank order, ``((c0 + c1) + c2) + ...``. At two
 ranks that is the same bits as any all-reduce (``a + b == b + a``); at three
@@ -78,10 +84,18 @@ def _peers(group: dist.ProcessGroup) -> list[tuple[int, int]]:
     return [(r, dist.get_global_rank(group, r)) for r in range(dist.get_world_size(group)) if r != me]
 
 
+def _exchange(received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup):
+    """Two ranks: ``sent`` to the peer, the peer's into ``received``, as one collective (the work)."""
+    sizes = [0, sent.numel()] if dist.get_rank(group) == 0 else [sent.numel(), 0]  # nothing to oneself
+    return dist.all_to_all_single(received, sent, sizes, sizes, group=group, async_op=True)
+
+
 def all_gather(output: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup) -> PairwiseWork:
     """Every rank's ``mine`` into ``output`` (N pieces end to end): received straight into place."""
     piece, me = mine.numel(), dist.get_rank(group)
     output[me * piece: (me + 1) * piece].copy_(mine)
+    if dist.get_world_size(group) == 2:
+        return PairwiseWork([_exchange(output[(1 - me) * piece: (2 - me) * piece], mine, group)])
     works = []
     for rank, global_rank in _peers(group):
         works.append(dist.isend(mine, global_rank, group=group, tag=_GATHER_TAG))
@@ -106,6 +120,8 @@ def reduce_scatter(send: torch.Tensor, piece: int, group: dist.ProcessGroup,
     chunks = list(send.split(piece))
     total = out if out is not None else torch.empty(piece, dtype=send.dtype, device=send.device)
     into_total = 1 if me == 0 else 0  # the rank whose chunk is received into the result itself
+    if n == 2:
+        return PairwiseWork([_exchange(total, chunks[1 - me], group)], lambda: total.add_(chunks[me]))
     received: dict[int, torch.Tensor] = {}
     works = []
     for rank, global_rank in _peers(group):
