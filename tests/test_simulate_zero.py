@@ -213,6 +213,18 @@ def test_stage3_keeping_the_last_unit_skips_its_gather_in_backward():
     assert s.step_ms < simulate_stage3(UNITS, LINK, 2, 4.0).step_ms
 
 
+def test_stage3_keeping_the_root_skips_its_gather_at_the_end_of_backward():
+    # a, the first unit of the forward, is the root: whole through the step, so backward gathers b alone
+    # (kept too with keep_last: no gather at all in backward, only the two reduce-scatters).
+    s = simulate_stage3(UNITS, LINK, 2, optimizer_ms=4.0, policy=Stage3Policy(keep_root=True))
+    assert _timeline(s) == [
+        ("al", "a", 0, 1.5), ("al", "b", 1.5, 3.0),
+        ("al", "b", 5.5, 7), ("re", "b", 11, 12.5), ("re", "a", 15, 16.5)]
+    both = simulate_stage3(UNITS, LINK, 2, optimizer_ms=4.0, policy=Stage3Policy(keep_root=True, keep_last=True))
+    assert [c.kind for c in both.collectives if c.phase == "backward"] == ["reduce_scatter"] * 2
+    assert both.step_ms == pytest.approx(5.5 + 8 + 1.5 + 2)  # backward computes 5.5..13.5, then a's scatter 13.5..15
+
+
 def test_stage3_sends_three_halves_of_ddps_bytes_and_two_without_resharding():
     n = 4
     ddp = zero_step(ComputeProfile(0, [Gradient("a", 1, MB), Gradient("b", 2, MB)], 0), LINK, n, "ddp", NO_FIRST_CAP)

@@ -65,6 +65,9 @@ class Stage3Policy:
     # True: the last unit of the forward stays gathered into its backward, which comes next
     # (minddp.fsdp from its second step; FSDP2 gathers it again unless told otherwise)
     keep_last: bool = False
+    # True: the first unit of the forward is the root, around the others, and stays gathered
+    # from its forward through the whole backward (minddp.fsdp and FSDP2 both keep their root)
+    keep_root: bool = False
 
 
 @dataclass
@@ -144,18 +147,23 @@ class _Wire:
         return t + left
 
 
-def _pass(units: list[Unit], wire: _Wire, t: float, phase: str, gather: bool, first_gathered: bool = False) -> float:
+def _pass(units: list[Unit], wire: _Wire, t: float, phase: str, gather: bool,
+          whole: frozenset[int] = frozenset()) -> float:
     """Forward (or backward, with ``units`` reversed) through every unit; returns when the last one is done.
 
-    ``first_gathered``: the first unit is whole already (kept from the forward)."""
+    ``whole``: the positions of the units that are gathered already (kept from the forward)."""
     prefetch = wire.policy.prefetch and gather
-    ready = {0: t} if first_gathered else {0: wire.issue("all_gather", units[0], phase, t)} if prefetch else {}
+
+    def fetch(i: int, at_ms: float) -> float:
+        return at_ms if i in whole or not gather else wire.issue("all_gather", units[i], phase, at_ms)
+
+    ready = {0: fetch(0, t)} if prefetch else {}
     for i, unit in enumerate(units):
         if i not in ready:
-            ready[i] = wire.issue("all_gather", unit, phase, t) if gather else t
+            ready[i] = fetch(i, t)
         start = max(t, ready[i])
         if prefetch and i + 1 < len(units):
-            ready[i + 1] = wire.issue("all_gather", units[i + 1], phase, start)
+            ready[i + 1] = fetch(i + 1, start)
         t = wire.compute(start, unit.forward_ms if phase == "forward" else unit.backward_ms)
         if phase == "backward":
             wire.issue("reduce_scatter", unit, phase, t)
@@ -172,8 +180,11 @@ def simulate_stage3(units: list[Unit], network: Link | Hierarchy, world_size: in
     wire = _Wire(network, world_size, policy)
     forward_end = _pass(units, wire, 0.0, "forward", gather=True)
     # Without resharding, the parameters gathered in forward stay for backward: no second all-gather.
+    kept = {0} if policy.keep_last else set()  # positions in backward order: the last unit first
+    if policy.keep_root:
+        kept.add(len(units) - 1)
     backward_end = _pass(units[::-1], wire, forward_end, "backward", gather=policy.reshard_after_forward,
-                         first_gathered=policy.keep_last)
+                         whole=frozenset(kept))
     work = sum(u.forward_ms + u.backward_ms for u in units)
     comm_end = max([c.end_ms for c in wire.collectives], default=0.0)
     return Stage3Step(world_size, forward_end, backward_end, comm_end, optimizer_ms / world_size, work,
