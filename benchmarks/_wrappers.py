@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minddp.buckets import MiB, TensorSpec, assign_buckets
+from minddp.bucket_assignment import MiB, TensorSpec, assign_buckets
 from minddp.ddp import FIRST_BUCKET_CAP_MB
 
 NOCOMM = "_nocomm"  # suffix of the overhead-mode wrappers' names

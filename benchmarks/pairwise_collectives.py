@@ -1,4 +1,4 @@
-"""ZeRO's two collectives on Gloo: torch's own against sends and receives by hand (``minddp.zero.pairwise``).
+"""ZeRO's two collectives on Gloo: torch's own against ``minddp.zero.pairwise`` (an exchange, or sends and receives).
 
     python benchmarks/pairwise_collectives.py                  # 2 ranks, 0.45 MB and 1.9 MB buffers
     python benchmarks/pairwise_collectives.py --world-size 3 --rounds 15 --text docs/pairwise_collectives.txt
@@ -13,10 +13,12 @@ rounds with [min, max]. Forms:
   and a reduce-scatter done as an all-reduce in place, send);
 * ``reduce_scatter_tensor``: torch's (on Gloo: a clone, then an all-reduce);
 * ``pairwise reduce-scatter``: each other rank's chunk sent to it, the
-  chunks received for this rank's own added up in rank order;
+  chunks received for this rank's own added up in rank order (at two
+  ranks one exchange, ``all_to_all_single`` with nothing to oneself; at
+  more, sends and receives);
 * ``all_gather_into_tensor``: torch's, of a 1/N piece;
 * ``pairwise all-gather``: the piece sent to every other rank, theirs
-  received into place.
+  received into place (the same two ways).
 """
 
 from __future__ import annotations

@@ -42,14 +42,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _outputs import emit, ranks_json  # noqa: E402
+from minddp.fsdp.collectives import all_gather, gloo_collectives, start_reduce_scatter  # noqa: E402
 from minddp.models import GPT, GPTConfig  # noqa: E402
 from minddp.network import fit_link  # noqa: E402
 from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3  # noqa: E402
 
 FIT_SIZES = [64 * 1024 * 4**k for k in range(4)]  # 64 KiB .. 4 MiB
 BATCH = 4
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _ms(fn, reps: int = 1) -> float:
@@ -66,11 +65,15 @@ def _slowest(values: list[float]) -> list[float]:
 
 
 def halves_ms(n: int, world_size: int) -> float:
-    """One all-gather and one reduce-scatter of an ``n``-byte buffer, ms each (their mean)."""
+    """One all-gather and one reduce-scatter of an ``n``-byte buffer, ms each (their mean): the very
+    collectives ``minddp.fsdp`` runs (on Gloo at two ranks its reduce-scatter is one exchange)."""
     full, piece = torch.zeros(n // 4), torch.zeros(n // 4 // world_size)
+    group, rank = dist.group.WORLD, dist.get_rank()
+    on_gloo = gloo_collectives(group, full.device)
+    reduce = lambda: start_reduce_scatter(full, piece.numel(), rank, group, on_gloo).wait(full.dtype)  # noqa: E731
     reps = max(2, min(20, (2 << 20) // n))
     dist.barrier()
-    return (_ms(lambda: all_gather(full, piece), reps) + _ms(lambda: reduce_scatter(piece, full), reps)) / 2
+    return (_ms(lambda: all_gather(full, piece, group=group), reps) + _ms(reduce, reps)) / 2
 
 
 def compute_profile(cfg: GPTConfig, tokens: torch.Tensor, repeats: int = 3) -> dict:
@@ -184,8 +187,8 @@ def predict(raw: dict, world_size: int) -> dict:
 def table(result: dict, world_size: int, rounds: int) -> str:
     lines = [f"minddp.fsdp on minddp.models.GPT (each block, then the root), AdamW, {world_size} ranks, Gloo, CPU, "
              f"1 thread per rank; medians over {rounds} rounds",
-             f"network fitted to all-gather and reduce-scatter alone: alpha = {result['alpha_us']:.1f} us per ring step, "
-             f"bandwidth = {result['bandwidth_MBps']:.0f} MB/s",
+             "network fitted to minddp.fsdp's all-gather and reduce-scatter alone: "
+             f"alpha = {result['alpha_us']:.1f} us per ring step, bandwidth = {result['bandwidth_MBps']:.0f} MB/s",
              "compute: each figure the fastest of 3 in its round, then the median over rounds; error against the "
              "measured median (and against the fastest round)",
              "", "| case | compute ms (model) | comm ms (model) | measured ms (min-max) | predicted overlap | error "

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from _common import FEATURES, add_link_option, is_exact, make_model, parse_args, print0, print_results, run, train_and_compare
 from minddp import MiniDDP
 from minddp.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan
-from minddp.buckets import FIRST_BUCKET_CAP_MB
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB
 from minddp.network import Link, get_link
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
 from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook

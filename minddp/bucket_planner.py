@@ -60,7 +60,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
 from minddp.network import Link, fit_link
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step

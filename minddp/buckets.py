@@ -1,4 +1,4 @@
-"""Gradient buckets: which parameters travel together, and one bucket's life cycle.
+"""A gradient bucket: one flat buffer and its life cycle.
 
 Why buckets at all? One all-reduce per parameter pays the collective's fixed
 latency hundreds of times per step; one all-reduce of every gradient at the
@@ -7,12 +7,9 @@ the middle ground: a flat buffer holding the gradients of a few parameters,
 all-reduced as soon as its last gradient is in, while autograd goes on
 computing the gradients of earlier layers.
 
-Two pieces live here:
-
-* :func:`assign_buckets`, a pure function from parameter sizes to groups of
-  indices. Every rank calls it on the same model and gets the same answer,
-  which is what keeps collectives matched across ranks.
-* :class:`Bucket`, the flat buffer plus its life cycle::
+Which parameters share a bucket is decided by
+:func:`minddp.bucket_assignment.assign_buckets`; what lives here is
+:class:`Bucket`, the flat buffer plus its life cycle::
 
       reset() ─> mark_ready(p) ... mark_ready(p) ─> launch(comm) ─> wait() ─> reset()
                  (one per parameter; the last one       (async)      (result in
@@ -22,80 +19,15 @@ Two pieces live here:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-__all__ = ["TensorSpec", "assign_buckets", "Bucket", "BucketStorage", "ScratchBucket", "MiB", "FIRST_BUCKET_CAP_MB"]
+__all__ = ["Bucket", "BucketStorage", "ScratchBucket"]
 
-MiB = 1024 * 1024
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
 LARGE_GRADIENT_NUMEL = 64 * 1024
-# torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
-FIRST_BUCKET_CAP_MB = 1.0
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What bucketing needs to know about a parameter: size and where it lives."""
-
-    numel: int
-    element_size: int
-    dtype: torch.dtype
-    device: torch.device
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> "TensorSpec":
-        return cls(t.numel(), t.element_size(), t.dtype, t.device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.element_size
-
-
-def assign_buckets(
-    specs: Sequence[TensorSpec], cap_bytes: int, first_cap_bytes: int | None = None
-) -> list[list[int]]:
-    """Group tensor indices into buckets of at most ``cap_bytes`` each.
-
-    ``specs`` come in the order gradients are expected to arrive (MiniDDP
-    passes the parameters in *reverse* registration order: the last layer's
-    gradient is computed first). Rules:
-
-    * a bucket holds one dtype on one device (it is a single flat tensor), so
-      each (dtype, device) pair fills its own open bucket;
-    * a tensor joins the open bucket unless that would pass the cap; a tensor
-      larger than the cap gets a bucket of its own (so a cap of 0 means one
-      tensor per bucket, as in torch's DDP);
-    * the first bucket of each (dtype, device) may have a smaller cap
-      (``first_cap_bytes``; torch's DDP uses 1 MiB) so that the first
-      all-reduce starts early in backward;
-    * buckets are ordered by the position of their first tensor, which is
-      the order they become ready in, and the order they are launched in.
-    """
-    if cap_bytes < 0:
-        raise ValueError(f"bucket cap must be >= 0 bytes (0: one tensor per bucket), got {cap_bytes}")
-    open_buckets: dict[tuple, list[int]] = {}
-    open_bytes: dict[tuple, int] = {}
-    closed_per_key: dict[tuple, int] = {}
-    closed: list[list[int]] = []
-
-    for index, spec in enumerate(specs):
-        key = (spec.dtype, spec.device)
-        cap = cap_bytes
-        if first_cap_bytes is not None and closed_per_key.get(key, 0) == 0:
-            cap = min(cap_bytes, first_cap_bytes)
-        bucket = open_buckets.setdefault(key, [])
-        if bucket and open_bytes[key] + spec.nbytes > cap:
-            closed.append(bucket)
-            closed_per_key[key] = closed_per_key.get(key, 0) + 1
-            bucket = open_buckets[key] = []
-            open_bytes[key] = 0
-        bucket.append(index)
-        open_bytes[key] = open_bytes.get(key, 0) + spec.nbytes
-    closed.extend(b for b in open_buckets.values() if b)
-    return sorted(closed, key=lambda b: b[0])
 
 
 def _slot(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,10 @@ the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
                   gradients arrived: minddp.bucket_order; and
                   bucket_cap_mb="auto": minddp.bucket_planner)
 
-The buckets themselves (a flat buffer and its life cycle) are in
-:mod:`minddp.buckets`; what "communicate" means (all-reduce, or a compressed
-one) in :mod:`minddp.comm_hooks`.
+The buckets themselves are in :mod:`minddp.bucket_assignment` (which
+parameters share one) and :mod:`minddp.buckets` (a flat buffer and its life
+cycle); what "communicate" means (all-reduce, or a compressed one) in
+:mod:`minddp.comm_hooks`.
 
 What code above the reducer may call (mechanism here, policy there) is in
 :mod:`minddp.reducer_hooks`: the arrival log, ``rebuild``, the
@@ -51,7 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, Bucket, TensorSpec, assign_buckets
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
+from minddp.buckets import Bucket
 from minddp.comm_hooks import GradBucket
 from minddp.reducer_hooks import ReducerHookPoints
 from minddp.trace import StepObserver, profiler_range

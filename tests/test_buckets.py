@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from minddp.buckets import MiB, Bucket, TensorSpec, assign_buckets
+from minddp.bucket_assignment import MiB, TensorSpec, assign_buckets
+from minddp.buckets import Bucket
 
 
 def spec(numel, dtype=torch.float32, device="cpu"):

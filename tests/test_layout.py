@@ -130,6 +130,6 @@ def test_the_gradient_path_knows_no_policy_above_it():
     # minddp.simulate) until the planner moved out.
     graph = import_graph()
     above = ("minddp.bucket_planner", "minddp.simulate", "minddp.zero", "minddp.fsdp")
-    for module in ("minddp.reducer", "minddp.reducer_hooks", "minddp.buckets"):
+    for module in ("minddp.reducer", "minddp.reducer_hooks", "minddp.buckets", "minddp.bucket_assignment"):
         wrong = sorted(m for m in _imports_transitively(graph, module) if m.startswith(above))
         assert not wrong, f"{module} depends on the policies above it: {wrong}"

@@ -25,7 +25,8 @@ device before ``fully_shard``.
 Read in this order: :mod:`~minddp.fsdp.policy` (dtypes) ->
 :mod:`~minddp.fsdp.unit` (one unit's flat shard, gathered and freed, its
 gradient reduce-scattered) -> :mod:`~minddp.fsdp.collectives` (how that
-reduce-scatter goes on the wire: on Gloo, an all-reduce in place) -> :mod:`~minddp.fsdp.schedule` (when: forward,
+reduce-scatter goes on the wire: on Gloo, one exchange at two ranks, an all-reduce in place
+at more) -> :mod:`~minddp.fsdp.schedule` (when: forward,
 backward, prefetch, the end of backward) -> :mod:`~minddp.fsdp.fully_shard`
 (the API: which parameters make a unit, the hooks) -> :mod:`~minddp.fsdp.state_dict`
 and :mod:`~minddp.fsdp.checkpoint` -> :mod:`~minddp.fsdp.clip` -> :mod:`~minddp.fsdp.checks`.

@@ -4,7 +4,7 @@ Given a :class:`~minddp.simulate.profile.ComputeProfile` (when each gradient
 is ready), a network (:mod:`minddp.network`) and a :class:`DDPPolicy`, the
 replay walks the buckets in order, as MiniDDP and torch's DDP launch them:
 
-1. buckets come from :func:`minddp.buckets.assign_buckets` over the
+1. buckets come from :func:`minddp.bucket_assignment.assign_buckets` over the
    gradients in arrival order (MiniDDP rebuilds its buckets in that order
    after the first step), the first one capped at ``first_bucket_cap_mb``;
 2. a bucket is ready when its last gradient is;
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minddp.buckets import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
 from minddp.network import COLLECTIVES, Hierarchy, Link, collective_time
 from minddp.simulate.profile import ComputeProfile, Gradient
 

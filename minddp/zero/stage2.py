@@ -172,10 +172,11 @@ def _start_reduce_scatter(send: torch.Tensor, piece: torch.Tensor, group: dist.P
     """Start summing this rank's piece of ``send`` over the ranks into ``piece``; the work to wait for
     (None: one rank, done already).
 
-    On Gloo as sends and receives (:mod:`minddp.zero.pairwise`): Gloo's
-    ``reduce_scatter_tensor`` clones the whole bucket and all-reduces the
-    clone, a bucket more memory at every launch and twice the bytes; by hand
-    the other rank's piece is received straight into ``piece`` at two ranks.
+    On Gloo by hand (:mod:`minddp.zero.pairwise`: one exchange at two ranks,
+    sends and receives at more): Gloo's ``reduce_scatter_tensor`` clones the
+    whole bucket and all-reduces the clone, a bucket more memory at every
+    launch and twice the bytes; by hand the other rank's piece is received
+    straight into ``piece`` at two ranks.
     """
     if dist.get_world_size(group) == 1:
         piece.copy_(send)
