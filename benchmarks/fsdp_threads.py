@@ -13,11 +13,18 @@ the main thread (Python, autograd, the optimizer), Gloo's TCP loop
 rank whose process spent the most; median over rounds with [min, max].
 Linux only (``/proc``); the clock ticks are 10 ms, so steps are summed over
 a round before dividing.
+
+A third row, ``stage3 local``, is a floor, not a setup anyone would train
+with: the same stage-3 step with each all-gather replaced by a local copy
+and each reduce-scatter by reading this rank's own piece (its gradients are
+wrong). It is what the step costs with no communication at all: the rest of
+the stage-3 row is the collectives' share.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import statistics
@@ -33,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from _fsdp_setups import build, gpt_config, train_step  # noqa: E402
 from _outputs import emit, ranks_json  # noqa: E402
 
-SETUPS = ("torch-ddp", "stage3")
+SETUPS = ("torch-ddp", "stage3", "stage3 local")
 GROUPS = ("main", "gloo_tcp_loop", "pt_gloo_runloop", "other")
 
 
@@ -53,21 +60,45 @@ def thread_cpu_ms() -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def collectives_made_local(on: bool):
+    """While on: ``minddp.fsdp``'s units gather by a local copy and reduce by reading their own piece."""
+    from minddp.fsdp import collectives, unit
+
+    if not on:
+        yield
+        return
+
+    def gather(full, piece, group=None, async_op=False):
+        full.view(-1, piece.numel()).copy_(piece)  # every "rank's" piece is this rank's
+
+    def reduce(send, piece, rank, group, all_reduce_instead):
+        return collectives.PendingReduceScatter(None, send, send[rank * piece: (rank + 1) * piece], True)
+
+    saved = unit.all_gather, unit.start_reduce_scatter
+    unit.all_gather, unit.start_reduce_scatter = gather, reduce
+    try:
+        yield
+    finally:
+        unit.all_gather, unit.start_reduce_scatter = saved
+
+
 def rank_main(rank: int, world_size: int, args: dict, path: str) -> None:
     import json
 
     torch.set_num_threads(1)
     cfg = gpt_config(False)
-    built = {name: build(name, cfg) for name in SETUPS}
+    built = {name: build(name.split()[0], cfg) for name in SETUPS}
     step = dict.fromkeys(SETUPS, 0)
     per_round: dict[str, list[dict]] = {name: [] for name in SETUPS}
     for r in range(args["rounds"] + 1):  # round 0 warms up
-        for name in SETUPS[r % 2:] + SETUPS[:r % 2]:
+        for name in SETUPS[r % len(SETUPS):] + SETUPS[:r % len(SETUPS)]:
             dist.barrier()
             before = thread_cpu_ms()
-            for _ in range(args["steps"]):
-                train_step(built[name], cfg, rank, step[name])
-                step[name] += 1
+            with collectives_made_local(name.endswith("local")):
+                for _ in range(args["steps"]):
+                    train_step(built[name], cfg, rank, step[name])
+                    step[name] += 1
             after = thread_cpu_ms()
             if r:
                 per_round[name].append({g: (after[g] - before[g]) / args["steps"] for g in GROUPS})

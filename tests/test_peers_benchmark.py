@@ -119,3 +119,37 @@ def test_thread_cpu_reader_charges_work_to_the_thread_that_did_it():
     after = fsdp_threads.thread_cpu_ms()
     assert 250 <= after["main"] - before["main"] <= 450
     assert after["gloo_tcp_loop"] == before["gloo_tcp_loop"]
+
+
+def _a_step_made_local(rank, world_size):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fsdp_threads
+    from minddp.fsdp import fully_shard, unit
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    fully_shard(model[0]), fully_shard(model[1]), fully_shard(model)
+    originals = unit.all_gather, unit.start_reduce_scatter
+    calls = []
+    with fsdp_threads.collectives_made_local(True), Recording():
+        model(torch.randn(4, 8)).sum().backward()
+    local_calls, calls = calls, []
+    with Recording():
+        model(torch.randn(4, 8)).sum().backward()
+    restored = (unit.all_gather, unit.start_reduce_scatter) == originals
+    return local_calls, calls, restored
+
+
+def test_the_local_floor_of_fsdp_threads_runs_a_stage3_step_without_any_collective(ranks):
+    """Its 'stage3 local' row means 'the step with no communication': not one c10d call (a normal
+    step right after makes some, so the recording sees them), and the real collectives come back."""
+    for local_calls, calls, restored in ranks(2).run(_a_step_made_local, timeout_s=60):
+        assert local_calls == [] and calls and restored, (local_calls, calls)
