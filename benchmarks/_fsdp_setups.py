@@ -18,6 +18,7 @@ fsdp2      torch's ``fully_shard`` per block, then the root, on ``init_device_me
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Callable
@@ -114,3 +115,30 @@ def train_step(setup: Setup, cfg: GPTConfig, rank: int, step: int) -> None:
     x, y = batch(cfg, rank, step)
     setup.model(x, y).backward()
     setup.optimizer.step()
+
+
+@contextlib.contextmanager
+def collectives_made_local(on: bool):
+    """While on: ``minddp.fsdp``'s units gather by a local copy and reduce by reading their own piece.
+
+    A floor for timing, never a setup to train with (the gradients are wrong): the stage-3 step with no
+    communication at all, everything else (hooks, sharded optimizer, freeing) as it is.
+    """
+    from minddp.fsdp import collectives, unit
+
+    if not on:
+        yield
+        return
+
+    def gather(full, piece, group=None, async_op=False):
+        full.view(-1, piece.numel()).copy_(piece)  # every "rank's" piece is this rank's
+
+    def reduce(send, piece, rank, group, all_reduce_instead):
+        return collectives.PendingReduceScatter(None, send, send[rank * piece: (rank + 1) * piece], True)
+
+    saved = unit.all_gather, unit.start_reduce_scatter
+    unit.all_gather, unit.start_reduce_scatter = gather, reduce
+    try:
+        yield
+    finally:
+        unit.all_gather, unit.start_reduce_scatter = saved

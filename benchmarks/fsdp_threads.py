@@ -24,7 +24,6 @@ the stage-3 row is the collectives' share.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import os
 import statistics
@@ -37,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _fsdp_setups import build, gpt_config, train_step  # noqa: E402
+from _fsdp_setups import build, collectives_made_local, gpt_config, train_step  # noqa: E402
 from _outputs import emit, ranks_json  # noqa: E402
 
 SETUPS = ("torch-ddp", "stage3", "stage3 local")
@@ -58,29 +57,6 @@ def thread_cpu_ms() -> dict[str, float]:
         group = "main" if task.endswith("/" + main) else name if name in GROUPS else "other"
         out[group] += (int(fields[11]) + int(fields[12])) * 1e3 / ticks
     return out
-
-
-@contextlib.contextmanager
-def collectives_made_local(on: bool):
-    """While on: ``minddp.fsdp``'s units gather by a local copy and reduce by reading their own piece."""
-    from minddp.fsdp import collectives, unit
-
-    if not on:
-        yield
-        return
-
-    def gather(full, piece, group=None, async_op=False):
-        full.view(-1, piece.numel()).copy_(piece)  # every "rank's" piece is this rank's
-
-    def reduce(send, piece, rank, group, all_reduce_instead):
-        return collectives.PendingReduceScatter(None, send, send[rank * piece: (rank + 1) * piece], True)
-
-    saved = unit.all_gather, unit.start_reduce_scatter
-    unit.all_gather, unit.start_reduce_scatter = gather, reduce
-    try:
-        yield
-    finally:
-        unit.all_gather, unit.start_reduce_scatter = saved
 
 
 def rank_main(rank: int, world_size: int, args: dict, path: str) -> None:

@@ -13,7 +13,12 @@ in rounds (so that a shared machine's load drifts over all of it alike):
 2. **the compute**: on this rank alone, each GPT block's forward and backward
    at the step's activation shape, the whole model's forward and backward
    (what is not in a block is the root unit's: embeddings, final norm, head,
-   loss) and AdamW's step over all the parameters;
+   loss) and AdamW's step over all the parameters: how the compute splits
+   among the units. How much there is comes from the stage-3 step itself
+   with its collectives made local (``_fsdp_setups.collectives_made_local``:
+   no communication, all else as it is, the hooks' Python and the sharded
+   optimizer included): every unit's times are scaled to add up to it
+   (isolated blocks leave out the hooks and the shards' bookkeeping);
 3. **the measurement**: ``minddp.fsdp`` steps (each block, then the root;
    AdamW over the shards), prefetch on and off, each block of steps timed on
    the slowest rank.
@@ -24,7 +29,9 @@ beside compute) and ``shared`` (``overlap=False``: on 2 cores a collective
 pauses compute), the last block kept gathered from its forward into its
 backward and the root through the whole step, as ``minddp.fsdp`` keeps them
 (``keep_last``, ``keep_root``). Error = predicted / measured - 1. What the
-replay leaves out: the Python cost of the hooks, and Gloo's own threads.
+replay leaves out: that a collective costs more beside compute than alone
+(Gloo's threads take their CPU from the ranks' computing), and the ranks'
+drift against each other.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from _fsdp_setups import collectives_made_local  # noqa: E402
 from _outputs import emit, ranks_json  # noqa: E402
 from minddp.fsdp.collectives import all_gather, gloo_collectives, start_reduce_scatter  # noqa: E402
 from minddp.models import GPT, GPTConfig  # noqa: E402
@@ -133,18 +141,21 @@ def rank_main(rank: int, world_size: int, args: dict, out_path: str) -> None:
     for _ in range(3):
         step()
     fit = {n: [] for n in FIT_SIZES}
-    profiles, measured = [], {"prefetch": [], "no prefetch": []}
+    profiles, measured, local = [], {"prefetch": [], "no prefetch": []}, []
     for _ in range(args["rounds"]):
         for n in FIT_SIZES:
             fit[n].append(halves_ms(n, world_size))
         profiles.append(compute_profile(cfg, tokens))
+        with collectives_made_local(True):
+            dist.barrier()
+            local.append(_ms(step, args["steps"]))
         for name, prefetch in (("prefetch", True), ("no prefetch", False)):
             model.set_prefetch(prefetch)
             dist.barrier()
             measured[name].append(_ms(step, args["steps"]))
         model.set_prefetch(True)
     result = {"fit_ms": {n: statistics.median(_slowest(v)) for n, v in fit.items()},
-              "measured_ms": {k: _slowest(v) for k, v in measured.items()},
+              "measured_ms": {k: _slowest(v) for k, v in measured.items()}, "local_ms": _slowest(local),
               "profiles": profiles, "unit_numel": _unit_numel(cfg)}
     if rank == 0:
         with open(out_path, "w") as f:
@@ -165,10 +176,14 @@ def predict(raw: dict, world_size: int) -> dict:
               for i in range(len(raw["profiles"][0]["blocks"]))]
     whole = (med([p["whole"][0] for p in raw["profiles"]]), med([p["whole"][1] for p in raw["profiles"]]))
     root = (max(0.0, whole[0] - sum(b[0] for b in blocks)), max(0.0, whole[1] - sum(b[1] for b in blocks)))
-    numel = raw["unit_numel"]
-    units = [Unit("root", 4 * numel[0], 4 * numel[0], *root)]
-    units += [Unit(f"block {i}", 4 * n, 4 * n, *blocks[i]) for i, n in enumerate(numel[1:])]
     optimizer = med([p["optimizer"] for p in raw["profiles"]])
+    # The profiles split the compute among the units; the step with its collectives made local says how much.
+    profiled = sum(whole) + optimizer / world_size
+    scale = med(raw["local_ms"]) / profiled
+    numel = raw["unit_numel"]
+    units = [Unit("root", 4 * numel[0], 4 * numel[0], *(scale * t for t in root))]
+    units += [Unit(f"block {i}", 4 * n, 4 * n, *(scale * t for t in blocks[i])) for i, n in enumerate(numel[1:])]
+    optimizer *= scale
     rows = []
     for name, prefetch in (("prefetch", True), ("no prefetch", False)):
         ms = raw["measured_ms"][name]
@@ -181,7 +196,7 @@ def predict(raw: dict, world_size: int) -> dict:
             row["comm_ms"], row["compute_ms"] = step.comm_ms, step.work_ms + step.optimizer_ms
         rows.append(row)
     return {"alpha_us": link.alpha_s * 1e6, "bandwidth_MBps": link.bandwidth_Bps / 1e6, "rows": rows,
-            "fit_ms": raw["fit_ms"]}
+            "fit_ms": raw["fit_ms"], "profiled_ms": profiled, "local_ms": med(raw["local_ms"])}
 
 
 def table(result: dict, world_size: int, rounds: int) -> str:
@@ -189,8 +204,9 @@ def table(result: dict, world_size: int, rounds: int) -> str:
              f"1 thread per rank; medians over {rounds} rounds",
              "network fitted to minddp.fsdp's all-gather and reduce-scatter alone: "
              f"alpha = {result['alpha_us']:.1f} us per ring step, bandwidth = {result['bandwidth_MBps']:.0f} MB/s",
-             "compute: each figure the fastest of 3 in its round, then the median over rounds; error against the "
-             "measured median (and against the fastest round)",
+             "compute: each figure the fastest of 3 in its round, then the median over rounds, scaled to the step "
+             f"with its collectives made local ({result['local_ms']:.1f} ms; the profiles add up to "
+             f"{result['profiled_ms']:.1f}); error against the measured median (and against the fastest round)",
              "", "| case | compute ms (model) | comm ms (model) | measured ms (min-max) | predicted overlap | error "
              "| predicted shared cores | error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:

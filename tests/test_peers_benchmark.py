@@ -124,7 +124,7 @@ def test_thread_cpu_reader_charges_work_to_the_thread_that_did_it():
 def _a_step_made_local(rank, world_size):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import fsdp_threads
+    from _fsdp_setups import collectives_made_local
     from minddp.fsdp import fully_shard, unit
 
     class Recording(TorchDispatchMode):
@@ -139,7 +139,7 @@ def _a_step_made_local(rank, world_size):
     fully_shard(model[0]), fully_shard(model[1]), fully_shard(model)
     originals = unit.all_gather, unit.start_reduce_scatter
     calls = []
-    with fsdp_threads.collectives_made_local(True), Recording():
+    with collectives_made_local(True), Recording():
         model(torch.randn(4, 8)).sum().backward()
     local_calls, calls = calls, []
     with Recording():
@@ -148,8 +148,9 @@ def _a_step_made_local(rank, world_size):
     return local_calls, calls, restored
 
 
-def test_the_local_floor_of_fsdp_threads_runs_a_stage3_step_without_any_collective(ranks):
-    """Its 'stage3 local' row means 'the step with no communication': not one c10d call (a normal
-    step right after makes some, so the recording sees them), and the real collectives come back."""
+def test_the_local_floor_runs_a_stage3_step_without_any_collective(ranks):
+    """fsdp_threads' 'stage3 local' row and validate_stage3's compute mean 'the step with no
+    communication': not one c10d call (a normal step right after makes some, so the recording sees
+    them), and the real collectives come back."""
     for local_calls, calls, restored in ranks(2).run(_a_step_made_local, timeout_s=60):
         assert local_calls == [] and calls and restored, (local_calls, calls)
