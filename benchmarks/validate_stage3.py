@@ -6,10 +6,11 @@
 One spawned job of ``--world-size`` Gloo ranks (one intra-op thread each) does,
 in rounds (so that a shared machine's load drifts over all of it alike):
 
-1. **the network**: all-gather and reduce-scatter alone, float32 buffers of
-   64 KiB to 4 MiB; :func:`minddp.network.fit_link` fits alpha and bandwidth
-   to their medians (a half all-reduce each: the fit is given twice their
-   time, the all-reduce it models);
+1. **the network**: ``minddp.fsdp``'s all-gather and reduce-scatter alone,
+   float32 buffers of 64 KiB to 4 MiB, each after a little computation as a
+   step issues them; :func:`minddp.network.fit_link` fits alpha and
+   bandwidth to their medians (a half all-reduce each: the fit is given
+   twice their time, the all-reduce it models);
 2. **the compute**: on this rank alone, each GPT block's forward and backward
    at the step's activation shape, the whole model's forward and backward
    (what is not in a block is the root unit's: embeddings, final norm, head,
@@ -74,14 +75,29 @@ def _slowest(values: list[float]) -> list[float]:
 
 def halves_ms(n: int, world_size: int) -> float:
     """One all-gather and one reduce-scatter of an ``n``-byte buffer, ms each (their mean): the very
-    collectives ``minddp.fsdp`` runs (on Gloo at two ranks its reduce-scatter is one exchange)."""
+    collectives ``minddp.fsdp`` runs (on Gloo at two ranks its reduce-scatter is one exchange).
+
+    Each is timed alone, after a little computation, as a step issues them: one at a time between
+    layers. Back to back in a tight loop Gloo's threads never fall asleep, and each collective costs
+    about half as much (a fit to those read the step's communication 20-30% low).
+    """
     full, piece = torch.zeros(n // 4), torch.zeros(n // 4 // world_size)
     group, rank = dist.group.WORLD, dist.get_rank()
     on_gloo = gloo_collectives(group, full.device)
     reduce = lambda: start_reduce_scatter(full, piece.numel(), rank, group, on_gloo).wait(full.dtype)  # noqa: E731
+    work = torch.randn(128, 128)
     reps = max(2, min(20, (2 << 20) // n))
-    dist.barrier()
-    return (_ms(lambda: all_gather(full, piece, group=group), reps) + _ms(reduce, reps)) / 2
+
+    def between_layers_ms(collective) -> float:
+        dist.barrier()
+        total = 0.0
+        for _ in range(reps):
+            for _ in range(10):
+                work @ work
+            total += _ms(collective)
+        return total / reps
+
+    return (between_layers_ms(lambda: all_gather(full, piece, group=group)) + between_layers_ms(reduce)) / 2
 
 
 def compute_profile(cfg: GPTConfig, tokens: torch.Tensor, repeats: int = 3) -> dict:
@@ -202,7 +218,7 @@ def predict(raw: dict, world_size: int) -> dict:
 def table(result: dict, world_size: int, rounds: int) -> str:
     lines = [f"minddp.fsdp on minddp.models.GPT (each block, then the root), AdamW, {world_size} ranks, Gloo, CPU, "
              f"1 thread per rank; medians over {rounds} rounds",
-             "network fitted to minddp.fsdp's all-gather and reduce-scatter alone: "
+             "network fitted to minddp.fsdp's all-gather and reduce-scatter alone, each after a little compute: "
              f"alpha = {result['alpha_us']:.1f} us per ring step, bandwidth = {result['bandwidth_MBps']:.0f} MB/s",
              "compute: each figure the fastest of 3 in its round, then the median over rounds, scaled to the step "
              f"with its collectives made local ({result['local_ms']:.1f} ms; the profiles add up to "
