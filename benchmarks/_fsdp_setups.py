@@ -133,7 +133,7 @@ def collectives_made_local(on: bool):
     def gather(full, piece, group=None, async_op=False):
         full.view(-1, piece.numel()).copy_(piece)  # every "rank's" piece is this rank's
 
-    def reduce(send, piece, rank, group, all_reduce_instead):
+    def reduce(send, piece, rank, group, on_gloo):
         return collectives.PendingReduceScatter(None, send, send[rank * piece: (rank + 1) * piece], True)
 
     saved = unit.all_gather, unit.start_reduce_scatter

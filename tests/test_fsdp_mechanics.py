@@ -264,8 +264,8 @@ def _both_reduce_scatters(rank, world_size):
     send = torch.randn(world_size * piece) * 10.0 ** torch.randint(-3, 4, (world_size * piece,))
     theirs = torch.empty(piece)
     dist.reduce_scatter_tensor(theirs, send.clone())
-    ours = start_reduce_scatter(send.clone(), piece, rank, dist.group.WORLD, all_reduce_instead=True)
-    real = start_reduce_scatter(send.clone(), piece, rank, dist.group.WORLD, all_reduce_instead=False)
+    ours = start_reduce_scatter(send.clone(), piece, rank, dist.group.WORLD, on_gloo=True)
+    real = start_reduce_scatter(send.clone(), piece, rank, dist.group.WORLD, on_gloo=False)
     return theirs, ours.wait(torch.float32), real.wait(torch.float64)
 
 

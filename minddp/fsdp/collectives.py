@@ -72,23 +72,24 @@ class PendingReduceScatter:
 
 
 def start_reduce_scatter(send: torch.Tensor, piece: int, rank: int, group: dist.ProcessGroup,
-                         all_reduce_instead: bool) -> PendingReduceScatter:
+                         on_gloo: bool) -> PendingReduceScatter:
     """Sum ``send`` (``world size x piece`` elements) over the ranks; this rank keeps chunk ``rank``.
 
-    ``all_reduce_instead`` (Gloo): at two ranks, exchange halves; at more,
-    sum the whole buffer in place (what Gloo's reduce-scatter does, on a
-    clone). Else a real reduce-scatter. Both of those sum into a new
+    ``on_gloo`` (torch's own Gloo collectives, :func:`gloo_collectives`):
+    at two ranks, exchange halves; at more, sum the whole buffer in place
+    (what Gloo's reduce-scatter does, on a clone). Else a real
+    reduce-scatter. The exchange and the real reduce-scatter sum into a new
     ``piece``-long tensor. A world of one only reads its own chunk.
     """
     mine = send[rank * piece: (rank + 1) * piece]
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return PendingReduceScatter(None, send, mine, result_in_send=True)
-    if all_reduce_instead and world_size == 2:
+    if on_gloo and world_size == 2:
         result = torch.empty(piece, dtype=send.dtype, device=send.device)
         return PendingReduceScatter(pairwise.reduce_scatter(send, piece, group, out=result), send, result,
                                     result_in_send=False)
-    if all_reduce_instead:
+    if on_gloo:
         return PendingReduceScatter(dist.all_reduce(send, group=group, async_op=True), send, mine, result_in_send=True)
     result = torch.empty(piece, dtype=send.dtype, device=send.device)
     work = _reduce_scatter(result, send, group=group, async_op=True)
