@@ -224,22 +224,15 @@ def test_a_reduce_scatter_is_waited_for_before_the_next_unit_fills_its_send_buff
 
 
 def _collectives_of_one_backward(rank, world_size):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recording(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d" and "wait" not in func.__name__:
-                calls.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
+    from c10d_calls import RecordedCollectives
 
     torch.set_num_threads(1)
     model = shard_gpt(gpt())
     x, y = rank_batch(0, rank, world_size)
     loss = model(x, y)
-    calls = []
-    with Recording():
+    with RecordedCollectives() as recorded:
         loss.backward()
-    return calls
+    return recorded.calls
 
 
 def test_on_gloo_a_units_gradients_are_reduced_by_one_exchange_at_two_ranks_one_all_reduce_at_more(ranks):

@@ -76,21 +76,14 @@ def test_used_on_gloo_on_cpu(ranks):
 
 
 def _collectives_called(rank, world_size):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recording(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d" and "wait" not in func.__name__:
-                calls.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
+    from c10d_calls import RecordedCollectives
 
     torch.set_num_threads(1)
     send, whole = _spread_values(rank, world_size), torch.empty(world_size * PIECE)
-    calls = []
-    with Recording():
+    with RecordedCollectives() as recorded:
         pairwise.reduce_scatter(send, PIECE, dist.group.WORLD).wait()
         pairwise.all_gather(whole, send[:PIECE].clone(), dist.group.WORLD).wait()
-    return calls
+    return recorded.calls
 
 
 def test_at_two_ranks_each_is_one_exchange_not_sends_and_receives(ranks):

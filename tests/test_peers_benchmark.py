@@ -122,30 +122,21 @@ def test_thread_cpu_reader_charges_work_to_the_thread_that_did_it():
 
 
 def _a_step_made_local(rank, world_size):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from _fsdp_setups import collectives_made_local
+    from c10d_calls import RecordedCollectives
     from minddp.fsdp import fully_shard, unit
-
-    class Recording(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d":
-                calls.append(func.__name__)
-            return func(*args, **(kwargs or {}))
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     fully_shard(model[0]), fully_shard(model[1]), fully_shard(model)
     originals = unit.all_gather, unit.start_reduce_scatter
-    calls = []
-    with collectives_made_local(True), Recording():
+    with collectives_made_local(True), RecordedCollectives() as local:
         model(torch.randn(4, 8)).sum().backward()
-    local_calls, calls = calls, []
-    with Recording():
+    with RecordedCollectives() as normal:
         model(torch.randn(4, 8)).sum().backward()
     restored = (unit.all_gather, unit.start_reduce_scatter) == originals
-    return local_calls, calls, restored
+    return local.calls, normal.calls, restored
 
 
 def test_the_local_floor_runs_a_stage3_step_without_any_collective(ranks):

@@ -85,12 +85,11 @@ def start_reduce_scatter(send: torch.Tensor, piece: int, rank: int, group: dist.
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return PendingReduceScatter(None, send, mine, result_in_send=True)
-    if on_gloo and world_size == 2:
-        result = torch.empty(piece, dtype=send.dtype, device=send.device)
-        return PendingReduceScatter(pairwise.reduce_scatter(send, piece, group, out=result), send, result,
-                                    result_in_send=False)
-    if on_gloo:
+    if on_gloo and world_size > 2:
         return PendingReduceScatter(dist.all_reduce(send, group=group, async_op=True), send, mine, result_in_send=True)
     result = torch.empty(piece, dtype=send.dtype, device=send.device)
-    work = _reduce_scatter(result, send, group=group, async_op=True)
+    if on_gloo:  # two ranks: one exchange
+        work = pairwise.reduce_scatter(send, piece, group, out=result)
+    else:
+        work = _reduce_scatter(result, send, group=group, async_op=True)
     return PendingReduceScatter(work, send, result, result_in_send=False)
