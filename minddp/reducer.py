@@ -73,6 +73,8 @@ class ReducerOptions:
     static_graph: bool = False
     reduce_dtype: torch.dtype | None = None
     learn_bucket_order: bool = True
+    skip_all_reduce_unused_params: bool = False
+    bucket_caps_mb: tuple[float, ...] | None = None  # one cap per bucket (torch's bucket_cap_mb_list)
 
 
 class Reducer(ReducerHookPoints):
@@ -91,7 +93,8 @@ class Reducer(ReducerHookPoints):
         self.observer = observer
         self._index = {p: i for i, p in enumerate(params)}
         self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
-        self._init_hook_points(int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        self._init_hook_points(int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB),
+                               [int(cap * MiB) for cap in options.bucket_caps_mb or ()])
         self._offered: set[int] = set()  # buckets waited for and offered to bucket_reduced_hook, this backward
         self._reclaimed: set[int] = set()  # ... of which the hook took the result (no .grad to write)
         # Buckets, in the order gradients are expected: reverse registration.
@@ -125,7 +128,7 @@ class Reducer(ReducerHookPoints):
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [self._bucket_spec(self.params[i]) for i in order]
-        groups = assign_buckets(specs, *self._caps)
+        groups = assign_buckets(specs, *self._caps, per_bucket_caps=self._per_bucket_caps)
         last_dtype = specs[groups[-1][0]].dtype
         self._passenger_fits = self.passenger is not None and self.passenger.fits(last_dtype)
         self.buckets = [
@@ -428,6 +431,8 @@ class Reducer(ReducerHookPoints):
             return self._static_used
         if not self.options.find_unused_parameters:
             return None  # every parameter produced a gradient, or we raised above
+        if self.options.skip_all_reduce_unused_params and self.globally_used is not None:
+            return self.globally_used  # promised: the same parameters unused on every rank, every step
         return self._used_on_any_rank(self._locally_used)
 
     def _used_on_any_rank(self, used_here: list[bool]) -> list[bool]:
