@@ -61,16 +61,18 @@ def draw_bucket_life(path: pathlib.Path) -> None:
         ax.barh(row, b["reduced"] - b["launched"], left=b["launched"], color=colours["wire"], edgecolor="grey")
         ax.barh(row, written - COPY_TIME - b["reduced"], left=b["reduced"], color=colours["reduced"], edgecolor="grey")
         ax.barh(row, COPY_TIME, left=written - COPY_TIME, color=colours["grad"], edgecolor="grey")
-        ax.annotate("launched", (b["launched"], row + 0.4), fontsize=7, ha="center")
+        ax.plot([b["launched"]], [row + 0.42], marker="v", color="black", markersize=5)
+        ax.text(b["launched"] + 0.08, row + 0.42, "launched", fontsize=7, va="center")
     ax.axvline(backward_end, color="black", linestyle="--", linewidth=1)
-    ax.text(backward_end + 0.05, len(rows) - 0.45, "end of backward: wait for every bucket", fontsize=7, va="bottom")
+    ax.text(backward_end - 0.08, -0.95, "end of backward:\nwait for every bucket", fontsize=7, ha="right", va="bottom")
     ax.axvline(written, color="black", linewidth=1)
-    ax.text(written + 0.05, -0.45, "optimizer.step()", fontsize=7)
-    ax.annotate("", xy=(written - COPY_TIME, -0.6), xytext=(wait_start, -0.6),
+    ax.text(written + 0.08, -0.95, "optimizer\n.step()", fontsize=7, va="bottom")
+    ax.annotate("", xy=(written - COPY_TIME, -0.65), xytext=(wait_start, -0.65),
                 arrowprops={"arrowstyle": "<->", "linewidth": 0.8})
-    ax.text((wait_start + written - COPY_TIME) / 2, -0.75, "not hidden under backward", fontsize=7, ha="center", va="top")
+    ax.text((wait_start + written - COPY_TIME) / 2, -0.75, "not hidden\nunder backward", fontsize=7, ha="center", va="top")
     ax.set_yticks([y[r] for r in rows], rows)
-    ax.set_ylim(-1.1, len(rows) - 0.3)
+    ax.set_ylim(-1.3, len(rows) - 0.4)
+    ax.set_xlim(0, written + 1.0)
     ax.set_xlabel("time during one step (arbitrary units)")
     ax.set_title("A bucket's life: filling, launched, reduced, written to .grad")
     ax.legend(handles=[Patch(color=colours["compute"], label="backward computes a gradient"),
@@ -90,7 +92,7 @@ def ring_states(world_size: int = 4) -> list[tuple[str, list[list[frozenset[int]
     Returns (title, held[rank][chunk], moves) per step, moves = (sending rank, chunk index)."""
     p = world_size
     held = [[frozenset([r]) for _ in range(p)] for r in range(p)]
-    states = [("start: each rank's own gradients, in 4 chunks", [row[:] for row in held], [])]
+    states = [("start: each rank's own data", [row[:] for row in held], [])]
     for step in range(p - 1):  # reduce-scatter: receive a partial sum, add your own
         sent = [(r, (r - step) % p) for r in range(p)]
         incoming = {((r + 1) % p, c): held[r][c] for r, c in sent}
@@ -111,7 +113,13 @@ def draw_ring_allreduce(path: pathlib.Path, world_size: int = 4) -> None:
 
     states = ring_states(world_size)
     p = world_size
-    fig, axes = plt.subplots(1, len(states), figsize=(2.0 * len(states), 2.9))
+    steps = p - 1
+    fig, grid = plt.subplots(2, 1 + steps, figsize=(2.1 * (1 + steps), 5.2))
+    axes = [grid[0][0], *grid[0][1:], *grid[1][1:]]  # start, reduce-scatter steps, all-gather steps
+    note = grid[1][0]
+    note.axis("off")
+    note.text(0.0, 0.5, f"After reduce-scatter,\nrank r holds the whole\nsum of chunk r+1\n(mod {p}).\n\nAll-gather passes\nthose sums on round\nthe ring: {steps} more\nsteps, and every rank\nholds every sum.\n\nEach rank sends\n2 x {steps}/{p} of its\ngradient's bytes.",
+              fontsize=7, va="center")
     cmap = plt.get_cmap("Blues")
     for ax, (title, held, sent) in zip(axes, states):
         sent_cells = set(sent)
@@ -131,8 +139,9 @@ def draw_ring_allreduce(path: pathlib.Path, world_size: int = 4) -> None:
         ax.set_yticks([p - 0.5 - r for r in range(p)], [f"rank {r}" for r in range(p)], fontsize=7)
         ax.tick_params(length=0)
         ax.set_title(title, fontsize=7, wrap=True)
-    fig.suptitle(f"Ring all-reduce over {p} ranks: a cell shows which ranks' data chunk c sums on that rank; "
-                 "red: the chunk this rank sends to the next rank this step", fontsize=8)
+    fig.suptitle(f"Ring all-reduce over {p} ranks, each rank's gradient cut in {p} chunks c0..c{p - 1}.\n"
+                 "A cell: whose data that chunk sums on that rank. Red: the chunk the rank sent to rank+1 this step.",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
