@@ -23,7 +23,7 @@ ALLREDUCE_TIME = 2.0  # one bucket's all-reduce; one at a time on the wire
 COPY_TIME = 0.5  # writing every average into .grad at the end
 
 
-def bucket_schedule() -> tuple[dict[str, tuple[float, float]], list[dict[str, float]], float, float]:
+def bucket_schedule(allreduce_time: float = ALLREDUCE_TIME) -> tuple[dict[str, tuple[float, float]], list[dict[str, float]], float, float]:
     """When each layer's gradient is computed, and each bucket's fill, launch and finish times."""
     layers, t = {}, 0.0
     for name, duration in LAYER_TIMES:
@@ -35,7 +35,7 @@ def bucket_schedule() -> tuple[dict[str, tuple[float, float]], list[dict[str, fl
         first_grad = min(layers[m][1] for m in members)
         full = max(layers[m][1] for m in members)
         launched = max(full, wire_free)  # strictly in bucket order, one on the wire at a time
-        reduced = launched + ALLREDUCE_TIME
+        reduced = launched + allreduce_time
         wire_free = reduced
         buckets.append({"first": first_grad, "full": full, "launched": launched, "reduced": reduced})
     written = max(backward_end, wire_free) + COPY_TIME

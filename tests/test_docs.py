@@ -157,9 +157,10 @@ def test_the_ring_picture_follows_lesson_03s_ring():
     assert all(chunk == frozenset(range(4)) for row in states[-1][1] for chunk in row), "every rank holds every sum"
 
 
-def test_the_bucket_picture_launches_in_order_one_at_a_time():
+@pytest.mark.parametrize("allreduce_time", [None, 5.0], ids=["drawn", "slow-link"])
+def test_the_bucket_picture_launches_in_order_one_at_a_time(allreduce_time):
     draw = load_draw_figures()
-    _, buckets, backward_end, written = draw.bucket_schedule()
+    _, buckets, backward_end, written = draw.bucket_schedule(*([allreduce_time] if allreduce_time else []))
     for before, after in zip(buckets, buckets[1:]):
         assert after["launched"] >= before["reduced"], "one bucket on the wire at a time, in bucket order"
     for b in buckets:
