@@ -156,13 +156,12 @@ class MiniDDP(nn.Module):
         self.device = module_device(list(module.parameters()), device_ids)
         self._input_device = self.device if device_ids is not None else None
         self._params = [p for _, p in named]
-        self._buffers_to_sync = [b for b in module.buffers()]
 
         # 1. Same model everywhere, then rank 0's values everywhere (on the
         #    module's GPU, whichever is current: see minddp.sync.on_device).
         with on_device(self.device):
             check_same_parameters(module, self.process_group)
-            broadcast_coalesced([p for p in module.parameters()] + self._buffers_to_sync, self.process_group)
+            broadcast_coalesced([p for p in module.parameters()] + self._module_buffers(), self.process_group)
 
         # 2. The reducer: buckets, and one hook per parameter (minddp/reducer.py).
         self._observer = StepObserver(dist.get_rank(self.process_group), trace, self.device)
@@ -174,9 +173,9 @@ class MiniDDP(nn.Module):
         # buffers riding in the last bucket, then bucket_cap_mb="auto".
         if learn_bucket_order:
             LearnedBucketOrder(self.reducer)
-        if self.buffer_sync == "with_gradients" and self.world_size > 1 and self._buffers_to_sync:
+        if self.buffer_sync == "with_gradients" and self.world_size > 1 and self._module_buffers():
             self.reducer.carry_in_last_bucket(
-                BuffersInLastBucket(self._buffers_to_sync, is_source=dist.get_rank(self.process_group) == 0))
+                BuffersInLastBucket(self._module_buffers, is_source=dist.get_rank(self.process_group) == 0))
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
             self.bucket_planner = AutoBuckets(self.reducer)
@@ -240,10 +239,10 @@ class MiniDDP(nn.Module):
         # torch's broadcast would write them.
         in_join = sync and self.join_context is not None
         if (self.require_forward_param_sync or in_join) and self.world_size > 1:
-            if self.reducer.passenger_arrived and not in_join:
-                self.reducer.passenger.deliver()
+            if self.reducer.passenger_arrived and not in_join and self.reducer.passenger.deliver():
+                pass  # rank 0's buffers came with the gradients
             else:
-                sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+                sync_buffers(self._module_buffers(), self.process_group, self.buffer_sync, buffer_source)
         self.require_forward_param_sync = sync
         self.reducer.passenger_arrived = False
         self.reducer.carry_passenger = sync and not in_join  # read only if a passenger is set up
@@ -259,6 +258,12 @@ class MiniDDP(nn.Module):
                 reached = params_reached_from(output)
                 self.reducer.unused = [p for p in self._params if id(p) not in reached]
         return output
+
+    def _module_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers as they are *now*: read again at every use, as torch's DDP does, since
+        a forward may re-assign one (``self.mean = 0.9 * self.mean + ...``) and ``model.double()``
+        replaces them all; a list taken at construction would broadcast tensors nobody uses."""
+        return list(self.module.buffers())
 
     def _inputs_on_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """With ``device_ids``, the inputs on that device (torch's DDP's ``_pre_forward`` does the same)."""
@@ -287,7 +292,7 @@ class MiniDDP(nn.Module):
         active = Join.notify_join_context(self)  # inside join(): who is still training?
         if active is not None:  # read only where used: reading waits for the GPU (minddp.join.Flags)
             self.reducer.divisor = self._join_hook.divisor(active)
-            if self._buffers_to_sync and self.buffer_sync != "off":
+            if self.buffer_sync != "off" and self._module_buffers():
                 buffer_source = self.join_context.last_active
         if self.check_sync_every and self._synchronized_forwards % self.check_sync_every == 0:
             if active is None or all(active):
@@ -339,7 +344,7 @@ class MiniDDP(nn.Module):
         """What a joined rank does for each step the others still take: the
         same collectives, in the same order, with nothing to contribute."""
         if self.world_size > 1:
-            sync_buffers(self._buffers_to_sync, self.process_group, self.buffer_sync, buffer_source)
+            sync_buffers(self._module_buffers(), self.process_group, self.buffer_sync, buffer_source)
         self.reducer.shadow_backward()
 
     # ------------------------------------------------------------- inspection
@@ -369,7 +374,7 @@ class _MiniDDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         # Everyone is done: the last rank to train has the newest parameters.
         ddp = self.ddp
-        broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_to_sync, ddp.process_group,
+        broadcast_coalesced(list(ddp.module.parameters()) + ddp._module_buffers(), ddp.process_group,
                             self._join().last_active)
         ddp.reducer.divisor = ddp.world_size
 

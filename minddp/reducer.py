@@ -227,6 +227,13 @@ class Reducer(ReducerHookPoints):
         self._hooks_seen[index] += 1
         if self._hooks_expected is None:
             return False  # static_graph's first backward: count only, reduce everything at its end
+        if self._hooks_seen[index] > self._hooks_expected[index]:
+            raise RuntimeError(
+                f"MiniDDP(static_graph=True): Your training graph has changed in this iteration: parameter "
+                f"{self.names[index]!r} got gradient {self._hooks_seen[index]} time(s), where the first "
+                f"iteration gave it {self._hooks_expected[index]} (e.g. a parameter unused in the first "
+                "iteration is used now). This is not compatible with static_graph set to True: construct "
+                "MiniDDP(..., find_unused_parameters=True) without static_graph for a graph that changes.")
         return self._hooks_seen[index] == self._hooks_expected[index]
 
     def _mark_ready(self, index: int) -> None:
@@ -367,6 +374,14 @@ class Reducer(ReducerHookPoints):
         if self._next_to_launch == len(self.buckets):
             return  # every bucket complete and launched: nothing is missing
         missing = self.unready_names()
+        if missing and self._static_graph:
+            self._reset_buckets()
+            raise RuntimeError(
+                "MiniDDP(static_graph=True): Expected to have finished reduction in the prior iteration "
+                "before starting a new one. This error indicates that your training graph has changed in "
+                "this iteration, e.g., one parameter is used in first iteration, but then got unused in the "
+                "second iteration. this is not compatible with static_graph set to True.\n"
+                f"Parameters which did not receive grad: {missing}")
         if missing:
             self._reset_buckets()
             raise RuntimeError(
