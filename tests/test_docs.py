@@ -19,6 +19,7 @@ PAGES_WRITTEN_ELSEWHERE = {"reading_the_code.md", "real_links.md", "simulator_ch
 # Pages whose first lines must say what is on them (the others' pages included once they exist).
 OWN_PAGES = ["features.md", "against_torch.md", "memory.md", "launching.md", "simulator.md", "testing.md", "glossary.md"]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+LOOK_BACK = 40  # lines before a table where the command that made it may stand (same section)
 COMMAND = re.compile(r"`(?:python3?|bash|PYTHONPATH=|minddp-train|pytest|sbatch|mpirun|torchrun|NPROC=|NNODES=|NP=)[^`]*`|```(?:bash|sh)")
 
 
@@ -117,16 +118,32 @@ def tables(text: str) -> list[tuple[int, int]]:
     return found
 
 
-@pytest.mark.parametrize("name", OWN_PAGES)
+@pytest.mark.parametrize("name", sorted({*OWN_PAGES, *(p.name for p in DOCS)}))
 def test_every_docs_table_names_the_command_that_made_it(name):
     text = (ROOT / "docs" / name).read_text()
     lines = text.splitlines()
     bare = []
     for first, last in tables(text):
-        near = "\n".join(lines[max(0, first - 30): last + 6])
+        start = max(0, first - LOOK_BACK)
+        headings = [i for i in range(start, first) if re.match(r"#+ ", lines[i])]
+        near = "\n".join(lines[headings[-1] if headings else start: last + 6])
         if not COMMAND.search(near):
             bare.append(f"line {first + 1}: {lines[first][:60]}")
-    assert not bare, f"docs/{name}: tables with no command within 30 lines before or 5 after: " + "; ".join(bare)
+    assert not bare, (f"docs/{name}: tables with no command in their section within {LOOK_BACK} lines before "
+                      "or 5 after: " + "; ".join(bare))
+
+
+def test_every_test_the_docs_name_exists():
+    defined = {m.group(1) for p in (ROOT / "tests").glob("test_*.py")
+               for m in re.finditer(r"^(?:async )?def (test_\w+)", p.read_text(), flags=re.M)}
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("*.py")}
+    missing = []
+    for page in [p for p in PAGES if p.name != "torch_suites.md"]:  # that page names torch's own tests
+        text = page.read_text()
+        missing += [f"{page.name}: {name}" for name in re.findall(r"`(?:tests/\w+\.py::)?(test_\w+)`", text)
+                    if name not in defined and f"tests/{name}.py" not in files]
+        missing += [f"{page.name}: {path}" for path in re.findall(r"(tests/\w+\.py)", text) if path not in files]
+    assert not missing, "the docs name tests that do not exist: " + "; ".join(sorted(set(missing)))
 
 
 def test_the_simulated_link_lessons_are_the_ones_that_use_it():
