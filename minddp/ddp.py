@@ -179,6 +179,8 @@ class MiniDDP(nn.Module):
             self.bucket_cap_mb = max(bucket_cap_mb_list)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None
         self.trace, self.learn_bucket_order = trace, learn_bucket_order
+        # Names a library synchronizes itself (torch's ``_set_params_and_buffers_to_ignore_for_model``).
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
         if not any(p.requires_grad for p in module.parameters()):
             raise RuntimeError(
@@ -192,7 +194,7 @@ class MiniDDP(nn.Module):
         #    module's GPU, whichever is current: see minddp.sync.on_device).
         with on_device(self.device):
             check_same_parameters(module, self.process_group)
-            states = list(module.parameters()) + (self._module_buffers() if init_sync_buffers else [])
+            states = self._module_parameters() + (self._module_buffers() if init_sync_buffers else [])
             broadcast_coalesced(states, self.process_group)
 
         # 2. The reducer and the policies above it (no collective: a copy or a
@@ -201,7 +203,8 @@ class MiniDDP(nn.Module):
 
     def _build_reducer(self) -> None:
         """The reducer: buckets, and one hook per parameter (minddp/reducer.py); then the policies above it."""
-        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        named = [(name, p) for name, p in self.module.named_parameters()
+                 if p.requires_grad and name not in self.parameters_to_ignore]
         self._params = [p for _, p in named]
         self._observer = StepObserver(dist.get_rank(self.process_group), self.trace, self.device)
         auto_buckets = self.bucket_cap_mb == "auto"
@@ -325,7 +328,18 @@ class MiniDDP(nn.Module):
         """The module's buffers as they are *now*: read again at every use, as torch's DDP does, since
         a forward may re-assign one (``self.mean = 0.9 * self.mean + ...``) and ``model.double()``
         replaces them all; a list taken at construction would broadcast tensors nobody uses."""
-        return list(self.module.buffers())
+        return [b for name, b in self.module.named_buffers() if name not in self.parameters_to_ignore]
+
+    def _module_parameters(self) -> list[nn.Parameter]:
+        """Every parameter MiniDDP keeps equal on all ranks (trainable or not; not those left to the user)."""
+        return [p for name, p in self.module.named_parameters() if name not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
+        """Leave these parameters and buffers (by name) out of MiniDDP, before wrapping ``module``: not
+        broadcast, not averaged, no hook. For state a library keeps in sync itself (e.g. a sharded
+        embedding table). torch's DDP's method of the same (private) name, which such libraries call."""
+        module._ddp_params_and_buffers_to_ignore = list(names)
 
     def _inputs_on_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """With ``device_ids``, the inputs on that device (torch's DDP's ``_pre_forward`` does the same)."""
@@ -451,7 +465,7 @@ class _MiniDDPJoinHook(JoinHook):
         # Everyone is done: the last rank to train has the newest parameters.
         ddp = self.ddp
         buffers = ddp._module_buffers() if ddp.buffer_sync != "off" else []  # torch: forward_sync_buffers
-        broadcast_coalesced(list(ddp.module.parameters()) + buffers, ddp.process_group,
+        broadcast_coalesced(ddp._module_parameters() + buffers, ddp.process_group,
                             self._join().last_active)
         ddp.reducer.divisor = ddp.world_size
 

@@ -353,3 +353,43 @@ def _nothing_to_train(rank, world_size, wrapper_name):
 def test_a_module_with_nothing_to_train_is_a_runtime_error(ranks):
     for name in WRAPPERS:
         assert all(error for error in ranks(2).run(_nothing_to_train, name)), name
+
+
+# ------------------------- parameters and buffers a library synchronizes itself
+class PartlyPrivate(nn.Module):
+    def __init__(self, rank):
+        super().__init__()
+        self.shared, self.private = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("own_counter", torch.full((2,), float(rank)))
+
+    def forward(self, x):
+        self.own_counter += 1
+        return self.private(self.shared(x))
+
+
+IGNORED = ["private.weight", "private.bias", "own_counter"]
+
+
+def _train_partly_private(rank, world_size):
+    results = {}
+    for name, wrapper in WRAPPERS.items():
+        torch.manual_seed(rank)
+        module = PartlyPrivate(rank)
+        wrapper._set_params_and_buffers_to_ignore_for_model(module, IGNORED)
+        model = wrapper(module)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            optimizer.zero_grad()
+            _mse_step(model, step, rank, world_size)
+            optimizer.step()
+        results[name] = {k: _gather(v.detach()) for k, v in module.state_dict().items()}
+    return results
+
+
+def test_parameters_and_buffers_left_to_the_user_are_neither_averaged_nor_broadcast(ranks):
+    per_rank = ranks(2).run(_train_partly_private)[0]
+    for key, torchs in per_rank["torch"].items():
+        for rank, (mine, theirs) in enumerate(zip(per_rank["minddp"][key], torchs)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} on rank {rank}: {m}")
+    assert not torch.equal(*per_rank["minddp"]["private.weight"])  # each rank kept its own
+    assert torch.equal(*per_rank["minddp"]["shared.weight"])
