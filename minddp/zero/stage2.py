@@ -100,7 +100,7 @@ def attach(zero, ddp) -> None:
     zero._pool_in_use = False
     if not _provisional(zero):
         use_pool(zero)
-    reducer.backward_done_callbacks.append(lambda: _note_used(zero))
+    reducer.backward_done_callbacks.append(lambda: _end_of_backward(zero))
 
 
 def use_pool(zero) -> None:
@@ -235,12 +235,20 @@ def _took(zero, bucket: GradBucket) -> bool:
     return True
 
 
-def _note_used(zero) -> None:
-    """End of a backward: which taken parameters had a gradient on some rank (known only now; a bucket
-    may have been taken during backward). Those are stepped; one with no gradient anywhere is not."""
+def _end_of_backward(zero) -> None:
+    """End of a backward: note which parameters are stepped, and keep nothing bucket-sized until the next.
+
+    Which taken parameters had a gradient on some rank is known only now (a
+    bucket may have been taken during backward): those are stepped, one with
+    no gradient anywhere is not. Every bucket has arrived: the finished
+    reduce-scatters (which hold their buffers and received pieces) and the
+    pool's free buffers are let go.
+    """
     used = zero.ddp.reducer.globally_used  # None: every parameter had a gradient
     zero._used_in_round.update(id(p) for p in zero._taken if used is None or used[zero._reducer_index[id(p)]])
     zero._taken = []
+    zero._in_flight.clear()
+    zero.bucket_pool.let_go()
 
 
 def check_buckets_unchanged(zero) -> None:
