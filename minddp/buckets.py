@@ -68,9 +68,14 @@ class BucketStorage:
     result has been taken elsewhere, and lends it out again when a bucket
     next needs one: a few buffers in flight instead of a full gradient copy.
     Buffers come back dirty: every slot is overwritten before it is sent.
+    A storage with ``slots_at_hook = True`` has each dense gradient copied
+    into its slot at its hook and ``.grad`` made that slot, as
+    ``gradient_as_bucket_view`` does: autograd's own ``.grad`` is let go at
+    once, not when the whole bucket is complete.
     """
 
     keep_buffers = True
+    slots_at_hook = False
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)

@@ -164,8 +164,10 @@ class Reducer(ReducerHookPoints):
 
     def _grad_is_slot_view(self, index: int, bucket_dtype: torch.dtype) -> bool:
         """Should ``params[index].grad`` *be* its bucket slot? Only with bucket
-        views, a dense gradient, and a bucket in the parameter's own dtype."""
-        return (self.options.gradient_as_bucket_view and bucket_dtype == self.params[index].dtype
+        views (or a storage that asks for ``slots_at_hook``), a dense gradient,
+        and a bucket in the parameter's own dtype."""
+        return ((self.options.gradient_as_bucket_view or self._storage.slots_at_hook)
+                and bucket_dtype == self.params[index].dtype
                 and index not in self._sparse_dim)
 
     # -------------------------------------------------- the path of a gradient
