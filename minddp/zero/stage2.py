@@ -21,11 +21,16 @@ communication with backward stays. Three narrow contacts with MiniDDP:
   the optimizer took the bucket, the reducer does not write ``.grad``, and
   the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
 * the reducer's bucket storage: buffers lent by a small pool
-  (:mod:`minddp.zero.bucket_pool`), given back as soon as a bucket's piece
-  has arrived, during backward. At most ``BUCKET_BUFFERS`` buckets hold
-  one at a time (``overlap_comm=False``: one), so the peak is the shard
-  gradients (4 psi / N bytes in fp32) plus a few buckets, not a second copy
-  of the model's gradients (measured: ``tests/test_zero_stage2_memory.py``,
+  (:mod:`minddp.zero.bucket_pool`), each the size of its bucket, taken at
+  the bucket's first gradient (every gradient is copied into its slot at
+  its hook and autograd's ``.grad`` let go, as DeepSpeed does), given back
+  as soon as a bucket's piece has arrived, during backward, and none kept
+  past the end of backward. At most ``BUCKET_BUFFERS`` buckets hold one at
+  a time (``overlap_comm=False``: one), so the peak is the shard gradients
+  (4 psi / N bytes in fp32) plus two buckets and one gradient, not a second
+  copy of the model's gradients, and between steps nothing is left but the
+  parameters, the optimizer state and its master shard (measured:
+  ``tests/test_zero_stage2_memory.py``, ``tests/test_zero_stage2_defaults.py``,
   ``benchmarks/zero_memory_peers.py``).
 
 The first backward is special when MiniDDP learns its bucket order
