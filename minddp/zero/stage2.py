@@ -167,8 +167,9 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
         zero._scattered.add(index)
 
     future = WorkFuture(work, buffer, arrived)
-    zero._in_flight.append(future)
-    if not zero.overlap_comm:  # one buffer in all: the next bucket fills it once this one has arrived
+    if zero.overlap_comm:
+        zero._in_flight.append(future)
+    else:  # one buffer in all: the next bucket fills it once this one has arrived (nothing else holds it)
         future.wait()
     return future
 
