@@ -1,9 +1,20 @@
 """Stage 2's gradient memory at its peak, beside DeepSpeed's stage 2, in one run.
 
     python benchmarks/zero_memory_peers.py                       # N = 2 and 4, CPU, Gloo
-    PYTHONPATH=/work/deps/deepspeed python benchmarks/zero_memory_peers.py   # with DeepSpeed 0.19.8
+    PYTHONPATH=.:/work/deps/deepspeed DS_ACCELERATOR=cpu python benchmarks/zero_memory_peers.py  # with DeepSpeed 0.19.8
 
-One spawned job per (setup, world size), on ``minddp.models.GPT`` grown to
+Two tables. The first (``--table defaults``, issue 39): stage 2 at minddp's
+defaults (``MiniDDP(model)``, 25 MB buckets) on ``minddp.models.GPT()`` and
+the 10.9 M GPT below, beside DeepSpeed's stage 2 with its reduce bucket the
+size of the model (and, once, at its default 5e8 elements), every setup in
+rank processes of its own under :class:`_live_bytes.LiveBytes` from before
+the model exists: the peak of model state and of every storage in the third
+of five steps, the parts held after its backward, what is alive between
+steps, and whether the parameters equal the first row's after five steps.
+A row "copied at launch" sets the pool's ``slots_at_hook`` off: each
+``.grad`` copied into its bucket when the bucket is complete.
+
+The second (``--table tuned``): one spawned job per (setup, world size), on ``minddp.models.GPT`` grown to
 ~10.8 M parameters (n_embd 384, 6 blocks), AdamW, 4 MB buckets (DeepSpeed:
 ``reduce_bucket_size`` of 1 M elements, contiguous gradients, no clipping,
 ``overlap_comm`` off, and on in a second row). Three steps; the third is
