@@ -24,7 +24,7 @@ class that overrides some of the steps above and calls ``super()`` for the
 rest. :meth:`Reducer.add_layer` stacks one on this reducer; a feature that is
 off is not in the stack, so the plain path neither calls nor tests for it.
 What policies above may call (the arrival log, ``rebuild``, bucket storage,
-``bucket_reduced_hook``, callbacks) is at the end of this file.
+``bucket_reduced_hook``) is in :mod:`minddp.reducer_hooks`.
 
 Why divide *before* summing: the sum of N half-precision gradients can
 overflow where N parts of their average cannot.
@@ -41,11 +41,10 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
-from minddp.buckets import Bucket, BucketStorage, ScratchBucket
+from minddp.buckets import Bucket, BucketStorage
 from minddp.features import Layer
-from minddp.features.arrival_log import ArrivalLog
-from minddp.features.lent_buckets import LentBuckets
 from minddp.features.observed import ProfilerRanges
+from minddp.reducer_hooks import ReducerHookPoints
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
 
@@ -65,8 +64,13 @@ class ReducerOptions:
     learn_bucket_order: bool = True
 
 
-class Reducer:
-    """Averages the gradients of ``params`` over ``process_group`` during backward."""
+class Reducer(ReducerHookPoints):
+    """Averages the gradients of ``params`` over ``process_group`` during backward.
+
+    (What policies above may call, ``rebuild``, ``watch_arrivals``, bucket
+    storage, ``bucket_reduced_hook``, is in :class:`~minddp.reducer_hooks.ReducerHookPoints`:
+    methods only; every attribute the path reads is set in ``__init__`` here.)
+    """
 
     _layers: tuple[type[Layer], ...] = ()  # the features stacked on this class (add_layer)
 
@@ -260,66 +264,6 @@ class Reducer:
             return
         self.__class__ = _stacked(tuple(k for k in self._layers if k is not layer))
         layer.detach(self)
-
-    # ----------------------------------------- what policies above may call
-    def watch_arrivals(self, watcher: object, on: bool = True) -> None:
-        """Keep ``arrival_log`` (which gradient came when) while some ``watcher`` asks
-        (the learned bucket order, ``bucket_cap_mb="auto"``)."""
-        if on:
-            self.add_layer(ArrivalLog)
-            self._arrival_watchers.add(watcher)
-        elif ArrivalLog in self._layers:
-            self._arrival_watchers.discard(watcher)
-            if not self._arrival_watchers:
-                self.remove_layer(ArrivalLog)
-
-    @property
-    def bucket_order(self) -> list[int]:
-        """Parameter indices in the order the buckets hold them."""
-        return [i for indices in self._indices for i in indices]
-
-    def rebuild(self, order: list[int], cap_bytes: int, first_cap_bytes: int | None) -> None:
-        """Bucket the parameters anew: indices in expected-arrival ``order``, these caps.
-
-        Between backwards only, and with the same arguments on every rank (the
-        caller broadcasts its decision): buckets keep the ranks' collectives matched.
-        """
-        if self.backward_started:
-            raise RuntimeError("Reducer.rebuild during a backward: buckets change only between steps")
-        if sorted(order) != list(range(len(self.params))):
-            raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
-        self.caps = (cap_bytes, first_cap_bytes)
-        self._build_buckets(order)
-
-    def communicate_buffer(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """Send a scratch ``buffer`` the way buckets travel (comm hook included), e.g. to time the link."""
-        return self.communicate(ScratchBucket(buffer, len(self.buckets)))
-
-    def use_bucket_storage(self, storage: BucketStorage) -> None:
-        """Take bucket buffers from ``storage`` from now on; with ``keep_buffers`` False, a buffer goes
-        back as soon as the ``bucket_reduced_hook`` took its result (ZeRO stage 2)."""
-        for bucket in self.buckets:
-            bucket.release()
-        self.storage = storage
-        if not storage.keep_buffers:
-            self.add_layer(LentBuckets)
-        self._build_buckets(self.bucket_order)
-
-    @property
-    def bucket_reduced_hook(self) -> Callable | None:
-        """Called with each reduced bucket (a ``GradBucket``); True: its result is taken care of, no
-        ``.grad`` is written (ZeRO stage 2's hook point, :mod:`minddp.features.lent_buckets`)."""
-        return getattr(self, "_bucket_reduced_hook", None)
-
-    @bucket_reduced_hook.setter
-    def bucket_reduced_hook(self, hook: Callable | None) -> None:
-        if hook is not None and self.planned_rebuild is not None:
-            raise ValueError(
-                f"{self.planned_rebuild}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
-                "those buckets: give MiniDDP a fixed bucket_cap_mb to use them together")
-        self.add_layer(LentBuckets)
-        self._bucket_reduced_hook = hook
-
 
 @functools.lru_cache(maxsize=None)
 def _stacked(layers: tuple[type[Layer], ...]) -> type[Reducer]:
