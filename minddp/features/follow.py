@@ -3,8 +3,8 @@
 Stacks a layer that notes, for that parameter only, each station of the
 plain path in the next synchronized backwards, with the time and the first
 few values: the gradient at its hook, the same values times 1/N in its slot
-of the bucket, the bucket's launch, the all-reduce completing, the sum
-that came back into the slot, and the ``.grad`` written from it. Every rank
+of the bucket, the bucket's launch, the sum that came back into the slot
+(once the end of backward waited for it), and the ``.grad`` written from it. Every rank
 keeps its own record (``followed.report()``): the hook's values differ
 between ranks, the sum and ``.grad`` do not. ``followed.stop()`` takes the
 layer off again. Lesson 08 uses it.
@@ -12,7 +12,6 @@ layer off again. Lesson 08 uses it.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
@@ -31,17 +30,14 @@ class FollowedGradient:
     def __init__(self, reducer, index: int):
         self.reducer, self.index, self.name = reducer, index, reducer.names[index]
         self.stations: list[tuple[float, str, str, list[float] | None]] = []  # (time, station, what, values)
-        self._lock = threading.Lock()  # the all-reduce's completion is noted from the communication thread
 
     def note(self, station: str, what: str = "", values: torch.Tensor | None = None) -> None:
         shown = None if values is None else values.detach().reshape(-1)[:SHOWN].double().tolist()
-        with self._lock:
-            self.stations.append((time.perf_counter(), station, what, shown))
+        self.stations.append((time.perf_counter(), station, what, shown))
 
     def report(self) -> str:
         """One line per station, times in ms from the hook."""
-        with self._lock:
-            stations = list(self.stations)
+        stations = self.stations
         if not stations:
             return f"{self.name}: no synchronized backward since follow()"
         t0, lines = stations[0][0], []
@@ -73,8 +69,7 @@ class Follow(Layer):
 
     def start_backward(self) -> None:
         for followed in self._followed.values():
-            with followed._lock:
-                followed.stations = []
+            followed.stations = []
         super().start_backward()
 
     def on_grad_ready(self, index: int, param) -> None:
@@ -95,7 +90,6 @@ class Follow(Layer):
         future = super().communicate(bucket)
         for followed, _ in self._here(bucket):
             followed.note("launch", f"bucket {bucket.index}: async all-reduce of {bucket.buffer.nbytes} bytes")
-            future.add_done_callback(lambda _, f=followed: f.note("summed", "the all-reduce completed"))
         return future
 
     def write_grads(self, bucket) -> None:
