@@ -22,12 +22,11 @@ Which parameters share a bucket is decided by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-__all__ = ["Bucket", "BucketStorage", "ScratchBucket"]
+__all__ = ["Bucket", "BucketStorage"]
 
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
@@ -35,15 +34,11 @@ LARGE_GRADIENT_NUMEL = 64 * 1024
 
 
 def _slot(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
-    """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param``.
+    """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param`` (as torch's reducer).
 
-    A ``channels_last`` convolution weight has strides ``(27, 1, 9, 3)``, not
-    the contiguous ``(27, 9, 3, 1)``. Its ``.grad`` follows the parameter's
-    layout (autograd's rule), and so must its slot: a bucket view used as
-    ``.grad`` then has the parameter's strides (fused optimizers walk
-    parameter and gradient as flat memory), and a copy into the slot is a
-    plain copy, not a permutation. As torch's reducer: the parameter's
-    strides when it is dense and non-overlapping, else a contiguous slot.
+    A ``channels_last`` weight's ``.grad`` has the weight's strides (autograd's rule), and so must
+    its slot: a bucket view used as ``.grad`` then suits fused optimizers (which walk parameter and
+    gradient as flat memory), and a copy into the slot is a plain copy, not a permutation.
     """
     if _dense_and_non_overlapping(param):
         return buffer.as_strided(param.shape, param.stride(), offset)
@@ -62,11 +57,8 @@ def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
 
 
 class BucketStorage:
-    """Where bucket buffers come from: one allocated per bucket, kept for the whole run (torch's way).
-
-    ZeRO stage 2 lends buffers from a pool instead (``keep_buffers = False``:
-    :mod:`minddp.features.lent_buckets`, :mod:`minddp.zero.bucket_pool`).
-    """
+    """Where bucket buffers come from: one per bucket, kept for the whole run (torch's way). ZeRO
+    stage 2 lends them from a pool instead (:mod:`minddp.features.lent_buckets`)."""
 
     keep_buffers = True
 
@@ -234,13 +226,3 @@ class Bucket:
     def unready_names(self) -> list[str]:
         return [n for n, r in zip(self.names, self._ready) if not r]
 
-
-@dataclass
-class ScratchBucket:
-    """A stand-in :class:`Bucket` with no parameters: a scratch buffer sent the way buckets travel
-    (``Reducer.communicate_buffer``). Its index is past the real buckets', so no comm hook mistakes it for one."""
-
-    buffer: torch.Tensor
-    index: int
-    params: tuple = ()
-    views: tuple = ()

@@ -26,12 +26,13 @@ from torch import nn
 
 from minddp.bucket_order import LearnedBucketOrder
 from minddp.bucket_planner import AutoBuckets
+from minddp.arguments import check_arguments
 from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket, CarryBuffers
 from minddp.features.comm_hook import CommHook
 from minddp.features.follow import Follow, FollowedGradient
-from minddp.features.gradient_cases import GradientCases
+from minddp.features.gradient_cases import GradientCases, sparse_embedding_weights
 from minddp.features.observed import Observed, ObservedGradients
 from minddp.features.reduce_dtype import ReduceDtype
 from minddp.features.replica_checks import ReplicaChecks
@@ -41,7 +42,7 @@ from minddp.features.unused_parameters import UnusedParameters
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_same_parameters
-from minddp.sync import BUFFER_POLICIES, broadcast_coalesced, module_device, move_to_device, on_device, sync_buffers
+from minddp.sync import broadcast_coalesced, module_device, move_to_device, on_device, process_group_of, sync_buffers
 from minddp.trace import StepObserver, StepTimeline, Tracer
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
@@ -51,27 +52,31 @@ class MiniDDP(nn.Module):
     """Wrap ``module`` so that ``backward()`` leaves the average gradient over all ranks.
 
     Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``
-    (each feature's file in :mod:`minddp.features` says more):
+    (the file of each feature in :mod:`minddp.features` says more):
 
-    * ``process_group``: the ranks to average over (default: the whole world).
+    * ``process_group`` or a one-dimensional ``device_mesh``: the ranks to
+      average over (default: the whole world).
     * ``bucket_cap_mb``: gradients travel in flat buckets of at most this many
-      MiB (the first one at most 1 MiB); 0 means one parameter per bucket.
-      ``"auto"`` (beyond torch): measure the first synchronized steps and the
-      link, and rebuild the buckets once with the cap the alpha-beta model
-      predicts fastest (:mod:`minddp.bucket_planner`).
-    * ``broadcast_buffers``: before each forward that follows a synchronized
-      one, whatever its grad mode, copy rank 0's buffers (BatchNorm's running
-      statistics) to every rank. ``buffer_sync`` is what MiniDDP reads.
+      MiB (the first one at most 1 MiB); 0 means one parameter per bucket;
+      ``bucket_cap_mb_list``: one cap per bucket, in launch order (the last
+      for every bucket after it). ``"auto"`` (beyond torch): measure the first
+      steps and the link, and rebuild the buckets once with the cap the
+      alpha-beta model predicts fastest (:mod:`minddp.bucket_planner`).
+    * ``forward_sync_buffers`` (torch 2.14's name; ``broadcast_buffers`` the
+      older one): before each forward that follows a synchronized one,
+      whatever its grad mode, and after a ``join``, copy rank 0's buffers
+      (BatchNorm's running statistics) to every rank, read from the module
+      each time. At construction too, unless ``broadcast_buffers=False``
+      is given (torch's rule). ``buffer_sync`` is what MiniDDP reads.
     * ``find_unused_parameters``: parameters that get no gradient on some
       rank count as zero there; without it such a parameter is an error at
-      the end of backward, naming it.
+      the end of backward, naming it. ``skip_all_reduce_unused_params``:
+      with it, a promise that the unused ones stay the same on every rank.
     * ``gradient_as_bucket_view``: each ``p.grad`` is a view into its bucket.
-    * ``device_ids``: the one device the module is on; given, the forward's
-      inputs are moved there. ``output_device`` is accepted and ignored.
+    * ``device_ids``: the module's one device; the forward's inputs go there (``output_device``: ignored).
     * ``static_graph``: every iteration uses the same parameters the same
       number of times (lets a block run twice under a reentrant checkpoint).
-    * ``require_backward_grad_sync`` (attribute), ``no_sync()``: accumulate
-      gradients locally.
+    * ``require_backward_grad_sync`` (attribute), ``no_sync()``: accumulate gradients locally.
 
     Beyond torch's arguments:
 
@@ -79,9 +84,8 @@ class MiniDDP(nn.Module):
     * ``buffer_sync``: ``"broadcast"`` (torch's way), ``"with_gradients"``
       (the same values, sent in the last gradient bucket: one collective fewer
       per step), ``"average"`` (floating-point buffers averaged over ranks) or
-      ``"off"``; defaults to ``"broadcast"`` or ``"off"`` following ``broadcast_buffers``.
-    * ``check_sync_every``: every N synchronized forwards, verify that all
-      replicas hold identical parameters and buffers (:mod:`minddp.replicas`).
+      ``"off"``; by default ``"broadcast"``, or ``"off"`` without ``forward_sync_buffers``.
+    * ``check_sync_every``: every N synchronized forwards, verify that the replicas are identical.
     * ``timeline``: record when things happened in the last synchronized
       backward (``model.timeline``); ``trace``: record every hook and bucket
       for a Chrome trace (``model.tracer.export_chrome_trace(path)``).
@@ -100,10 +104,14 @@ class MiniDDP(nn.Module):
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | str | None = 25.0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        forward_sync_buffers: bool | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        device_mesh: Any = None,
+        bucket_cap_mb_list: list[float] | None = None,
         reduce_dtype: torch.dtype | None = None,
         buffer_sync: str | None = None,
         check_sync_every: int = 0,
@@ -118,66 +126,80 @@ class MiniDDP(nn.Module):
                 "torch.distributed.init_process_group (or minddp.init_distributed) first"
             )
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = process_group_of(process_group, device_mesh)
         self.world_size = dist.get_world_size(self.process_group)
-        self.broadcast_buffers = broadcast_buffers
-        self.buffer_sync = buffer_sync or ("broadcast" if broadcast_buffers else "off")
-        if self.buffer_sync not in BUFFER_POLICIES:
-            raise ValueError(f"buffer_sync must be one of {BUFFER_POLICIES}, got {buffer_sync!r}")
-        if check_sync_every < 0:
-            raise ValueError(f"check_sync_every must be >= 0 (0 = never), got {check_sync_every}")
-        auto_buckets = isinstance(bucket_cap_mb, str)
-        if auto_buckets and bucket_cap_mb != "auto":
-            raise ValueError(f"bucket_cap_mb must be a number of MiB or 'auto', got {bucket_cap_mb!r}")
-        if not auto_buckets and bucket_cap_mb is not None and bucket_cap_mb < 0:
-            raise ValueError(f"bucket_cap_mb must be >= 0 (0: one parameter per bucket), got {bucket_cap_mb}")
-        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
-            raise ValueError(f"reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
+        # torch 2.14's buffer rule: forward_sync_buffers says whether buffers are synchronized at
+        # forward (and after a join); they are at construction too, unless the older
+        # broadcast_buffers=False alone asked for neither.
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers, init_sync_buffers = forward_sync_buffers, True
+        else:
+            self.forward_sync_buffers = init_sync_buffers = broadcast_buffers is not False
+        self.broadcast_buffers = self.forward_sync_buffers  # torch keeps the old name as an alias
+        self.buffer_sync = buffer_sync or ("broadcast" if self.forward_sync_buffers else "off")
+        check_arguments(self.buffer_sync, check_sync_every, bucket_cap_mb, bucket_cap_mb_list, reduce_dtype)
         self.check_sync_every = check_sync_every
         self.find_unused_parameters = find_unused_parameters
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.reduce_dtype = reduce_dtype
         self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb  # "auto" stays "auto"
-
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(
+        if bucket_cap_mb_list is not None:  # as torch: the largest is the cap reported
+            self.bucket_cap_mb = max(bucket_cap_mb_list)
+        self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None
+        self.timeline_asked, self.trace, self.learn_bucket_order = timeline, trace, learn_bucket_order
+        # Names a library synchronizes itself (torch's ``_set_params_and_buffers_to_ignore_for_model``).
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        if not any(p.requires_grad for p in module.parameters()):
+            raise RuntimeError(
                 "MiniDDP is not needed when a module has no parameter that requires a gradient "
                 f"({type(module).__name__} has none): there is nothing to average"
             )
         self.device = module_device(list(module.parameters()), device_ids)
         self._input_device = self.device if device_ids is not None else None
-        self._params = [p for _, p in named]
 
         # 1. Same model everywhere, then rank 0's values everywhere (on the
         #    module's GPU, whichever is current: see minddp.sync.on_device).
         with on_device(self.device):
             check_same_parameters(module, self.process_group)
-            broadcast_coalesced(list(module.parameters()) + self._module_buffers(), self.process_group)
+            states = self._module_parameters() + (self._module_buffers() if init_sync_buffers else [])
+            broadcast_coalesced(states, self.process_group)
 
-        # 2. The reducer: buckets, and one hook per parameter (minddp/reducer.py),
-        #    then the features asked for, each a layer on it (minddp/features/).
-        options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, gradient_as_bucket_view,
-                                 find_unused_parameters, static_graph, reduce_dtype, learn_bucket_order)
+        # 2. The reducer and its layers (no collective: a copy or a reloaded
+        #    pickle builds them again, see __setstate__).
+        self._build_reducer()
+
+    def _build_reducer(self) -> None:
+        """The reducer: buckets, and one hook per parameter (minddp/reducer.py), then the features asked
+        for, each a layer on it (minddp/features/), and the policies above it."""
+        named = [(name, p) for name, p in self.module.named_parameters()
+                 if p.requires_grad and name not in self.parameters_to_ignore]
+        self._params = [p for _, p in named]
+        auto_buckets = self.bucket_cap_mb == "auto"
+        options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, self.gradient_as_bucket_view,
+                                 self.find_unused_parameters, self.static_graph, self.reduce_dtype,
+                                 self.learn_bucket_order, self.skip_all_reduce_unused_params,
+                                 tuple(self.bucket_cap_mb_list) if self.bucket_cap_mb_list else None)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options)
         self._observer: StepObserver | None = None
-        self._stack_features(named, timeline, trace)
+        self._stack_features()
+        if self.learn_bucket_order:
+            LearnedBucketOrder(self.reducer)  # a policy: watches the first backward's arrivals, then rebuilds
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
             self.bucket_planner = AutoBuckets(self.reducer)
-
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
         self.join_context: Join | None = None  # set by Join inside ``with model.join():``
         self._join_hook: MiniDDPJoinHook | None = None
 
-    def _stack_features(self, named: list[tuple[str, nn.Parameter]], timeline: bool, trace: bool) -> None:
+    def _stack_features(self) -> None:
         """The layers this model's arguments ask for (each file in minddp/features says what it does)."""
         reducer, rank = self.reducer, dist.get_rank(self.process_group)
         if self.reduce_dtype is not None:
             reducer.add_layer(ReduceDtype, dtype=self.reduce_dtype)
-        sparse = frozenset(i for i, p in enumerate(self._params) if id(p) in _sparse_embedding_weights(self.module))
+        sparse = frozenset(i for i, p in enumerate(self._params) if id(p) in sparse_embedding_weights(self.module))
         if sparse:
             reducer.add_layer(GradientCases)
         if self.gradient_as_bucket_view:
@@ -190,11 +212,28 @@ class MiniDDP(nn.Module):
             reducer.add_layer(CarryBuffers, passenger=BuffersInLastBucket(self._module_buffers, is_source=rank == 0))
         if self.check_sync_every:
             reducer.add_layer(ReplicaChecks, module=self.module, every=self.check_sync_every)
-        if timeline or trace:
-            self._observer = StepObserver(rank, trace, self.device)
-            reducer.add_layer(ObservedGradients if trace else Observed, observer=self._observer)
-        if reducer.options.learn_bucket_order:
-            LearnedBucketOrder(reducer)  # a policy: watches the first backward's arrivals, then rebuilds
+        if self.timeline_asked or self.trace:
+            self._observer = StepObserver(rank, self.trace, self.device)
+            reducer.add_layer(ObservedGradients if self.trace else Observed, observer=self._observer)
+
+    # ------------------------------------------------- pickling and copying
+    def __getstate__(self) -> dict:
+        """What ``torch.save`` and ``copy.deepcopy`` keep: the module and the settings, not the process
+        group or the reducer (its hooks are on these very parameters); ``__setstate__`` builds them again,
+        as torch's DDP does. Only with the default process group, the one a loading process can name."""
+        if self.process_group is not dist.group.WORLD and self.process_group != dist.distributed_c10d._get_default_group():
+            raise RuntimeError(
+                "MiniDDP can be pickled or copied only when it uses the default process group (constructed "
+                "without process_group=): a process loading it could not name the group it used")
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        for name in ("process_group", "reducer", "_observer", "bucket_planner", "join_context", "_join_hook", "_params"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self._build_reducer()
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
@@ -228,7 +267,20 @@ class MiniDDP(nn.Module):
         """The module's buffers as they are *now*: read again at every use, as torch's DDP does, since
         a forward may re-assign one (``self.mean = 0.9 * self.mean + ...``) and ``model.double()``
         replaces them all; a list taken at construction would broadcast tensors nobody uses."""
-        return list(self.module.buffers())
+        if not self.parameters_to_ignore:
+            return list(self.module.buffers())
+        return [b for name, b in self.module.named_buffers() if name not in self.parameters_to_ignore]
+
+    def _module_parameters(self) -> list[nn.Parameter]:
+        """Every parameter MiniDDP keeps equal on all ranks (trainable or not; not those left to the user)."""
+        return [p for name, p in self.module.named_parameters() if name not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
+        """Leave these parameters and buffers (by name) out of MiniDDP, before wrapping ``module``: not
+        broadcast, not averaged, no hook. For state a library keeps in sync itself (e.g. a sharded
+        embedding table). torch's DDP's method of the same (private) name, which such libraries call."""
+        module._ddp_params_and_buffers_to_ignore = list(names)
 
     def _unfinished_backward_error(self) -> RuntimeError:
         missing = self.reducer.abandon_unfinished_backward()
@@ -273,10 +325,13 @@ class MiniDDP(nn.Module):
         """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
         self.register_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type))
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True) -> Join:
-        """``with model.join():`` lets ranks with fewer batches finish early
-        (:mod:`minddp.join`, :mod:`minddp.features.uneven_inputs`)."""
-        return Join([self], enable, divide_by_initial_world_size=divide_by_initial_world_size)
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """``with model.join():`` lets ranks with fewer batches finish early (:mod:`minddp.join`,
+        :mod:`minddp.features.uneven_inputs`); ``throw_on_early_termination=True``: every rank
+        raises as soon as one has run out instead."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, divide_by_initial_world_size: bool = True) -> JoinHook:
         """What this model does for a ``Join`` (minddp's or torch's) once its rank has run out of data."""
@@ -327,8 +382,3 @@ class MiniDDP(nn.Module):
         """Parameter names per bucket, in launch order (for tests and lessons)."""
         return [list(b.names) for b in self.reducer.buckets]
 
-
-def _sparse_embedding_weights(module: nn.Module) -> set[int]:
-    """``id`` of the weights whose gradients come sparse (torch's DDP asks the same question)."""
-    return {id(m.weight) for m in module.modules()
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}

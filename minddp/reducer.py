@@ -62,6 +62,8 @@ class ReducerOptions:
     static_graph: bool = False
     reduce_dtype: torch.dtype | None = None
     learn_bucket_order: bool = True
+    skip_all_reduce_unused_params: bool = False
+    bucket_caps_mb: tuple[float, ...] | None = None  # one cap per bucket (torch's bucket_cap_mb_list)
 
 
 class Reducer(ReducerHookPoints):
@@ -95,6 +97,7 @@ class Reducer(ReducerHookPoints):
         self.planned_rebuild: str | None = None  # why the buckets will still change (a policy's plan)
         self.storage = BucketStorage()
         self.caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
         self._index = {p: i for i, p in enumerate(params)}
         self._build_buckets(list(reversed(range(len(params)))))  # the first guess: reverse registration
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
@@ -104,7 +107,7 @@ class Reducer(ReducerHookPoints):
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [TensorSpec(self.params[i].numel(), self.bucket_dtype(i).itemsize, self.bucket_dtype(i),
                             self.device) for i in order]
-        groups = assign_buckets(specs, *self.caps)
+        groups = assign_buckets(specs, *self.caps, per_bucket_caps=self.per_bucket_caps)
         self.buckets = [self._make_bucket(k, [order[j] for j in group], specs[group[0]].dtype, len(groups))
                         for k, group in enumerate(groups)]
         # The plan every hook follows, worked out once here instead of at every

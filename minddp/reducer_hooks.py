@@ -22,15 +22,27 @@ reducer's own, set up in ``Reducer.__init__``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from minddp.buckets import BucketStorage, ScratchBucket
+from minddp.buckets import BucketStorage
 from minddp.features.arrival_log import ArrivalLog
 from minddp.features.lent_buckets import LentBuckets
 
-__all__ = ["ReducerHookPoints"]
+__all__ = ["ReducerHookPoints", "ScratchBucket"]
+
+
+@dataclass
+class ScratchBucket:
+    """A stand-in :class:`Bucket` with no parameters: a scratch buffer sent the way buckets travel
+    (``Reducer.communicate_buffer``). Its index is past the real buckets', so no comm hook mistakes it for one."""
+
+    buffer: torch.Tensor
+    index: int
+    params: tuple = ()
+    views: tuple = ()
 
 
 class ReducerHookPoints:

@@ -26,7 +26,13 @@ import torch.distributed as dist
 
 from minddp.features import Layer
 
-__all__ = ["GradientCases"]
+__all__ = ["GradientCases", "sparse_embedding_weights"]
+
+
+def sparse_embedding_weights(module: torch.nn.Module) -> set[int]:
+    """``id`` of the weights whose gradients come sparse (torch's DDP asks the same question)."""
+    return {id(m.weight) for m in module.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
 
 
 class GradientCases(Layer):

@@ -96,8 +96,8 @@ class MiniDDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         # Everyone is done: the last rank to train has the newest parameters.
         ddp = self.ddp
-        broadcast_coalesced(list(ddp.module.parameters()) + ddp._module_buffers(), ddp.process_group,
-                            self._join().last_active)
+        buffers = ddp._module_buffers() if ddp.buffer_sync != "off" else []  # torch: forward_sync_buffers
+        broadcast_coalesced(ddp._module_parameters() + buffers, ddp.process_group, self._join().last_active)
         ddp.reducer.average_over(ddp.world_size)
 
     def _join(self) -> Join:

@@ -12,6 +12,8 @@ with an error naming it. With it, as in torch's DDP:
   (an output left out of the loss) counts as zero too, in bucket order;
 * one small all-reduce tells which parameters had a gradient on *some*
   rank: those get the average, the others keep their ``.grad`` (None stays None).
+  With ``skip_all_reduce_unused_params`` (a promise that the unused ones stay
+  the same on every rank) it is done at the first backward only.
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ class UnusedParameters(Layer):
 
     def finish_backward(self) -> None:
         self._mark_all_unready()  # reached by the walk, but no gradient came: zero as well
-        self.globally_used = self._used_on_any_rank(self._locally_used)
+        if not (self.options.skip_all_reduce_unused_params and self.globally_used is not None):
+            self.globally_used = self._used_on_any_rank(self._locally_used)
+        # (skip_all_reduce_unused_params: promised the same parameters unused on every rank, every step)
         super().finish_backward()
 
     def shadow_backward_extras(self) -> None:
         """A joined rank's stand-in: it used nothing, and says so in the same all-reduce."""
-        self.globally_used = self._used_on_any_rank([False] * len(self.params))
+        if not (self.options.skip_all_reduce_unused_params and self.globally_used is not None):
+            self.globally_used = self._used_on_any_rank([False] * len(self.params))
