@@ -78,3 +78,16 @@ def test_instrumentation_and_join_bookkeeping_run_only_when_asked_for(ranks):
     # Not vacuous: asked for, the timeline does run on that step (and is a layer of its own).
     functions, files, _ = ranks(2).run(_reading_path, timeline=True)[0]
     assert {"minddp/trace.py", "minddp/features/observed.py"} <= set(files), _describe(functions, files, 0)
+
+
+def _print_reading_path(rank, world_size):
+    torch.set_num_threads(1)
+    functions, files, lines = _reading_path(rank, world_size)
+    if rank == 0:
+        print(_describe(functions, files, lines))
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python tests/test_reading_path.py: the listing behind the numbers
+    from minddp.launch import spawn
+
+    spawn(_print_reading_path, 2, backend="gloo")
