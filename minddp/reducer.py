@@ -259,7 +259,7 @@ class Reducer(ReducerHookPoints):
         """
         if layer in self._layers:
             return
-        self.__class__ = _stacked(self._layers + (layer,))
+        self.__class__ = _stacked(tuple(sorted(self._layers + (layer,), key=lambda k: k.height)))
         layer.attach(self, **settings)
 
     def remove_layer(self, layer: type[Layer]) -> None:
@@ -270,9 +270,9 @@ class Reducer(ReducerHookPoints):
 
 @functools.lru_cache(maxsize=None)
 def _stacked(layers: tuple[type[Layer], ...]) -> type[Reducer]:
-    """The class of a reducer with these layers: the highest first in the method order, the plain path last."""
+    """The class of a reducer with these layers (lowest first): the highest first in the method
+    order, the plain path last. One class per set of layers."""
     if not layers:
         return Reducer
-    ordered = tuple(sorted(layers, key=lambda layer: layer.height))
-    name = "+".join(["Reducer"] + [layer.__name__ for layer in ordered])
-    return type(name, tuple(reversed(ordered)) + (Reducer,), {"_layers": ordered, "__module__": __name__})
+    name = "+".join(["Reducer"] + [layer.__name__ for layer in layers])
+    return type(name, tuple(reversed(layers)) + (Reducer,), {"_layers": layers, "__module__": __name__})
