@@ -49,7 +49,9 @@ class JoinedSteps(Layer):
         active = self.join_active = Join.notify_join_context(ddp)  # inside join(): who is still training?
         if active is None:
             return source
-        self.average_over(ddp._join_hook.divisor(active))  # reading waits for the GPU: only here
+        self.average_over(ddp._join_hook.divisor(active))
+        if ddp.buffer_sync == "off" or not ddp._module_buffers():
+            return source  # (last_active reads the answer back: a wait for the GPU, only where used)
         return ddp.join_context.last_active
 
     def average_over(self, ranks: int) -> None:
