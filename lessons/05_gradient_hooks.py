@@ -49,7 +49,6 @@ Try this
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from _common import FEATURES, is_exact, make_model, parse_args, print0, print_ranks, print_results, run, train_and_compare
 from wrappers.hook_ddp import HookDDP  # this lesson's wrapper: diff it with wrappers/hand_ddp.py
