@@ -1,7 +1,8 @@
 """The lessons' time claims rest on models and counts, never on the clock.
 
-Lessons 06, 16, 17 and 17b check what they claim about time with small pure
-functions: 06 replays a backward in the link model's time, 16 splits a bar
+Lessons 06, 07, 16, 17 and 17b check what they claim about time with small pure
+functions: 06 replays a backward in the link model's time, 07 lets a bucket
+leave when its own last gradient is ready, 16 splits a bar
 into waiting and travelling, 17 states for which compute speeds, networks
 and algorithms each comparison goes which way, 17b which link gets fewer
 buckets for any length of backward. Those functions are tested
@@ -12,10 +13,12 @@ cannot move them. (The lessons themselves run in tests/test_lessons.py.)
 import importlib.util
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
 from minddp.simulated_link import Message
@@ -30,6 +33,7 @@ def lesson(stem: str):
     try:
         spec = importlib.util.spec_from_file_location(f"lesson_{stem}", LESSONS / f"{stem}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # a dataclass looks its module up there
         spec.loader.exec_module(module)
         return module
     finally:
@@ -123,3 +127,26 @@ def test_17b_says_where_the_clock_disagrees_with_the_model():
     assert verdict(False, (50.0, 40.0), (60.0, 55.0)) == "agrees"
     assert verdict(False, (50.0, 40.0), (55.0, 60.0)) == "differs this time"
     assert verdict(False, (50.0, 49.0), (55.0, 60.0)) == "a tie in the model"  # 2%: below the clock's noise
+
+
+def test_07_a_bucket_leaves_when_its_own_last_gradient_is_ready():
+    les = lesson("07_buckets")
+    params = [torch.zeros(250) for _ in range(4)]  # 1000 bytes each, registered first layer first
+    ready = [40.0, 30.0, 20.0, 10.0]  # backward reaches the last registered first
+    reverse = SimpleNamespace(params=params, buckets=[[params[3], params[2]], [params[1], params[0]]])
+    registration = SimpleNamespace(params=params, buckets=[[params[0], params[1]], [params[2], params[3]]])
+    assert les.bucket_readiness(reverse, ready) == [(2000, 20.0), (2000, 40.0)]
+    # Registration order: bucket 0 holds the first layer, ready last; bucket 1, ready at 20, waits for it.
+    assert les.bucket_readiness(registration, ready) == [(2000, 40.0), (2000, 20.0)]
+    wire = lambda nbytes: nbytes / 200  # noqa: E731  10 ms per bucket
+    assert les.predicted_ms(les.bucket_readiness(reverse, ready), wire) == 50  # 20..30 under backward, then 40..50
+    assert les.predicted_ms(les.bucket_readiness(registration, ready), wire) == 60  # 40..50, then 50..60
+
+
+def test_the_bench_table_counts_and_shows_no_clock(capsys):
+    common = lesson("_common")
+    exact = common.Result("w", 0.0, 1e-8, 1e-8, True, Counter({"allreduce_": 6, "broadcast_": 2}), 23_080.0)
+    common.print_results([exact])
+    out = capsys.readouterr().out
+    assert "6 all-reduces, 2 broadcast_" in out and "23.1" in out
+    assert " ms" not in out, out
