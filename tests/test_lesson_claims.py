@@ -80,6 +80,20 @@ def test_16_splits_a_bar_into_waiting_and_travelling():
     assert (hidden, total) == pytest.approx((5.0, 8.0))
 
 
+def test_16_explains_a_bar_by_the_wire_the_peers_and_the_machine():
+    les = lesson("16_overlap_trace")
+    wire = lambda nbytes: 5.0  # noqa: E731  the model's time for any bucket
+    rank0 = StepView(0, 0, 0.0, 30.0, buckets=[BucketBar(0, 1.0, 7.0, 100), BucketBar(1, 2.0, 20.0, 100)])
+    rank1 = StepView(1, 0, 0.0, 30.0, buckets=[BucketBar(0, 1.5, 7.0, 100), BucketBar(1, 15.0, 20.0, 100)])
+    first, second = les.explain_bars([rank0, rank1], wire)
+    # Bucket 0: on the wire at once, 5 ms by the model, then 1 ms this machine added.
+    assert (first["bar"], first["queued"], first["wire"], first["late_peer"]) == (6.0, 0.0, 5.0, 0.0)
+    assert first["rest"] == pytest.approx(1.0)
+    # Bucket 1: queued 2..7 behind bucket 0, modelled to end at 12, but rank 1 launched it only at 15.
+    assert (second["queued"], second["wire"], second["late_peer"]) == (5.0, 5.0, 3.0)
+    assert second["rest"] == pytest.approx(5.0) and second["bar"] == 18.0
+
+
 def profile(backward_ms: float) -> ComputeProfile:
     """26 gradients shaped like lesson 17's model, ready evenly over ``backward_ms``."""
     sizes = [40, 10 * 512 * 4] + [512 * 4, 512 * 512 * 4] * 12
