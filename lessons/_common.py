@@ -182,24 +182,32 @@ def train_and_compare(name: str, wrap, rank: int, world_size: int, *, width: int
     loss_fn = nn.CrossEntropyLoss()  # a mean over the batch: what makes averaging exact
     data = torch.Generator().manual_seed(1234)  # the same global batches on every rank
     finish = getattr(ddp, "finish_gradient_synchronization", lambda: None)
-    grad_error = 0.0
-    for _ in range(steps):
+    batches, synced_grads = [], []
+    for step in range(steps):
         x = torch.randn(world_size, micro_batches, per_rank, FEATURES, generator=data)
         y = torch.randint(0, CLASSES, (world_size, micro_batches, per_rank), generator=data)
         opt.zero_grad()
-        with CountCollectives() as count:  # the last step's count is kept
+        # Only the last step is counted: a dispatch mode sees every operation, and would slow
+        # down the steps a wrapper may be measuring itself (MiniDDP's bucket_cap_mb="auto").
+        count = CountCollectives() if step == steps - 1 else contextlib.nullcontext()
+        with count:
             for i in range(micro_batches):
                 with _sync_switch(ddp, i == micro_batches - 1):
                     # The mean of k equal parts' means, each divided by k, is the whole's mean.
                     (loss_fn(ddp(x[rank, i]), y[rank, i]) / micro_batches).backward()
                 finish()
+        if reference:
+            batches.append((x, y))
+            synced_grads.append([p.grad.clone() for p in ddp.parameters()])
         opt.step()
-        if not reference:
-            continue
+
+    # One process on each whole batch, after the wrapper's steps, so that those ran back to
+    # back as in training (nothing of the reference's work between one backward and the next).
+    grad_error = 0.0
+    for (x, y), grads in zip(batches, synced_grads):
         opt_single.zero_grad()
         loss_fn(single(x.reshape(-1, FEATURES)), y.reshape(-1)).backward()
-        grad_error = max(grad_error, *((p.grad - q.grad).abs().max().item()
-                                       for p, q in zip(ddp.parameters(), single.parameters())))
+        grad_error = max(grad_error, *((g - q.grad).abs().max().item() for g, q in zip(grads, single.parameters())))
         opt_single.step()
 
     weights = torch.cat([p.detach().flatten() for p in ddp.parameters()])
