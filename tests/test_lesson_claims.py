@@ -116,51 +116,29 @@ def test_17_claims_hold_for_every_compute_speed_network_and_algorithm(backward_m
         les.ring_against_tree(["eth25", network])
 
 
-def lesson_17b_profile(les, backward_ms: float) -> ComputeProfile:
-    """Lesson 17b's model (20 -> 12 x 256 -> 4): its 26 gradients, last layer first, evenly over ``backward_ms``."""
-    shapes = [(4, les.WIDTH), (4,)] + [(les.WIDTH, les.WIDTH), (les.WIDTH,)] * (les.DEPTH - 1) + [(les.WIDTH, 20), (les.WIDTH,)]
-    sizes = [4 * math.prod(s) for s in shapes]
-    return ComputeProfile(backward_ms / 2, [Gradient(f"g{i}", backward_ms * (i + 1) / len(sizes), n)
-                                            for i, n in enumerate(sizes)])
-
-
 @pytest.mark.parametrize("backward_ms", [1.0, 7.0, 30.0, 100.0, 300.0],
                          ids=["fast machine", "quiet laptop", "busy", "very busy", "crawling"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_17b_the_model_picks_fewer_buckets_on_the_slow_link_for_any_backward(backward_ms, world_size):
+def test_17b_the_planner_picks_fewer_buckets_on_the_high_latency_link_for_any_backward(backward_ms, world_size):
     les = lesson("17b_auto_buckets")
-    picks = les.model_choices(lesson_17b_profile(les, backward_ms), les.LINKS, world_size)
-    assert picks["slow"].buckets < picks["fast"].buckets, {n: c.buckets for n, c in picks.items()}
+    picks = les.model_choices(les.stated_profile(backward_ms), les.LINKS, world_size)
+    assert picks["high-latency"].buckets < picks["low-bandwidth"].buckets, {n: c.buckets for n, c in picks.items()}
     for choice in picks.values():
         assert choice.predicted_ms <= choice.default_ms
 
 
-def test_17b_says_where_the_clock_disagrees_with_the_model():
-    verdict = lesson("17b_auto_buckets").clock_verdict
-    assert verdict(True, (50.0, 50.0), (40.0, 45.0)) == "same buckets"  # the same plan: any difference is noise
-    assert verdict(False, (50.0, 40.0), (60.0, 55.0)) == "agrees"
-    assert verdict(False, (50.0, 40.0), (55.0, 60.0)) == "differs this time"
-    assert verdict(False, (50.0, 49.0), (55.0, 60.0)) == "a tie in the model"  # 2%: below the clock's noise
+def test_17b_names_its_links_by_their_numbers():
+    links = lesson("17b_auto_buckets").LINKS
+    high, low = links["high-latency"], links["low-bandwidth"]
+    assert high.alpha_s >= 100 * low.alpha_s, "the high-latency link pays far more per message"
+    assert low.bandwidth_Bps < high.bandwidth_Bps, "the low-bandwidth link moves fewer bytes per second"
 
 
-def test_07_a_bucket_leaves_when_its_own_last_gradient_is_ready():
-    les = lesson("07_buckets")
-    params = [torch.zeros(250) for _ in range(4)]  # 1000 bytes each, registered first layer first
-    ready = [40.0, 30.0, 20.0, 10.0]  # backward reaches the last registered first
-    reverse = SimpleNamespace(params=params, buckets=[[params[3], params[2]], [params[1], params[0]]])
-    registration = SimpleNamespace(params=params, buckets=[[params[0], params[1]], [params[2], params[3]]])
-    assert les.bucket_readiness(reverse, ready) == [(2000, 20.0), (2000, 40.0)]
-    # Registration order: bucket 0 holds the first layer, ready last; bucket 1, ready at 20, waits for it.
-    assert les.bucket_readiness(registration, ready) == [(2000, 40.0), (2000, 20.0)]
-    wire = lambda nbytes: nbytes / 200  # noqa: E731  10 ms per bucket
-    assert les.predicted_ms(les.bucket_readiness(reverse, ready), wire) == 50  # 20..30 under backward, then 40..50
-    assert les.predicted_ms(les.bucket_readiness(registration, ready), wire) == 60  # 40..50, then 50..60
-
-
-def test_the_bench_table_counts_and_shows_no_clock(capsys):
+def test_17b_states_the_compute_of_its_own_model():
+    les = lesson("17b_auto_buckets")
     common = lesson("_common")
-    exact = common.Result("w", 0.0, 1e-8, 1e-8, True, Counter({"allreduce_": 6, "broadcast_": 2}), 23_080.0)
-    common.print_results([exact])
-    out = capsys.readouterr().out
-    assert "6 all-reduces, 2 broadcast_" in out and "23.1" in out
-    assert " ms" not in out, out
+    model = common.make_model(seed=0, width=les.WIDTH, depth=les.DEPTH)
+    real = [p.numel() * p.element_size() for p in model.parameters()][::-1]  # last layer first, its bias before its weight
+    stated = les.stated_profile()
+    assert [g.nbytes for g in stated.gradients] == real
+    assert stated.backward_ms == les.STATED_BACKWARD_MS and (les.FEATURES, les.CLASSES) == (common.FEATURES, common.CLASSES)
