@@ -65,7 +65,6 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from minddp import MiniDDP
