@@ -48,16 +48,16 @@ Try this
        a bucket's wire time is at most the time backward takes to fill the
        next one; the smallest such bucket leaves least work after backward.
     2. ``--cap 200``: add your own cap (in KB) to the sweep; the lesson
-       prints the model's prediction for it next to the measurement.
+       prints the model's step for it among the others.
     3. ``--link none``: plain Gloo on loopback, where alpha is microseconds.
-       Predict where the best cap moves. (There is no model of the wire
-       then, so the lesson only counts the calls and checks nothing about
-       time: on loopback nothing is worth overlapping.)
+       Predict which columns change. (The counts and when each first
+       bucket can leave do not: they depend on the caps and the gradients,
+       not on the network. The model's column goes: there is no wire to
+       model, so nothing about time is checked.)
     4. ``--registration-order`` fills the buckets in the order the model
        registers its parameters (first layer first) instead of reversed.
        Predict when the first bucket can leave, and where the U goes.
 """
-
 
 import math
 import time
