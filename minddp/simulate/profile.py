@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from minddp.trace import BACKWARD_TRACK
 
-__all__ = ["Gradient", "ComputeProfile", "profile_from_trace", "load_profile"]
+__all__ = ["Gradient", "ComputeProfile", "profile_from_trace", "load_profile", "save_profile"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,23 @@ def profile_from_trace(trace: dict) -> ComputeProfile:
                           statistics.median(after) if after else 0.0)
 
 
+PROFILE_FORMAT = "minddp compute profile v1"
+
+
+def save_profile(profile: ComputeProfile, path: str) -> None:
+    """Write ``profile`` as a small JSON file (a few bytes per gradient, not the whole trace)."""
+    with open(path, "w") as f:
+        json.dump({"format": PROFILE_FORMAT, "forward_ms": profile.forward_ms,
+                   "after_backward_ms": profile.after_backward_ms,
+                   "gradients": [[g.name, round(g.ready_ms, 4), g.nbytes, g.dtype] for g in profile.gradients]}, f)
+
+
 def load_profile(path: str) -> ComputeProfile:
+    """A profile from a Chrome trace of ``MiniDDP(trace=True)`` or a file of :func:`save_profile`."""
     with open(path) as f:
-        return profile_from_trace(json.load(f))
+        data = json.load(f)
+    if isinstance(data, dict) and data.get("format") == PROFILE_FORMAT:
+        return ComputeProfile(data["forward_ms"], [Gradient(*g) for g in data["gradients"]], data["after_backward_ms"])
+    if not isinstance(data, dict) or "traceEvents" not in data:
+        raise ValueError(f"{path} is neither a Chrome trace of MiniDDP(trace=True) nor a saved compute profile")
+    return profile_from_trace(data)
