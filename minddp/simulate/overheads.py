@@ -89,7 +89,14 @@ class ComputeClock:
     def __init__(self) -> None:
         self.intervals: list[tuple[float, float, float]] = []
 
+    @property
+    def busy_until(self) -> float:
+        """The end of the last interval (0 if none)."""
+        return self.intervals[-1][1] if self.intervals else 0.0
+
     def slow(self, start: float, end: float, rate: float) -> None:
+        if start < self.busy_until:
+            raise ValueError(f"slowing intervals must not overlap: {start} starts before {self.busy_until}")
         if end > start and rate < 1.0:
             self.intervals.append((start, end, max(0.0, rate)))
 

@@ -183,8 +183,11 @@ def simulate_step(profile: ComputeProfile, network: Link | Hierarchy, world_size
         if not policy.overlap:  # the collective takes the cores: backward stands still
             clock.slow(start, end, 0.0)
         elif costs.contention_us_per_MB > 0 and end > start:
+            # Its kernels take lost_ms of the device from backward, spread over the collective (or, if the
+            # wire is faster than that, over lost_ms: the device cannot give more than all of itself).
             lost_ms = costs.contention_us_per_MB * bytes_sent_per_rank(policy.collective, wire, world_size) / 1e9
-            clock.slow(start, end, 1.0 - lost_ms / (end - start))
+            begin = max(start, clock.busy_until)
+            clock.slow(begin, begin + max(end - start, lost_ms), 1.0 - lost_ms / max(end - start, lost_ms))
         buckets.append(SimulatedBucket(index, [g.name for g in members], sum(g.nbytes for g in members), wire,
                                        clock.wall(ready[index]), start, end))
         wire_free = end
