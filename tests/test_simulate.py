@@ -186,7 +186,7 @@ def test_command_prints_a_table_per_world_size_and_bucket_cap(tmp_path):
     rows = [line for line in out.stdout.splitlines() if line.startswith("|") and line[2:3].isdigit()]
     assert len(rows) == 4, out.stdout
     bad = run_python(["-m", "minddp.simulate", "--trace", str(path), "--network", "nope"])
-    assert bad.returncode != 0 and "unknown network" in bad.stderr
+    assert bad.returncode != 0 and "--network must be one of" in bad.stderr
 
 
 def test_lesson_17_runs_and_checks_its_claims():

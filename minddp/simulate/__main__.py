@@ -21,6 +21,7 @@ efficiency against world size, and (``PATH-timeline.png``) one simulated step.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import replace
@@ -29,7 +30,8 @@ from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, posi
 from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, names, parse_rate
 from minddp.simulate.overheads import OVERHEAD_PRESETS, get_overheads
 from minddp.simulate.profile import load_profile
-from minddp.simulate.record import record_trace
+from minddp.models import MODEL_NAMES
+from minddp.simulate.record import load_builder, record_trace
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.simulate.report import draw_scaling, draw_timeline, format_table, have_matplotlib, sweep
 
@@ -111,7 +113,12 @@ def network_from(args: argparse.Namespace):
 
 
 def compute_from(args: argparse.Namespace, path: str):
-    profile = load_profile(path)
+    try:
+        profile = load_profile(path)
+    except OSError as e:
+        raise ValueError(f"--trace: cannot read {path} ({e.strerror})") from None
+    except json.JSONDecodeError:
+        raise ValueError(f"--trace: {path} is not a JSON trace") from None
     if args.compute_scale is not None:
         if any(v is not None for v in (args.step_ms, args.forward_ms, args.backward_ms)):
             raise ValueError("--compute-scale or measured times (--step-ms, --forward-ms/--backward-ms), not both")
@@ -153,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or the project's '.[plot]' extra)")
     path = args.trace
     if args.record:
+        if args.record not in MODEL_NAMES:
+            load_builder(args.record)  # a wrong name is said before anything starts
         path = os.path.abspath(args.out)
         print(f"recording {args.record} on {args.record_world} rank(s) -> {path}", flush=True)
         record_trace(args.record, path, world_size=args.record_world)

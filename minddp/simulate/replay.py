@@ -175,6 +175,8 @@ def simulate_step(profile: ComputeProfile, network: Link | Hierarchy, world_size
     wire_free = 0.0
     for index, members in enumerate(groups):
         start = max(clock.wall(launched[index]), wire_free)
+        if world_size > 1 and costs.compute_slowdown > 0:
+            clock.slow_from(clock.wall(launched[index]), 1.0 / (1.0 + costs.compute_slowdown))
         wire = _wire_bytes(members, policy)
         seconds = collective_time(policy.collective, wire, world_size, network, policy.algorithm)
         if wire < sum(g.nbytes for g in members):  # compressed: cast down before, back up after
