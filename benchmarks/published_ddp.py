@@ -38,12 +38,13 @@ import torch  # noqa: E402
 
 from minddp.simulate.cluster import lookup_network  # noqa: E402
 from minddp.simulate.overheads import OVERHEAD_PRESETS, Overheads  # noqa: E402
-from minddp.simulate.profile import ComputeProfile, Gradient, load_profile  # noqa: E402
+from minddp.simulate.profile import ComputeProfile, load_profile, load_profiles, save_profiles  # noqa: E402
 from minddp.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
 
 PROFILES = os.path.join(ROOT, "benchmarks", "published_ddp_profiles.json")
 TRACE_BATCH = 4  # the shape of a step, not its length: the published step time sets that
 MODELS = ("resnet50", "resnet101", "resnext50_32x4d", "resnext101_32x8d")
+TRACED = (*MODELS, "vgg16")
 CALIBRATION = ("resnet50", "resnext101_32x8d")  # the rest are held out
 WORLDS = (1, 2, 4, 8, 16)
 # p50 seconds per iteration: no DDP on 1 GPU, then DDP on 1, 2, 4, 8, 16 GPUs (bucket_cap_mb 25).
@@ -87,30 +88,29 @@ def resnext101_32x8d():
     return _torchvision("resnext101_32x8d")
 
 
+def vgg16():  # not in the DDP table: lesson 17 compares it with Horovod's published scaling
+    return _torchvision("vgg16")
+
+
 def retrace() -> None:
     """Trace every model with ``python -m minddp.simulate --record``'s machinery; keep the small profiles."""
     from minddp.simulate.record import record_trace
 
     saved = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in MODELS:
+        for name in TRACED:
             path = os.path.join(tmp, f"{name}.json")
             print(f"tracing {name} (batch {TRACE_BATCH}, CPU, world size 1)...", flush=True)
             record_trace(f"{os.path.abspath(__file__)}:{name}", path, steps=3, warmup=2)
-            p = load_profile(path)
-            saved[name] = {"forward_ms": p.forward_ms, "after_backward_ms": p.after_backward_ms,
-                           "gradients": [[g.name, round(g.ready_ms, 3), g.nbytes, g.dtype] for g in p.gradients]}
-    with open(PROFILES, "w") as f:
-        json.dump(saved, f, separators=(",", ":"))
+            saved[name] = load_profile(path)
+    save_profiles(saved, PROFILES)
     print(f"wrote {PROFILES}")
 
 
 def profiles() -> dict[str, ComputeProfile]:
     """Each model's traced shape at its published one-GPU step without DDP."""
-    with open(PROFILES) as f:
-        saved = json.load(f)
-    return {name: ComputeProfile(s["forward_ms"], [Gradient(*g) for g in s["gradients"]], s["after_backward_ms"])
-            .with_times(step_ms=PUBLISHED[name][0] * 1e3) for name, s in saved.items()}
+    return {name: p.with_times(step_ms=PUBLISHED[name][0] * 1e3)
+            for name, p in load_profiles(PROFILES).items() if name in MODELS}
 
 
 def predict(profile: ComputeProfile, overheads: Overheads, cap_mb: float = 25, worlds=WORLDS) -> list[float]:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from minddp.trace import BACKWARD_TRACK
 
-__all__ = ["Gradient", "ComputeProfile", "profile_from_trace", "load_profile", "save_profile"]
+__all__ = ["Gradient", "ComputeProfile", "profile_from_trace", "load_profile", "save_profile", "save_profiles",
+           "load_profiles"]
 
 
 @dataclass(frozen=True)
@@ -141,12 +142,30 @@ def profile_from_trace(trace: dict) -> ComputeProfile:
 PROFILE_FORMAT = "minddp compute profile v1"
 
 
+def _as_dict(profile: ComputeProfile) -> dict:
+    return {"format": PROFILE_FORMAT, "forward_ms": profile.forward_ms, "after_backward_ms": profile.after_backward_ms,
+            "gradients": [[g.name, round(g.ready_ms, 4), g.nbytes, g.dtype] for g in profile.gradients]}
+
+
+def _from_dict(data: dict) -> ComputeProfile:
+    return ComputeProfile(data["forward_ms"], [Gradient(*g) for g in data["gradients"]], data["after_backward_ms"])
+
+
 def save_profile(profile: ComputeProfile, path: str) -> None:
     """Write ``profile`` as a small JSON file (a few bytes per gradient, not the whole trace)."""
     with open(path, "w") as f:
-        json.dump({"format": PROFILE_FORMAT, "forward_ms": profile.forward_ms,
-                   "after_backward_ms": profile.after_backward_ms,
-                   "gradients": [[g.name, round(g.ready_ms, 4), g.nbytes, g.dtype] for g in profile.gradients]}, f)
+        json.dump(_as_dict(profile), f)
+
+
+def save_profiles(profiles: dict[str, ComputeProfile], path: str) -> None:
+    """Several named profiles in one small JSON file (:func:`load_profiles` reads it)."""
+    with open(path, "w") as f:
+        json.dump({name: _as_dict(p) for name, p in profiles.items()}, f, separators=(",", ":"))
+
+
+def load_profiles(path: str) -> dict[str, ComputeProfile]:
+    with open(path) as f:
+        return {name: _from_dict(data) for name, data in json.load(f).items()}
 
 
 def load_profile(path: str) -> ComputeProfile:
@@ -154,7 +173,7 @@ def load_profile(path: str) -> ComputeProfile:
     with open(path) as f:
         data = json.load(f)
     if isinstance(data, dict) and data.get("format") == PROFILE_FORMAT:
-        return ComputeProfile(data["forward_ms"], [Gradient(*g) for g in data["gradients"]], data["after_backward_ms"])
+        return _from_dict(data)
     if not isinstance(data, dict) or "traceEvents" not in data:
         raise ValueError(f"{path} is neither a Chrome trace of MiniDDP(trace=True) nor a saved compute profile")
     return profile_from_trace(data)
