@@ -7,6 +7,7 @@
     python -m minddp.simulate --trace run.json --fit-table all_reduce_perf.txt --step-ms 100
 
     python -m minddp.simulate zero --model 7.5b --network dgx-h100      # DDP vs ZeRO stages 1, 2 and 3
+    python -m minddp.simulate --list-networks                          # the presets: nominal, achieved, sources
 
 The trace gives the step's shape (forward, when each gradient is ready,
 sizes); ``--step-ms`` or ``--forward-ms``/``--backward-ms`` give its length
@@ -27,7 +28,7 @@ import sys
 from dataclasses import replace
 
 from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, positive, whole
-from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, names, parse_rate
+from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, names, network_table, parse_rate
 from minddp.simulate.overheads import OVERHEAD_PRESETS, get_overheads
 from minddp.simulate.profile import load_profile
 from minddp.models import MODEL_NAMES
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="python -m minddp.simulate", description=__doc__.strip().splitlines()[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter,
                       epilog="python -m minddp.simulate zero --help: memory per rank and step time of DDP "
-                             "against ZeRO stages 1, 2 and 3, for a model given by its size (no trace)")
+                             "against ZeRO stages 1, 2 and 3, for a model given by its size (no trace); "
+                             "python -m minddp.simulate --list-networks: the presets")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="Chrome trace of MiniDDP(..., trace=True), or a profile saved by save_profile")
     source.add_argument("--record", metavar="MODEL", help="first trace a model: a minddp.models name, or "
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         from minddp.simulate.zero_report import main as zero_main
 
         return zero_main(argv[1:])
+    if argv[:1] == ["--list-networks"]:
+        print(network_table())
+        return 0
     args = parse_args(argv)
     try:
         return run(args)

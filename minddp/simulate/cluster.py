@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from minddp.network import HIERARCHIES, PRESETS, Hierarchy, Link, fit_link, get_network
 
-__all__ = ["Achieved", "ACHIEVED", "MACHINES", "achieved_network", "lookup_network", "build_network",
+__all__ = ["Achieved", "ACHIEVED", "MACHINES", "achieved_network", "lookup_network", "build_network", "network_table",
            "parse_rate", "parse_collective_table", "fit_network_table"]
 
 GB = 1e9
@@ -68,6 +68,10 @@ MACHINES: dict[str, tuple[str, str, int, int, str]] = {  # name: (intra link, NI
 }
 
 
+# minddp.network's machines give every GPU a NIC of its own; a typical cloud instance has one for all 8.
+NICS_PER_NODE = {"pcie-eth25": 1}
+
+
 def _link(name: str) -> Link:
     return _EXTRA_LINKS[name] if name in _EXTRA_LINKS else PRESETS[name]
 
@@ -102,6 +106,10 @@ def lookup_network(name: str, nominal: bool = False) -> Link | Hierarchy:
         except ValueError:
             raise ValueError(f"--network must be one of {', '.join(names())}, got {name!r}") from None
         parts = (net.intra.name, net.inter.name) if isinstance(net, Hierarchy) else (name,)
+        if name in NICS_PER_NODE:
+            nics = NICS_PER_NODE[name]
+            net = replace(net, inter=_scaled(net.inter, nics / net.ranks_per_node,
+                                             f"{nics} NIC(s) for {net.ranks_per_node} GPUs"))
     if nominal:
         return net
     return achieved_network(net, parts)
@@ -113,6 +121,27 @@ def achieved_network(net: Link | Hierarchy, parts: tuple[str, ...] | None = None
         intra_name, inter_name = parts or (net.intra.name, net.inter.name)
         return replace(net, intra=_achieved(net.intra, intra_name), inter=_achieved(net.inter, inter_name))
     return _achieved(net, (parts or (net.name,))[0])
+
+
+def network_table() -> str:
+    """Every preset's nominal and achieved bandwidth and latency, and where the achieved figure comes from."""
+    lines = ["| network | GPUs per node | NICs per node | nominal GB/s (per rank) | achieved GB/s | latency us | "
+             "achieved figure from |", "|---|---:|---:|---:|---:|---:|---|"]
+    for name in names():
+        nominal, achieved = lookup_network(name, nominal=True), lookup_network(name)
+        if isinstance(nominal, Hierarchy):
+            nics = MACHINES[name][3] if name in MACHINES else NICS_PER_NODE.get(name, nominal.ranks_per_node)
+            levels = [("inside", nominal.intra, achieved.intra, nominal.intra.name),
+                      ("between", nominal.inter, achieved.inter, nominal.inter.name)]
+            shape = (nominal.ranks_per_node, nics)
+        else:
+            levels, shape = [("", nominal, achieved, name)], (1, 1)
+        for where, a, b, part in levels:
+            label = f"{name} ({where})" if where else name
+            source = ACHIEVED[part].source if part in ACHIEVED else "line rate"
+            lines.append(f"| {label} | {shape[0]} | {shape[1]} | {a.bandwidth_Bps / GB:.3g} | {b.bandwidth_Bps / GB:.3g} "
+                         f"| {a.alpha_s * 1e6:.3g} | {source} |")
+    return "\n".join(lines)
 
 
 _RATE = re.compile(r"^\s*([0-9.eE+-]+)\s*(GB/s|Gb/s|MB/s|Mb/s|TB/s)?\s*$")
@@ -150,8 +179,9 @@ def build_network(base: Link | Hierarchy, *, latency_us: float | None = None, ba
     was = base if isinstance(base, Hierarchy) else None
     g = gpus_per_node or (was.ranks_per_node if was else 1)
     nic = was.inter if was else base  # one rank's share of the NICs: a whole NIC where there is one per GPU
-    if was and was.name in MACHINES:
-        nic = _scaled(nic, MACHINES[was.name][2] / MACHINES[was.name][3], "")  # back to one NIC
+    if was and (was.name in MACHINES or was.name in NICS_PER_NODE):
+        shared = MACHINES[was.name][3] if was.name in MACHINES else NICS_PER_NODE[was.name]
+        nic = _scaled(nic, was.ranks_per_node / shared, "")  # back to one NIC
     nics = nics_per_node or g
     nic_Bps = bandwidth_Bps or (nominal_Bps * efficiency if nominal_Bps else nic.bandwidth_Bps)
     nic = Link("NIC", nic.alpha_s if latency_us is None else latency_us * 1e-6, nic_Bps,
