@@ -94,7 +94,7 @@ class SimulatedStep:
     comm_ms: float  # sum of all-reduce durations
     buckets: list[SimulatedBucket] = field(default_factory=list)
     hooks_ms: float = 0.0  # gradient hooks and bucket launches added to backward (Overheads)
-    contention_ms: float = 0.0  # backward's time lost to collectives running beside it
+    contention_ms: float = 0.0  # backward's time lost to collectives running beside it (overlap=True)
     per_step_ms: float = 0.0  # the wrapper's own work per step (Overheads)
 
     @property
@@ -104,10 +104,11 @@ class SimulatedStep:
 
     @property
     def hidden_fraction(self) -> float:
-        """Share of communication time that cost nothing: ``1 - (step - compute) / comm``, in [0, 1]."""
+        """Share of communication time that cost nothing: ``1 - (step - compute - overheads) / comm``, in [0, 1]."""
         if self.comm_ms == 0:
             return 1.0
-        return min(1.0, max(0.0, 1.0 - (self.step_ms - self.compute_ms) / self.comm_ms))
+        overheads = self.hooks_ms + self.contention_ms + self.per_step_ms
+        return min(1.0, max(0.0, 1.0 - (self.step_ms - self.compute_ms - overheads) / self.comm_ms))
 
     @property
     def scaling_efficiency(self) -> float:
@@ -202,5 +203,5 @@ def simulate_step(profile: ComputeProfile, network: Link | Hierarchy, world_size
             + costs.per_step_ms)
     return SimulatedStep(world_size, profile.forward_ms, backward_end, comm_end, step, compute,
                          sum(b.end_ms - b.start_ms for b in buckets), buckets,
-                         hooks_ms=backward_work - profile.backward_ms, contention_ms=clock.lost_ms(backward_end),
+                         hooks_ms=backward_work - profile.backward_ms, contention_ms=clock.lost_ms(backward_end) if policy.overlap else 0.0,
                          per_step_ms=costs.per_step_ms)
