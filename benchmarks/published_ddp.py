@@ -2,6 +2,7 @@
 
     python benchmarks/published_ddp.py                 # the table, from the committed profiles (a second)
     python benchmarks/published_ddp.py --fit           # refit the overheads on the calibration models
+    python benchmarks/published_ddp.py --overheads none   # the bare alpha-beta replay, for comparison
     python benchmarks/published_ddp.py --retrace       # trace the four torchvision models again (minutes)
 
 The published figures: ``benchmarks/distributed/ddp/README.md`` in
@@ -187,12 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--retrace", action="store_true", help="trace the torchvision models again (minutes of CPU)")
     p.add_argument("--fit", action="store_true", help="refit the overheads on the calibration models and use them")
+    p.add_argument("--overheads", default="nccl-v100", choices=list(OVERHEAD_PRESETS),
+                   help="the overheads preset to use (none: the bare alpha-beta replay)")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     if a.retrace:
         retrace()
     profs = profiles()
-    overheads = fit(profs) if a.fit else OVERHEAD_PRESETS["nccl-v100"]
+    overheads = fit(profs) if a.fit else OVERHEAD_PRESETS[a.overheads]
     rows = compare(profs, overheads)
     print(table(rows, overheads))
     if a.json:

@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--per-gradient-us", type=at_least_zero)
     o.add_argument("--per-bucket-us", type=at_least_zero)
     o.add_argument("--contention-us-per-mb", type=at_least_zero, help="backward's time lost per MB sent beside it")
+    o.add_argument("--compute-slowdown", type=at_least_zero, help="backward's slowdown once collectives are in "
+                   "flight, a fraction (0.02: 2%%)")
     p.add_argument("--plot", metavar="PATH", help="PNG of step time and efficiency vs world size (matplotlib)")
     p.add_argument("--timeline-world", type=whole, default=None, help="world size of the timeline (default: largest)")
     p.add_argument("--timeline-cap", type=positive, default=None, help="bucket cap of the timeline (default: 25 or first)")
@@ -138,7 +140,8 @@ def compute_from(args: argparse.Namespace, path: str):
 def overheads_from(args: argparse.Namespace):
     base = get_overheads(args.overheads)
     mine = {k: v for k, v in (("per_step_ms", args.per_step_ms), ("per_gradient_us", args.per_gradient_us),
-            ("per_bucket_us", args.per_bucket_us), ("contention_us_per_MB", args.contention_us_per_mb)) if v is not None}
+            ("per_bucket_us", args.per_bucket_us), ("contention_us_per_MB", args.contention_us_per_mb),
+            ("compute_slowdown", args.compute_slowdown)) if v is not None}
     return replace(base, **mine, source=base.source + "; changed: " + ", ".join(mine)) if mine else base
 
 
