@@ -40,7 +40,9 @@ What to look at
     The tables: simulated step time and scaling efficiency from 8 to 1,024
     ranks on 25 Gb/s Ethernet and a second network (400 Gb/s InfiniBand
     unless ``--network`` says otherwise), each followed by what explains its
-    columns, and the lines after "checked:". The compute times are this
+    columns, and the lines after "checked:". These tables are the bare
+    model (line rates, no overheads): claims (a)-(d) are about it. The
+    compute times are this
     laptop's (divide them with ``--compute-scale``, or give the step your
     own device measured with ``--step-ms``: the trace's shape at that
     length; a faster device leaves more communication exposed).
@@ -61,8 +63,9 @@ Try this
        why does NCCL switch? (The lesson prints the crossover size: below
        it the tree's 2 log2(p) latencies beat the ring's 2 (p - 1).)
     4. ``python -m minddp.simulate --record mlp --out mlp.json`` then
-       ``python -m minddp.simulate --trace mlp.json --network eth25
-       --accumulation 4``: what does ``no_sync`` accumulation buy at scale?
+       ``python -m minddp.simulate --trace mlp.json --step-ms 10 --network
+       dgx1-v100 --world 8,64,512 --accumulation 4``: a 10 ms step measured
+       on a GPU, on DGX-1s. What does ``no_sync`` accumulation buy at scale?
 
 Next
     Lesson 17b turns this model into a decision: ``MiniDDP(...,

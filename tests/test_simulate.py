@@ -193,6 +193,14 @@ def test_lesson_17_runs_and_checks_its_claims():
     out = run_python([os.path.join("lessons", "17_how_ddp_scales.py")], timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "checked" in out.stdout
+    assert "VGG-16 comes out within" in out.stdout  # at TensorFlow's published step, near Horovod's 68%
+
+
+def test_lesson_17_takes_a_measured_step_time():
+    out = run_python([os.path.join("lessons", "17_how_ddp_scales.py"), "--world-size", "1", "--step-ms", "20"],
+                     timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "--step-ms 20" in out.stdout
 
 
 def test_pictures_are_drawn(tmp_path):
