@@ -206,3 +206,16 @@ def test_a_saved_profile_reads_back_the_same(trace_path):
     assert (p.forward_ms, p.after_backward_ms, [(g.name, g.ready_ms, g.nbytes) for g in p.gradients]) == (
         2.0, 4.0, [("b", 2.0, MB), ("a", 6.0, MB)])
     json.loads(open(trace_path).read())  # plain JSON
+
+
+def test_command_fits_both_levels_to_measured_tables(tmp_path, capsys, trace_path):
+    inter, intra = Link("net", 20e-6, 10e9), Link("nvlink", 4e-6, 100e9)
+    sizes = [2**k for k in range(16, 30, 2)]
+    (tmp_path / "inter.txt").write_text(nccl_table(inter, 4, sizes))
+    (tmp_path / "intra.txt").write_text(nccl_table(intra, 8, sizes))
+    assert main(["--trace", trace_path, "--fit-table", str(tmp_path / "inter.txt"), "--intra-fit-table",
+                 str(tmp_path / "intra.txt"), "--gpus-per-node", "8", "--nics-per-node", "8", "--world", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "inside: 100 GB/s, 4 us; between nodes 10 GB/s per NIC, 20 us" in out, out
+    assert main(["--trace", trace_path, "--fit-table", str(tmp_path / "missing.txt")]) == 2
+    assert "--fit-table: cannot read" in capsys.readouterr().err

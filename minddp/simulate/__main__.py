@@ -75,8 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     n.add_argument("--nics-per-node", type=whole, help="NICs the node's GPUs share (default: one per GPU)")
     n.add_argument("--intra-latency-us", type=at_least_zero, help="inside a node: microseconds per ring step")
     n.add_argument("--intra-bandwidth", type=_rate, help="inside a node: achieved bus bandwidth per GPU")
-    n.add_argument("--fit-table", metavar="FILE", help="fit the network to all_reduce_perf (nccl-tests) output")
+    n.add_argument("--fit-table", metavar="FILE", help="fit the network (with --gpus-per-node > 1: one NIC, measured "
+                   "at one GPU per node) to all_reduce_perf (nccl-tests) output")
     n.add_argument("--fit-world", type=whole, help="ranks of --fit-table (default: its '# Rank' lines)")
+    n.add_argument("--intra-fit-table", metavar="FILE", help="fit the link inside a node to all_reduce_perf output "
+                   "measured on one node")
     d = p.add_argument_group("DDP")
     d.add_argument("--world", type=listed(whole), default=[8, 64, 512, 1024], help="world sizes, comma-separated")
     d.add_argument("--bucket-mb", type=listed(positive), default=[1, 5, 25, 100], help="bucket caps in MiB")
@@ -100,16 +103,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _fitted(flag: str, path: str, world: int | None):
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
+    try:
+        return fit_network_table(text, world)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def network_from(args: argparse.Namespace):
-    if args.fit_table:
-        try:
-            with open(args.fit_table) as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"--fit-table: cannot read {args.fit_table} ({e.strerror})") from None
-        base = fit_network_table(text, args.fit_world)
-    else:
-        base = lookup_network(args.network, nominal=args.nominal)
+    base = (_fitted("--fit-table", args.fit_table, args.fit_world) if args.fit_table
+            else lookup_network(args.network, nominal=args.nominal))
+    if args.intra_fit_table:
+        if args.intra_latency_us is not None or args.intra_bandwidth is not None:
+            raise ValueError("--intra-fit-table or --intra-latency-us/--intra-bandwidth, not both")
+        intra = _fitted("--intra-fit-table", args.intra_fit_table, None)
+        args.intra_latency_us, args.intra_bandwidth = intra.alpha_s * 1e6, intra.bandwidth_Bps
     figures = dict(latency_us=args.latency_us, bandwidth_Bps=args.bandwidth, nominal_Bps=args.nominal_bandwidth,
                    efficiency=args.efficiency, gpus_per_node=args.gpus_per_node, nics_per_node=args.nics_per_node,
                    intra_latency_us=args.intra_latency_us, intra_bandwidth_Bps=args.intra_bandwidth)
