@@ -297,7 +297,7 @@ def compare_with_published() -> None:
     assert got["vgg16", True] > got["vgg16", False] + 0.10, (
         "a step twice as long hides more communication: the old guess must look far better")
     print0(f"  checked: at the step TensorFlow published for one P100 ({steps['vgg16']:.0f} ms), VGG-16 comes out "
-           f"within {abs(vgg_gap):.0%} of Horovod's 68%; the old guess ({ASSUMED_MS['vgg16']:.0f} ms) gave")
+           f"within {100 * abs(vgg_gap):.0f} points of Horovod's 68%; the old guess ({ASSUMED_MS['vgg16']:.0f} ms) gave")
     print0(f"  {got['vgg16', True]:.0%}: the gap was the assumed compute time, not the model. Sources: the "
            f"shapes are traced here (CPU,")
     print0("  torchvision, no weights); the step times published (VGG-16) or modelled (ResNet-101, by FLOPs);")

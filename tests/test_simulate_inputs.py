@@ -219,3 +219,13 @@ def test_command_fits_both_levels_to_measured_tables(tmp_path, capsys, trace_pat
     assert "inside: 100 GB/s, 4 us; between nodes 10 GB/s per NIC, 20 us" in out, out
     assert main(["--trace", trace_path, "--fit-table", str(tmp_path / "missing.txt")]) == 2
     assert "--fit-table: cannot read" in capsys.readouterr().err
+
+
+def test_command_records_your_model_and_predicts_from_your_step_time(tmp_path, capsys):
+    builder = tmp_path / "mine.py"
+    builder.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(64, 64), torch.randn(8, 64)\n")
+    assert main(["--record", f"{builder}:build", "--out", str(tmp_path / "t.json"), "--step-ms", "10",
+                 "--network", "dgx1-v100", "--world", "1,16", "--bucket-mb", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "--step-ms 10" in out and "2 gradients" in out
+    assert [line.split("|")[5].strip() for line in out.splitlines() if line.startswith("| 1")] == ["10.00", "10.00"]
