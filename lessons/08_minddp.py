@@ -61,13 +61,12 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp.features
+from wrappers.flat_ddp import FlatDDP  # lesson 07b's wrapper
 from minddp import MiniDDP
 from minddp.bucket_order import LearnedBucketOrder
 from minddp.features import Layer
 from minddp.reducer import Reducer
 from _common import is_exact, parse_args, print0, print_ranks, print_results, run, train_and_compare
-
-FlatDDP = importlib.import_module("07b_flat_buckets").FlatDDP
 
 # What the plain path changed, as (07b's methods, minddp's methods).
 DIFFS = [
@@ -116,7 +115,7 @@ def code_lines(methods) -> list:
 def show_the_diffs() -> None:
     for title, old, new in DIFFS:
         print0(f"\n--- 07b FlatDDP -> minddp: {title}")
-        diff = difflib.unified_diff(code_lines(old), code_lines(new), "lessons/07b_flat_buckets.py",
+        diff = difflib.unified_diff(code_lines(old), code_lines(new), "lessons/wrappers/flat_ddp.py",
                                     "minddp/", lineterm="", n=1)
         for line in list(diff)[2:]:
             print0("  " + line)
