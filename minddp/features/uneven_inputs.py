@@ -20,7 +20,6 @@ when a ``Join`` (minddp's or torch's) asks the model for its join hook:
 
 from __future__ import annotations
 
-import torch.distributed as dist
 
 from minddp.features import Layer
 from minddp.join import Join, JoinHook, under_torchs_join
