@@ -3,7 +3,7 @@
 The replay of :mod:`minddp.simulate.replay` treats communication that
 overlaps backward as free and DDP itself as costing nothing. Measured on
 GPUs, neither is true (PyTorch's own DDP benchmark: 1 GPU with DDP is
-2-6% slower than without; going to 2 GPUs costs 3% more, although every
+1-6% slower than without; going to 2 GPUs costs 2-4% more, although every
 all-reduce hides under backward). :class:`Overheads` names five costs:
 
 * ``per_step_ms``: the wrapper's own work once per step, before forward and
