@@ -262,7 +262,7 @@ PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "published_ddp_profiles.json")  # torchvision's models traced on CPU: their shapes
 # Published: one P100 of a DGX-1, TensorFlow, synthetic data, batch 64, images/s (TensorFlow's benchmark
 # page, May 2017: tensorflow/docs_src/performance/benchmarks.md): VGG16 154, ResNet-50 219, ResNet-152 91.8.
-TF_P100 = {"vgg16": 154, "resnet50": 219, "resnet152": 91.8}
+TF_P100 = {"vgg16": 154, "resnet50": 219, "resnet152": 91.8}  # Horovod's runs assumed at the same batch
 HOROVOD_512 = {"resnet101": 0.90, "vgg16": 0.68}  # Horovod (arXiv:1802.05799 and its README), 512 GPUs
 ASSUMED_MS = {"resnet101": 370.0, "vgg16": 740.0}  # this lesson's old guess: a P100 at ~4 TFLOP/s achieved
 
