@@ -61,6 +61,13 @@ def unwritten(path: str | os.PathLike) -> list[str]:
     return stubs
 
 
+START_TIMEOUT_S = 120.0
+
+
+def _ready(rank: int, world_size: int) -> None:
+    """Nothing: run first, so that a check's time limit does not include starting the ranks."""
+
+
 def _explain_rank_error(exercise: Exercise, error: RankError) -> str:
     text = str(error)
     if "NotImplementedError" in text:
@@ -92,6 +99,7 @@ def grade(exercise: Exercise, path: str | os.PathLike | None = None, pool: RankP
     own_pool = pool is None
     pool = pool or RankPool(world_size)
     try:
+        pool.run(_ready, timeout_s=START_TIMEOUT_S)  # starting ranks on a busy machine may take long: not a hang
         return pool.run(exercise.check, str(path), timeout_s=exercise.timeout_s)[0]
     except RankError as error:
         return [_explain_rank_error(exercise, error)]
