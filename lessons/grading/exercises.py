@@ -1,6 +1,6 @@
 """The exercises the grader knows: number, title, the learner's file and its check."""
 
-from lessons.grading import check_collectives, check_data, check_ddp
+from lessons.grading import check_collectives, check_data, check_ddp, check_sharding
 from lessons.grading.runner import Exercise
 
 DEADLOCK = ("a deadlock. If every rank calls a blocking dist.send before its dist.recv, each waits for its "
@@ -16,4 +16,6 @@ EXERCISES = {e.number: e for e in [
     Exercise("07", "flat buckets, launched in order", "07_buckets.py", check_ddp.check_07),
     Exercise("09", "the distributed sampler", "09_distributed_sampler.py", check_data.check_09, on_ranks=False),
     Exercise("10", "SyncBatchNorm's forward statistics", "10_sync_batchnorm.py", check_collectives.check_10),
+    Exercise("19", "ZeRO stage 1: step over this rank's shard", "19_zero1_step.py", check_sharding.check_19),
+    Exercise("21", "FSDP: gather a unit, compute, free it", "21_fsdp_unit.py", check_sharding.check_21),
 ]}
