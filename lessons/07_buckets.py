@@ -36,6 +36,7 @@ What to look at
     a few ms; the clock counts that, the model does not.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running, predict the best cap from alpha = 2 ms and 200 MB/s
        (printed first, with backward's length and the gradient bytes).
        A bucket of b bytes is on the wire for 2(p-1) alpha + 2(p-1)/p b/B;
@@ -45,10 +46,7 @@ Try this
     2. ``--cap 200``: add your own cap (in KB) to the sweep; the lesson
        prints the model's prediction for it next to the measurement.
     3. ``--link none``: plain Gloo on loopback, where alpha is microseconds.
-       Predict where the best cap moves. (To the largest buckets, or
-       anywhere: nothing is worth overlapping, and the differences drown in
-       noise. There is no model of the wire then, so nothing about time is
-       checked.)
+       Predict where the best cap moves.
 """
 
 import math

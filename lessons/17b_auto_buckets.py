@@ -41,6 +41,7 @@ What to look at
     may disagree, and the table says where it does.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running, predict the choice on the "slow" link (20 ms per
        message, 1 GB/s) for 3 MB of gradients: one bucket, or several?
     2. ``--link laptop`` (2 ms, 200 MB/s) adds a third link. Predict: closer
@@ -48,7 +49,7 @@ Try this
        the wire, each extra bucket 4 ms of latency.
     3. ``--link eth25`` (30 us, 3 GB/s): the transfer takes about 1 ms.
        Nothing is worth overlapping; does auto care how many buckets it
-       keeps? (Look at the predicted ms of the choice and of the default.)
+       keeps?
 """
 
 import time
