@@ -75,6 +75,12 @@ def _explain_rank_error(exercise: Exercise, error: RankError) -> str:
     if "did not finish within" in text:
         return (f"the ranks waited for each other for {exercise.timeout_s:.0f} s and never finished (a hang): "
                 f"{exercise.hang_hint}")
+    if f"rank {error.rank} died" in text:
+        why = text.splitlines()[-1].strip()
+        if "SIGABRT" in text or "mismatch" in text:  # what Gloo does when ranks' collectives do not match
+            why += (" -- Gloo stops a rank so when the ranks' collectives do not match: did one rank call a "
+                    "collective the others did not, or with another size, or in another order?")
+        return f"rank {error.rank} crashed: {why}"
     lines = [line for line in text.splitlines() if line.strip()]
     where = [line.strip() for line in lines if str(exercise.number) in line and line.strip().startswith("File")]
     last = lines[-1] if lines else text
