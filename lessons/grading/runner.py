@@ -68,10 +68,21 @@ def _ready(rank: int, world_size: int) -> None:
     """Nothing: run first, so that a check's time limit does not include starting the ranks."""
 
 
+def _guarded(rank: int, world_size: int, check: Callable, path: str) -> list[str]:
+    """Run a check on this rank; a stub reached (on every rank alike) is an answer, not a crash of the pool."""
+    try:
+        return check(rank, world_size, path)
+    except NotImplementedError:
+        return [NOT_WRITTEN_MIDWAY]
+
+
+NOT_WRITTEN_MIDWAY = "not written yet: your code reached a `raise NotImplementedError` (is a helper still a stub?)"
+
+
 def _explain_rank_error(exercise: Exercise, error: RankError) -> str:
     text = str(error)
     if "NotImplementedError" in text:
-        return "not written yet: your code reached a `raise NotImplementedError` (is a helper still a stub?)"
+        return NOT_WRITTEN_MIDWAY
     if "did not finish within" in text:
         return (f"the ranks waited for each other for {exercise.timeout_s:.0f} s and never finished (a hang): "
                 f"{exercise.hang_hint}")
@@ -99,14 +110,14 @@ def grade(exercise: Exercise, path: str | os.PathLike | None = None, pool: RankP
         try:
             return exercise.check(str(path))
         except NotImplementedError:
-            return ["not written yet: your code reached a `raise NotImplementedError`"]
+            return [NOT_WRITTEN_MIDWAY]
         except Exception as error:  # noqa: BLE001 -- a learner's bug, reported in one line
             return [f"your code raised {type(error).__name__}: {error}"]
     own_pool = pool is None
     pool = pool or RankPool(world_size)
     try:
         pool.run(_ready, timeout_s=START_TIMEOUT_S)  # starting ranks on a busy machine may take long: not a hang
-        return pool.run(exercise.check, str(path), timeout_s=exercise.timeout_s)[0]
+        return pool.run(_guarded, exercise.check, str(path), timeout_s=exercise.timeout_s)[0]
     except RankError as error:
         return [_explain_rank_error(exercise, error)]
     finally:
