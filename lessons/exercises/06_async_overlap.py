@@ -40,5 +40,5 @@ class AsyncAverager:
         raise NotImplementedError
 
     def finish(self) -> None:
-        """Called after backward: wait for every sum launched, and turn each into an average."""
+        """Called after backward: wait for every sum launched (each handle has ``wait()``), and turn each into an average."""
         raise NotImplementedError
