@@ -34,18 +34,12 @@ What to look at
     and ``minddp/buckets.py`` top to bottom (``docs/reading_the_code.md``).
 
 Try this
-    1. Predict the order of the names in bucket 0. (``4.bias`` before
-       ``4.weight``: backward reaches the last layer first, and inside a
-       layer the bias's gradient comes straight out of ``Linear``'s backward
-       while the weight's goes through one more node (a transpose). That is
-       registration order, "weight, bias", reversed -- so for a plain stack
-       of layers the first guess was already right and the rebuild keeps it.)
+    Predict before you run; ``--reveal`` prints the answers.
+    1. Predict the order of the names in bucket 0.
     2. ``--bucket-cap-mb 25`` (torch's default): predict how many buckets and
-       whether the first one still leaves before the last gradient. (One
-       bucket, which can only leave at the very end.)
+       whether the first one still leaves before the last gradient.
     3. In the followed gradient, predict which stations show the same values
-       on every rank. (``waited`` and ``.grad``: the sum came back; ``hook``
-       and ``slot`` are each rank's own.)
+       on every rank.
 """
 
 import ast
