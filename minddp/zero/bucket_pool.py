@@ -6,8 +6,9 @@ bucket has been reduce-scattered: its average lives, 1/N of it, in the
 optimizer's shard. So stage 2 gives the reducer this storage
 (``Reducer.use_bucket_storage``, :class:`~minddp.buckets.BucketStorage`'s
 hook point): a bucket takes a buffer at its first gradient (each gradient
-goes into its slot at its hook, ``slots_at_hook``, and autograd's ``.grad``
-is let go at once) and gives it back as soon as its reduce-scatter arrived
+goes into its slot at its hook, and autograd's ``.grad`` is let go at once:
+with ``slots_at_hook``, stage 2 stacks MiniDDP's bucket-views layer,
+:mod:`minddp.features.bucket_views`) and gives it back as soon as its reduce-scatter arrived
 and the optimizer took the piece, during backward. Only the buckets in
 flight hold one: a few buckets' worth of memory, not the model's.
 
@@ -34,7 +35,7 @@ class BucketPool(BucketStorage):
     """Lends flat buffers to MiniDDP's buckets and takes them back (``keep_buffers = False``)."""
 
     keep_buffers = False
-    slots_at_hook = True
+    slots_at_hook = True  # each gradient copied into its bucket at its hook (False: when the bucket is complete)
 
     def __init__(self, multiple_of: int):
         self.multiple_of = multiple_of

@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 
 from minddp.comm_hooks import GradBucket
+from minddp.features.bucket_views import BucketViews
+from minddp.features.gradient_cases import sparse_embedding_weights
 from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise
@@ -123,6 +125,9 @@ def use_pool(zero) -> None:
         for p in bucket.params:
             p.grad = None
     reducer.use_bucket_storage(zero.bucket_pool)
+    if zero.bucket_pool.slots_at_hook:  # each gradient into its bucket at its hook: MiniDDP's bucket views
+        sparse = sparse_embedding_weights(zero.ddp.module)
+        reducer.add_layer(BucketViews, sparse=frozenset(i for i, p in enumerate(reducer.params) if id(p) in sparse))
     zero._pool_in_use = True
 
 
