@@ -12,14 +12,16 @@ with ``slots_at_hook``, stage 2 stacks MiniDDP's bucket-views layer,
 and the optimizer took the piece, during backward. Only the buckets in
 flight hold one: a few buckets' worth of memory, not the model's.
 
-Each buffer is the size of the bucket it is lent to (rounded up to a
-multiple of N: the room past the gradients is where the reduce-scatter's
-zero padding goes, :meth:`BucketPool.padded`, no padded copy). A buffer
-given back is lent again only to a bucket of exactly its size (the next
-bucket of a model with equal buckets); one that fits no bucket is let go
-when a buffer of another size is needed, and at the end of backward
-:meth:`BucketPool.let_go` drops whatever is left: between steps the pool
-holds nothing. (DeepSpeed allocates its reduce buckets every backward too.)
+A buffer is allocated the size of the bucket that needs it (rounded up to
+a multiple of N: the room past the gradients is where the reduce-scatter's
+zero padding goes, :meth:`BucketPool.padded`, no padded copy), never the
+largest bucket's size for all. A buffer given back is lent again, in the
+same backward, to a later bucket it holds: freeing it and allocating anew
+could have both alive at once, as Gloo's thread lets go of a finished
+collective's tensors a moment late. One too small for the bucket that needs
+a buffer next is let go, and at the end of backward :meth:`BucketPool.let_go`
+drops whatever is left: between steps the pool holds nothing. (DeepSpeed
+allocates its reduce buckets every backward too.)
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class BucketPool(BucketStorage):
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         need = -(-numel // self.multiple_of) * self.multiple_of
-        found = next((b for b in self._free if (b.numel(), b.dtype, b.device) == (need, dtype, device)), None)
-        self._free = []  # what does not fit this bucket is not kept for a later one
+        fits = [b for b in self._free if b.numel() >= need and (b.dtype, b.device) == (dtype, device)]
+        found = min(fits, key=torch.Tensor.numel) if fits else None
+        self._free = []  # what does not hold this bucket is not kept for a later one
         if found is None:
             found = torch.empty(need, dtype=dtype, device=device)
         self._lent[found.data_ptr()] = found
