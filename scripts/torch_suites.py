@@ -42,6 +42,7 @@ from pathlib import Path
 import torch_suites_classify as classify
 import torch_suites_distributed as distributed
 import torch_suites_patches as patches
+import torch_suites_select as select
 
 SUITE_FILES = ("test_c10d_common.py", "test_c10d_gloo.py", "test_zero_redundancy_optimizer.py")
 ALL_TESTS_FILES = ("test_zero_redundancy_optimizer",)  # every test of these files is selected
@@ -87,7 +88,7 @@ def collect(modules: list, pattern: str | None = None) -> list[unittest.TestCase
                 continue
             for test in loader.loadTestsFromTestCase(cls):
                 name = test.id()
-                if is_selected(module.__name__, cls.__name__, test._testMethodName) and (not pattern or pattern in name):
+                if is_selected(module.__name__, cls.__name__, test._testMethodName) and select.matches(name, pattern):
                     tests.append(test)
     return tests
 
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the files in suite_dir, distributed_test.py (from the wheel), or both; "
                              "default: all with suite_dir, else distributed")
     parser.add_argument("--impl", choices=(*patches.IMPLS, "both"), default="both")
-    parser.add_argument("-k", dest="pattern", help="only tests whose id contains this")
+    parser.add_argument("-k", dest="pattern", help="only tests whose id contains this (a,b: either; a$: ends with a)")
+    parser.add_argument("--failed", type=Path, metavar="JSONL", help="only the tests that failed in this run's results")
     parser.add_argument("--list", action="store_true", help="print the selected tests and stop")
     parser.add_argument("--jsonl", type=Path, help="append results here (one run: --impl torch or minddp)")
     parser.add_argument("--report", nargs=2, type=Path, metavar=("TORCH_JSONL", "MINDDP_JSONL"))
@@ -239,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         print(report(load(args.report[0]), load(args.report[1])))
         return
+    if args.failed:
+        failed = [row["test"] for row in load(args.failed).values() if row["result"] == "FAIL"]
+        args.pattern = ",".join("." + name.rsplit(".", 1)[-1] + "$" for name in failed) or "no test failed"
     suite = args.suite or ("all" if args.suite_dir else "distributed")
     if suite != "distributed" and args.suite_dir is None:
         parser.error(f"--suite {suite} needs suite_dir, the folder holding torch's smaller test files")

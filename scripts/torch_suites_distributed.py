@@ -83,13 +83,13 @@ def collect(module: Any, pattern: str | None = None) -> tuple[list[unittest.Test
     found = reaches(module)
     cls = test_class(module)
     tests = [cls(name) for name in select.selected(found)]
-    return [t for t in tests if not pattern or pattern in t.id()], found
+    return [t for t in tests if select.matches(t.id(), pattern)], found
 
 
 # ------------------------------------------------------------- the class under test, per test
 def _record_missing(owner: str, name: str) -> None:
     path = os.environ.get(MISSING_LOG_ENV)
-    if path and select._is_private(name):
+    if path and select.is_private(name):
         with open(path, "a") as log:
             log.write(f"{os.environ.get(patches.CURRENT_TEST_ENV, '?')}\t{owner}.{name}\n")
 

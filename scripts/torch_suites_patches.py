@@ -17,8 +17,8 @@ Two kinds of change, both installed before a test file is imported (its
    depend on the device. Such a test runs here with every accelerator device
    it names mapped to the CPU: an integer device or ``"cuda:N"`` given to a
    tensor factory, ``Tensor.to`` or ``Module.to`` means ``"cpu"``;
-   ``torch.accelerator.set_device_index`` and ``torch.cuda.set_device`` do
-   nothing; the suites' ``gpus_for_rank`` (``init_multigpu_helper`` in
+   ``torch.accelerator.set_device_index``, ``torch.cuda.set_device`` and
+   ``torch.cuda.synchronize`` do nothing, ``torch.cuda.current_device()`` is 0; the suites' ``gpus_for_rank`` (``init_multigpu_helper`` in
    ``distributed_test.py``) gives each rank one device, its rank (then mapped to the
    CPU) and their ``device_type`` is ``"cpu"``; and DDP's ``device_ids`` /
    ``output_device`` are dropped for a module on the CPU (torch refuses them
@@ -93,8 +93,17 @@ class CpuDevices(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _no_device_index(_index: Any) -> None:
-    """``torch.accelerator.set_device_index`` (or ``torch.cuda.set_device``) for a test moved to the CPU."""
+def _nothing(*_args: Any, **_kwargs: Any) -> None:
+    """Selecting or waiting for an accelerator device, in a test moved to the CPU: nothing to do."""
+
+
+# The device calls a GPU-only test makes outside tensor functions, and what they do on the CPU.
+DEVICE_CALLS_ON_CPU = (
+    (torch.accelerator, "set_device_index", _nothing),
+    (torch.cuda, "set_device", _nothing),
+    (torch.cuda, "synchronize", _nothing),
+    (torch.cuda, "current_device", lambda: 0),  # device 0, which CpuDevices makes the CPU
+)
 
 
 def on_cpu(test: Callable) -> Callable:
@@ -102,13 +111,15 @@ def on_cpu(test: Callable) -> Callable:
 
     @functools.wraps(test)
     def run_on_cpu(*args, **kwargs):
-        saved = torch.accelerator.set_device_index, torch.cuda.set_device
-        torch.accelerator.set_device_index = torch.cuda.set_device = _no_device_index
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in DEVICE_CALLS_ON_CPU]
+        for owner, name, replacement in DEVICE_CALLS_ON_CPU:
+            setattr(owner, name, replacement)
         try:
             with CpuDevices():
                 return test(*args, **kwargs)
         finally:
-            torch.accelerator.set_device_index, torch.cuda.set_device = saved
+            for owner, name, original in saved:
+                setattr(owner, name, original)
 
     run_on_cpu.retargeted_to_cpu = True
     return run_on_cpu

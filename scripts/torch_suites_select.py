@@ -54,7 +54,7 @@ def _names_in(node: ast.AST) -> tuple[set[str], set[str], set[str]]:
     return names, attributes, on_self
 
 
-def _is_private(name: str) -> bool:
+def is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
@@ -88,7 +88,7 @@ def reach_of_tests(source: str, class_name: str, targets: tuple[str, ...] = TARG
             seen.add(item)
             names, attributes, on_self = scan(*item)
             reach.targets |= (names | attributes) & set(targets)
-            reach.private_names |= {a for a in attributes if _is_private(a)}
+            reach.private_names |= {a for a in attributes if is_private(a)}
             todo += [("method", m) for m in on_self if m in methods]
             todo += [("top", n) for n in names if n in top_level]
         reach.gpu_decorated = bool(_decorator_names(methods[test_name]) & set(GPU_DECORATORS))
@@ -99,3 +99,11 @@ def reach_of_tests(source: str, class_name: str, targets: tuple[str, ...] = TARG
 def selected(reaches: dict[str, Reach]) -> list[str]:
     """The tests that reach at least one class under test, in source order."""
     return [name for name, reach in reaches.items() if reach.targets]
+
+
+def matches(test_id: str, pattern: str | None) -> bool:
+    """``-k``: no pattern, or one of its comma-separated parts is in the id (a part ending in ``$`` ends it)."""
+    if not pattern:
+        return True
+    parts = [part for part in pattern.split(",") if part]
+    return any(test_id.endswith(part[:-1]) if part.endswith("$") else part in test_id for part in parts)
