@@ -217,6 +217,17 @@ def report(control: dict[str, dict], tested: dict[str, dict]) -> str:
     return "\n\n".join(parts)
 
 
+def write_into(document: Path, text: str, command: str) -> None:
+    """Replace what lies between ``document``'s two result markers with ``text`` and the command that made it."""
+    begin, end = "<!-- torch_suites --report: begin -->", "<!-- torch_suites --report: end -->"
+    content = document.read_text()
+    if begin not in content or end not in content:
+        raise SystemExit(f"{document} has no '{begin}' ... '{end}' section to fill")
+    head, rest = content.split(begin, 1)
+    made = f"Made by `{command}`:\n\n{text}\n"
+    document.write_text(f"{head}{begin}\n{made}{end}{rest.split(end, 1)[1]}")
+
+
 def list_tests(suite: str, suite_dir: Path | None, pattern: str | None) -> list[str]:
     if suite == "files":
         patches.install("torch")
@@ -237,9 +248,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--list", action="store_true", help="print the selected tests and stop")
     parser.add_argument("--jsonl", type=Path, help="append results here (one run: --impl torch or minddp)")
     parser.add_argument("--report", nargs=2, type=Path, metavar=("TORCH_JSONL", "MINDDP_JSONL"))
+    parser.add_argument("--into", type=Path, metavar="DOC", help="with --report: write it into DOC's marked section")
     args = parser.parse_args(argv)
     if args.report:
-        print(report(load(args.report[0]), load(args.report[1])))
+        text = report(load(args.report[0]), load(args.report[1]))
+        if args.into:
+            write_into(args.into, text, "python scripts/torch_suites.py " + " ".join(argv or sys.argv[1:]))
+        else:
+            print(text)
         return
     if args.failed:
         failed = [row["test"] for row in load(args.failed).values() if row["result"] == "FAIL"]

@@ -94,9 +94,10 @@ def classify(torch_row: dict | None, minddp_row: dict | None, documented: dict[s
         return "skip", (torch_row if theirs == SKIP else minddp_row).get("error", "")
     if theirs == ours == PASS:
         return "pass both", ""
+    if theirs == FAIL and ours == FAIL:
+        return "fail both", f"torch: {torch_row.get('error', '')}; minddp: {minddp_row.get('error', '')}"
     if theirs == FAIL:
-        return ("fail both", f"torch: {torch_row.get('error', '')}") if ours == FAIL else \
-            ("minddp only", f"torch: {torch_row.get('error', '')}")
+        return "minddp only", f"torch: {torch_row.get('error', '')}"
     names = missing_private(minddp_row, private)
     if names:
         return "torch-private", ", ".join(names)
@@ -159,4 +160,4 @@ def _short(name: str) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:160]
+    return text.replace("|", "\\|").replace("\n", " ")[:240]

@@ -292,3 +292,20 @@ def test_cuda_device_calls_do_nothing_in_a_test_moved_to_the_cpu():
         return torch.ones(1, device=torch.cuda.current_device()).device.type
 
     assert test() == "cpu" and (torch.cuda.synchronize, torch.cuda.current_device) == before
+
+
+def test_report_goes_between_the_documents_markers(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- torch_suites --report: begin -->\nold\n<!-- torch_suites --report: end -->\nafter\n")
+    torch_suites.write_into(doc, "| new |", "python scripts/torch_suites.py --report a b")
+    assert doc.read_text() == ("intro\n<!-- torch_suites --report: begin -->\n"
+                               "Made by `python scripts/torch_suites.py --report a b`:\n\n| new |\n"
+                               "<!-- torch_suites --report: end -->\nafter\n")
+    with pytest.raises(SystemExit, match="no"):
+        torch_suites.write_into(_empty(tmp_path), "x", "c")
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.md"
+    path.write_text("nothing marked\n")
+    return path
