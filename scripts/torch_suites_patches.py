@@ -93,15 +93,25 @@ class CpuDevices(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _nothing(*_args: Any, **_kwargs: Any) -> None:
-    """Selecting or waiting for an accelerator device, in a test moved to the CPU: nothing to do."""
+def _does_nothing(name: str) -> Callable:
+    """``name`` (selecting or waiting for an accelerator device) in a test moved to the CPU: nothing to do.
+
+    A new function for each name: ``torch.compile`` keeps one rule per torch function object
+    and refuses the same object under two names.
+    """
+
+    def nothing(*_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    nothing.__name__ = nothing.__qualname__ = name
+    return nothing
 
 
 # The device calls a GPU-only test makes outside tensor functions, and what they do on the CPU.
 DEVICE_CALLS_ON_CPU = (
-    (torch.accelerator, "set_device_index", _nothing),
-    (torch.cuda, "set_device", _nothing),
-    (torch.cuda, "synchronize", _nothing),
+    (torch.accelerator, "set_device_index", _does_nothing("set_device_index")),
+    (torch.cuda, "set_device", _does_nothing("set_device")),
+    (torch.cuda, "synchronize", _does_nothing("synchronize")),
     (torch.cuda, "current_device", lambda: 0),  # device 0, which CpuDevices makes the CPU
 )
 

@@ -309,3 +309,11 @@ def _empty(tmp_path):
     path = tmp_path / "empty.md"
     path.write_text("nothing marked\n")
     return path
+
+
+def test_an_attribute_torch_sets_on_its_ddp_without_documenting_it_counts_as_torch_private():
+    undocumented = classify.undocumented_ddp_attributes()
+    assert "bucket_bytes_cap_list" in undocumented and "module" not in undocumented
+    missing = row("FAIL", "AttributeError: x", traceback="'MiniDDP' object has no attribute 'bucket_bytes_cap_list'")
+    assert classify.classify(row("pass"), missing, {}, undocumented) == \
+        ("torch-private", "bucket_bytes_cap_list (undocumented attribute)")
