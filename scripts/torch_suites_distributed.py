@@ -137,6 +137,11 @@ def _classes(impl: str) -> dict[str, type]:
 
 
 _TORCH, _MINDDP = {}, {}
+_TORCH_HOMES = {  # where a test finds each class by its torch name
+    "DistributedDataParallel": lambda: torch.nn.parallel,
+    "SyncBatchNorm": lambda: torch.nn,
+    "DistributedSampler": lambda: torch.utils.data,
+}
 
 
 def use_classes(module: Any, impl: str, reached: set[str]) -> dict[str, str]:
@@ -153,12 +158,7 @@ def use_classes(module: Any, impl: str, reached: set[str]) -> dict[str, str]:
             _MINDDP.update(_classes("minddp"))
         cls = (_MINDDP if side == "minddp" else _TORCH)[name]
         chosen[name] = side
-        if name == "DistributedDataParallel":
-            torch.nn.parallel.DistributedDataParallel = cls
-        elif name == "SyncBatchNorm":
-            torch.nn.SyncBatchNorm = cls
-        elif name == "DistributedSampler":
-            torch.utils.data.DistributedSampler = cls
+        setattr(_TORCH_HOMES[name](), name, cls)
         if hasattr(module, name):  # the file's own ``from ... import`` copy
             setattr(module, name, cls)
     return chosen
