@@ -38,12 +38,11 @@ ASSIGNED_ON_SELF = re.compile(r"self\.(_\w+)\s*[:=]")
 DOCUMENTED_DDP_ATTRIBUTES = frozenset({"module"})
 ASSIGNED_ANY_ON_SELF = re.compile(r"self\.(\w+)\s*=[^=]")
 
-# Tests torch passes where minddp fails with an answer the project documents (README):
+# Tests torch passes where minddp fails with an answer the project documents (docs/features.md):
 # test -> (the start of minddp's expected first error line, why).
 DOCUMENTED: dict[str, tuple[str, str]] = {
-    test: ("RuntimeError: MiniDDP: parameters", "a parameter that got no gradient is an error at the end of that "
-           "backward, naming it (README: 'a parameter that really got no gradient'); torch's DDP raises at the "
-           "next forward, which the test expects")
+    test: ("RuntimeError: MiniDDP: parameters", "the earlier error for a parameter that got no gradient: at the end "
+           "of that backward, naming it (docs/features.md); torch's DDP raises at the next forward, as the test expects")
     for test in ("test_ddp_multiple_nested_unused_params_error", "test_ddp_multiple_nested_unused_params_err_ignore_params",
                  "test_ddp_unused_params_rebuild_buckets_exception")
 }
@@ -149,6 +148,8 @@ def report(control: dict[str, dict], tested: dict[str, dict]) -> str:
         kind, reason = kinds[name]
         if tested.get(name, {}).get("result") == FAIL:
             lines.append(f"| {_short(name)} | {kind} | {_cell(reason)} |")
+    lines += ["", "The torch-private names those tests ask for, and how many tests each stops:", ""]
+    lines += [f"- `{name}`: {count}" for name, count in _private_name_counts(kinds, torch_passes, tested)]
     lines += ["", "Every selected test:", "", "| test | reaches | torch | minddp | kind | note |", "|---|---|---|---|---|---|"]
     for name in names:
         row = control.get(name) or tested.get(name, {})
@@ -158,6 +159,16 @@ def report(control: dict[str, dict], tested: dict[str, dict]) -> str:
                      f"| {control.get(name, {}).get('result', '-')} | {tested.get(name, {}).get('result', '-')} "
                      f"| {kind} | {_cell(reason)} |")
     return "\n".join(lines)
+
+
+def _private_name_counts(kinds: dict, torch_passes: list[str], tested: dict[str, dict]) -> list[tuple[str, int]]:
+    counted: dict[str, int] = {}
+    for name in torch_passes:
+        kind, reason = kinds[name]
+        if kind == "torch-private" and tested.get(name, {}).get("result") == FAIL:
+            for private in reason.split(", "):
+                counted[private] = counted.get(private, 0) + 1
+    return sorted(counted.items(), key=lambda item: (-item[1], item[0]))
 
 
 def _reached(row: dict) -> str:

@@ -247,6 +247,7 @@ def test_report_counts_public_behaviour_tests_and_lists_every_failure():
     assert "| distributed_test.py | 3 / 1 / 1 | 2 / 2 / 1 |" in text
     assert "Public-behaviour tests torch passes: 2; minddp passes 1 of them." in text
     assert "| test_1 | defect | E |" in text and "| test_2 | torch-private | _get_ddp_logging_data |" in text
+    assert "- `_get_ddp_logging_data`: 1" in text
 
 
 # ---------------------------------------------------------------- the class under test, per test
