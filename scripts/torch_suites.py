@@ -204,7 +204,7 @@ def summary(prefix: str, control: dict[str, dict], tested: dict[str, dict]) -> s
     return f"{prefix.rstrip('.') + ': ' if prefix else ''}{'; '.join(said)}."
 
 
-def report(control: dict[str, dict], tested: dict[str, dict]) -> str:
+def report(control: dict[str, dict], tested: dict[str, dict], made_by: str = "") -> str:
     """The files' table for their tests, then ``distributed_test.py``'s classification, for what the runs hold."""
     def of_distributed(rows: dict[str, dict], wanted: bool) -> dict[str, dict]:
         return {name: row for name, row in rows.items() if name.startswith(distributed.TEST_ID_PREFIX + ".") == wanted}
@@ -213,19 +213,18 @@ def report(control: dict[str, dict], tested: dict[str, dict]) -> str:
     if of_distributed(control, False) or of_distributed(tested, False):
         parts.append(table(of_distributed(control, False), of_distributed(tested, False)))
     if of_distributed(control, True) or of_distributed(tested, True):
-        parts.append(classify.report(of_distributed(control, True), of_distributed(tested, True)))
+        parts.append(classify.report(of_distributed(control, True), of_distributed(tested, True), made_by))
     return "\n\n".join(parts)
 
 
-def write_into(document: Path, text: str, command: str) -> None:
-    """Replace what lies between ``document``'s two result markers with ``text`` and the command that made it."""
+def write_into(document: Path, text: str) -> None:
+    """Replace what lies between ``document``'s two result markers with ``text``."""
     begin, end = "<!-- torch_suites --report: begin -->", "<!-- torch_suites --report: end -->"
     content = document.read_text()
     if begin not in content or end not in content:
         raise SystemExit(f"{document} has no '{begin}' ... '{end}' section to fill")
     head, rest = content.split(begin, 1)
-    made = f"Made by `{command}`:\n\n{text}\n"
-    document.write_text(f"{head}{begin}\n{made}{end}{rest.split(end, 1)[1]}")
+    document.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
 
 
 def list_tests(suite: str, suite_dir: Path | None, pattern: str | None) -> list[str]:
@@ -251,9 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--into", type=Path, metavar="DOC", help="with --report: write it into DOC's marked section")
     args = parser.parse_args(argv)
     if args.report:
-        text = report(load(args.report[0]), load(args.report[1]))
+        command = "python scripts/torch_suites.py " + " ".join(argv or sys.argv[1:])
+        text = report(load(args.report[0]), load(args.report[1]), f"Made by `{command}`:" if args.into else "")
         if args.into:
-            write_into(args.into, text, "python scripts/torch_suites.py " + " ".join(argv or sys.argv[1:]))
+            write_into(args.into, text)
         else:
             print(text)
         return

@@ -122,15 +122,19 @@ def counts(rows: dict[str, dict]) -> str:
     return f"{results.count(PASS)} / {results.count(FAIL)} / {results.count(SKIP)}"
 
 
-def report(control: dict[str, dict], tested: dict[str, dict]) -> str:
-    """Markdown: the counts, the remaining minddp failures with their reasons, then every test's kind."""
+def report(control: dict[str, dict], tested: dict[str, dict], made_by: str = "") -> str:
+    """Markdown: the counts, the remaining minddp failures with their reasons, then every test's kind.
+
+    ``made_by`` (the command that made it, for a document) stands before each table.
+    """
+    said = [made_by, ""] if made_by else []
     names = sorted(set(control) | set(tested))
     kinds = {name: classify(control.get(name), tested.get(name)) for name in names}
     torch_passes = [n for n in names if control.get(n, {}).get("result") == PASS]
     public = [n for n in torch_passes if kinds[n][0] != "torch-private"]
     public_passed = [n for n in public if tested.get(n, {}).get("result") == PASS]
     gpu = sum(bool(control.get(n, tested.get(n, {})).get("gpu_decorated")) for n in names)
-    lines = [
+    lines = said + [
         f"| {len(names)} selected ({gpu} GPU-decorated, run on the CPU) | torch pass / fail / skip "
         f"| minddp pass / fail / skip |",
         "|---|---|---|",
@@ -141,6 +145,7 @@ def report(control: dict[str, dict], tested: dict[str, dict]) -> str:
         "",
         "Every test torch passes and minddp fails, and why:",
         "",
+        *said,
         "| test | kind | reason (the torch-private names, or minddp's first error line) |",
         "|---|---|---|",
     ]
@@ -150,7 +155,7 @@ def report(control: dict[str, dict], tested: dict[str, dict]) -> str:
             lines.append(f"| {_short(name)} | {kind} | {_cell(reason)} |")
     lines += ["", "The torch-private names those tests ask for, and how many tests each stops:", ""]
     lines += [f"- `{name}`: {count}" for name, count in _private_name_counts(kinds, torch_passes, tested)]
-    lines += ["", "Every selected test:", "", "| test | reaches | torch | minddp | kind | note |", "|---|---|---|---|---|---|"]
+    lines += ["", "Every selected test:", "", *said, "| test | reaches | torch | minddp | kind | note |", "|---|---|---|---|---|---|"]
     for name in names:
         row = control.get(name) or tested.get(name, {})
         reached = _reached(tested.get(name, {}))

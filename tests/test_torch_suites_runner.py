@@ -298,12 +298,19 @@ def test_cuda_device_calls_do_nothing_in_a_test_moved_to_the_cpu():
 def test_report_goes_between_the_documents_markers(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n<!-- torch_suites --report: begin -->\nold\n<!-- torch_suites --report: end -->\nafter\n")
-    torch_suites.write_into(doc, "| new |", "python scripts/torch_suites.py --report a b")
-    assert doc.read_text() == ("intro\n<!-- torch_suites --report: begin -->\n"
-                               "Made by `python scripts/torch_suites.py --report a b`:\n\n| new |\n"
+    torch_suites.write_into(doc, "| new |")
+    assert doc.read_text() == ("intro\n<!-- torch_suites --report: begin -->\n| new |\n"
                                "<!-- torch_suites --report: end -->\nafter\n")
     with pytest.raises(SystemExit, match="no"):
-        torch_suites.write_into(_empty(tmp_path), "x", "c")
+        torch_suites.write_into(_empty(tmp_path), "x")
+
+
+def test_a_report_for_a_document_names_its_command_before_each_table():
+    rows = {"distributed_test.C.test_a": row("pass")}
+    text = classify.report(rows, rows, "Made by `python x`:")
+    lines = text.splitlines()
+    tables = [i for i, line in enumerate(lines) if line.startswith("| ") and not lines[i - 1].startswith("|")]
+    assert len(tables) == 3 and all(lines[i - 2:i] == ["Made by `python x`:", ""] for i in tables)
 
 
 def _empty(tmp_path):
