@@ -137,8 +137,7 @@ def fit(profs: dict[str, ComputeProfile]) -> Overheads:
     """The grid point nearest the targets on CALIBRATION: the smallest worst of step error / 3% and
     1 -> 16 cost miss / 1.5 points."""
     best = None
-    grid = itertools.product((0, 0.5, 1, 1.5, 2), range(5, 31, 5), range(20, 61, 10), range(10, 31, 5),
-                             (0, 0.01, 0.02, 0.03, 0.04))
+    grid = itertools.product((0, 1, 2), (10, 20, 30), (20, 40, 60), (0, 5, 10, 20), (0, 0.02, 0.04, 0.06, 0.08, 0.10))
     for step_ms, grad_us, bucket_us, contention, slowdown in grid:
         o = Overheads(per_step_ms=step_ms, per_gradient_us=grad_us, per_bucket_us=bucket_us,
                       contention_us_per_MB=contention, compute_slowdown=slowdown, source="fit")

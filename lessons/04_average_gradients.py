@@ -36,20 +36,15 @@ What to look at
     memory, and a clock shared with other programs would measure those.)
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict, then run ``--no-broadcast`` (HandDDP skips step 1): which
-       columns go wrong, and do the ranks ever agree again? (Answer, checked
-       by the lesson: the spread stays, the weights never meet -- the same
-       averaged update applied to different starting points keeps them
-       apart forever.)
+       columns go wrong, and do the ranks ever agree again?
     2. In ``finish_gradient_synchronization`` forget ``/= self.world_size``
        (``--forget-divide`` adds that wrapper, ``ForgotToDivide``, to the
-       table). Predict the grad error. (The gradient is p times too large:
-       a p-times larger learning rate in disguise; the lesson compares one
-       backward with and without the division.)
+       table). Predict the grad error.
     3. ``--world-size 3``: the errors stay at rounding level and the
        all-reduces per step stay 6. What grows, per all-reduce, that would
-       make the step slower on a real network? (Read the table's "KB sent"
-       and the line under it.)
+       make the step slower on a real network?
 """
 
 import torch

@@ -35,16 +35,13 @@ What to look at
     runs, and the weights come out averaged while the gradients do not.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running, predict which rows of the two tables are exact.
-       (Mistake A passes every test without accumulation.)
     2. ``--micro-batches 4``: mistake A now averages 1 micro-batch of 4
-       instead of 1 of 2. Predict whether its ranks end up agreeing. (They do
-       not: the 3 earlier micro-batches stay each rank's own.)
+       instead of 1 of 2. Predict whether its ranks end up agreeing.
     3. In ``HookDDP._average_grad`` remove the ``require_sync`` test
        (``--sync-every-micro-batch`` adds that hook to the tables) and
-       predict the grad error with accumulation. (Still exact: averaging is
-       linear, so averaging after every micro-batch gives the same sum --
-       just k times the messages; the lesson counts them.)
+       predict the grad error with accumulation.
 """
 
 import torch

@@ -41,17 +41,13 @@ What to look at
     backward returned (``|``).
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict the saving before running: overlap hides the shorter of
        backward and communication behind the longer, so expect up to about
        min(backward time, time on the wire); the lesson prints both.
     2. ``--wait-in-hook`` draws the waiting variant's timeline instead.
-       Predict its shape. (Each bar ends before the next hook fires, and
-       backward returns only after the last all-reduce: a staircase.)
-    3. ``--link none``: plain Gloo over loopback. Predict the saving. (About
-       nothing, or even a loss: there is no communication time to hide, and
-       on a 2-core machine Gloo's thread competes with backward. With no
-       simulated link there is no model to replay: the lesson prints the
-       clock instead, labelled as such, and checks nothing about time.)
+       Predict its shape.
+    3. ``--link none``: plain Gloo over loopback. Predict the saving.
 """
 
 import time

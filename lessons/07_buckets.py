@@ -41,6 +41,7 @@ What to look at
     programs' noise to it.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running, predict the best cap from alpha = 2 ms and 200 MB/s
        (printed first, with backward's length and the gradient bytes).
        A bucket of b bytes is on the wire for 2(p-1) alpha + 2(p-1)/p b/B;
@@ -50,10 +51,7 @@ Try this
     2. ``--cap 200``: add your own cap (in KB) to the sweep; the lesson
        prints the model's step for it among the others.
     3. ``--link none``: plain Gloo on loopback, where alpha is microseconds.
-       Predict which columns change. (The counts and when each first
-       bucket can leave do not: they depend on the caps and the gradients,
-       not on the network. The model's column goes: there is no wire to
-       model, so nothing about time is checked.)
+       Predict which columns change.
     4. ``--registration-order`` fills the buckets in the order the model
        registers its parameters (first layer first) instead of reversed.
        Predict when the first bucket can leave, and where the U goes.

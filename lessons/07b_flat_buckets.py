@@ -37,16 +37,13 @@ What to look at
     bench's table: exact, with and without accumulation.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict: after the rebuild, does the head's weight or bias come
-       first? (Its bias: ``Linear``'s backward hands the bias its gradient
-       directly, while the weight's passes through one more node, the
-       transpose ``TBackward``, so its hook fires a moment later.)
+       first?
     2. ``--keep-order`` skips step 5: predict what changes in the table.
-       (Nothing: the order of slots inside buckets changes when buckets
-       leave, never what they sum.)
     3. Remove the ``1 / self.world_size`` of step 2 (``--sum-not-average``
        adds that wrapper, ``SumsInstead``, to the table) and predict the
-       grad error. (A factor p: every rank adds full gradients.)
+       grad error.
 """
 
 import torch

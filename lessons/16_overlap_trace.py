@@ -45,19 +45,14 @@ What to look at
     behind ``benchmarks/compare.py --trace``.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Each bucket here is one 256 KiB layer. Predict the time a bar spends
        on the wire on the laptop link at 2 ranks: 2 alpha + bytes / bandwidth
        = 4 ms + 1.3 ms. Then read the table under the drawing: why are most
        bars longer than that, and by how much?
     2. ``--link none``: predict whether the bars still end in launch order.
-       (Not always -- see above; run it a few times.)
     3. ``--bucket-cap-mb 25`` (torch's default) in place of 0.3: predict
-       the picture. (Two bars, not one: the model's 2 MiB would fit one
-       25 MiB bucket, but torch's DDP and MiniDDP cap the *first* bucket
-       at 1 MiB, ``first_bucket_cap_mb``, so that something leaves early.
-       That first bar, three layers and the head, is launched partway
-       through backward; the second holds the rest and leaves at the last
-       gradient hook.)
+       the picture.
 """
 
 import json

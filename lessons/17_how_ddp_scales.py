@@ -48,20 +48,15 @@ What to look at
     length; a faster device leaves more communication exposed).
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. ``--compute-scale 50``: a GPU fifty times this CPU. Which claims get
-       stronger, and where does compression start to pay now? (Backward
-       shrinks below the time communication takes, so little hides: one
-       bucket can now beat 1 MB buckets, whose extra latency no longer fits
-       under backward. The lesson says which way each comparison went and
-       checks the rule that decides it.)
+       stronger, and where does compression start to pay now?
     2. ``--network dgx-h100`` (8 GPUs per node on NVLink, a hierarchical
        all-reduce, in place of ``ib400``): how much of the latency term goes
-       away? (Compare the per-parameter column: only 1/8 of the ranks are
-       in the ring between nodes.)
+       away?
     3. ``--algorithm tree``: a tree instead of the ring for every all-reduce.
        For which bucket sizes does a tree beat the ring at 1,024 ranks, and
-       why does NCCL switch? (The lesson prints the crossover size: below
-       it the tree's 2 log2(p) latencies beat the ring's 2 (p - 1).)
+       why does NCCL switch?
     4. ``python -m minddp.simulate --record mlp --out mlp.json`` then
        ``python -m minddp.simulate --trace mlp.json --step-ms 10 --network
        dgx1-v100 --world 8,64,512 --accumulation 4``: a 10 ms step measured
@@ -262,7 +257,7 @@ PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "published_ddp_profiles.json")  # torchvision's models traced on CPU: their shapes
 # Published: one P100 of a DGX-1, TensorFlow, synthetic data, batch 64, images/s (TensorFlow's benchmark
 # page, May 2017: tensorflow/docs_src/performance/benchmarks.md): VGG16 154, ResNet-50 219, ResNet-152 91.8.
-TF_P100 = {"vgg16": 154, "resnet50": 219, "resnet152": 91.8}
+TF_P100 = {"vgg16": 154, "resnet50": 219, "resnet152": 91.8}  # Horovod's runs assumed at the same batch
 HOROVOD_512 = {"resnet101": 0.90, "vgg16": 0.68}  # Horovod (arXiv:1802.05799 and its README), 512 GPUs
 ASSUMED_MS = {"resnet101": 370.0, "vgg16": 740.0}  # this lesson's old guess: a P100 at ~4 TFLOP/s achieved
 

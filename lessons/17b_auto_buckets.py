@@ -43,6 +43,7 @@ What to look at
     exactly as one process would.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running, predict part 1's choice on the high-latency link
        (20 ms per message, 1 GB/s) for 3 MB of gradients: one bucket, or
        several?
@@ -52,8 +53,7 @@ Try this
        latency, and backward lasts 8 ms.
     3. ``--link eth25`` (30 us, 3 GB/s): the transfer takes about 1 ms.
        Nothing is worth overlapping; does the planner care how many buckets
-       it keeps? (Look at part 1's predicted ms of the choice and of the
-       default.)
+       it keeps?
 """
 
 import math

@@ -40,19 +40,14 @@ What to look at
     shard besides).
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running: stage 1 on a DDP wrapper all-reduces, then
        all-gathers the parameters. Predict its bytes on the wire against
-       DDP's. (1.5 x: torch's ZeroRedundancyOptimizer pays the same 3 psi
-       rather than the paper's 2 psi.)
+       DDP's.
     2. ``--bucket-cap-mb 25`` (torch's default): predict how many buckets,
-       and how many reduce-scatters leave before the last gradient. (Two
-       buckets, one early: the model is 1.4 MiB, and MiniDDP, as torch,
-       caps the *first* bucket at 1 MiB precisely so that something
-       leaves before backward ends. The last bucket always waits.)
+       and how many reduce-scatters leave before the last gradient.
     3. ``--world-size 3``: predict stage 2's gradient bytes per rank, and
-       its bytes on the wire against DDP's. (A third of the gradients, plus
-       under 3 elements of padding per bucket; stage 1 still keeps the
-       whole ``.grad``. The wire: DDP's plus that padding, sent twice.)
+       its bytes on the wire against DDP's.
 """
 
 import time

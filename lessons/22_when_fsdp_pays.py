@@ -39,22 +39,14 @@ What to look at
     slow and fast links: when FSDP costs time against DDP, and when nothing.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. ``--link eth25`` (25 Gb/s Ethernet): predict prefetch's saving and
-       FSDP's step against DDP's. (Both nearly nothing: a unit's gather
-       takes microseconds there, against milliseconds of compute; FSDP's
-       memory saving comes free.)
+       FSDP's step against DDP's.
     2. ``--keep-after-forward`` (``reshard_after_forward=False``): predict
-       the bytes against DDP's. (1.0x: no second gather in backward, but
-       every unit stays whole from its forward to its backward, lesson 21's
-       memory saving gone for the parameters. On the laptop link FSDP may
-       then even beat DDP in the model: its gathers hide under forward
-       compute, while DDP's all-reduces have only backward to hide under.)
-    3. ``--world-size 3``: predict the ratio of bytes. (Still about 1.5x: each
-       collective sends (N-1)/N of its buffer, all three alike.)
+       the bytes against DDP's.
+    3. ``--world-size 3``: predict the ratio of bytes.
     4. ``--batch 64``: a sixteenth of the compute per unit, the same bytes.
-       Predict prefetch's saving and FSDP against DDP. (Less compute to hide
-       behind: FSDP falls further behind DDP, and prefetch can hide at most
-       the compute there is.)
+       Predict prefetch's saving and FSDP against DDP.
 """
 
 import time

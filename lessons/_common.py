@@ -32,7 +32,10 @@ from minddp.simulated_link import SimulatedLink
 
 
 def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 1) -> argparse.Namespace:
-    """``--world-size N`` (default 2), plus whatever ``extra(parser)`` adds.
+    """``--world-size N`` (default 2), ``--reveal``, plus whatever ``extra(parser)`` adds.
+
+    ``--reveal`` prints the lesson's Try this with the answers from
+    ``lessons/answers.md``, and exits before any rank starts.
 
     A lesson that compares ranks with each other passes ``min_world_size=2``
     and stops with one line when given fewer.
@@ -40,9 +43,15 @@ def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 
     first_line = (doc or "").strip().splitlines()[0] if doc else None
     parser = argparse.ArgumentParser(description=first_line)
     parser.add_argument("--world-size", type=int, default=world_size, help="number of processes (default %(default)s)")
+    parser.add_argument("--reveal", action="store_true", help="print the answers to this lesson's Try this, and stop")
     if extra is not None:
         extra(parser)
     args = parser.parse_args()
+    if args.reveal:
+        from _answers import reveal  # lessons/ is on the path of a lesson run as a script
+
+        print(reveal(doc))
+        parser.exit(0)
     if args.world_size < min_world_size:
         parser.exit(2, f"this lesson compares ranks with each other: run it with --world-size {min_world_size} or more\n")
     return args

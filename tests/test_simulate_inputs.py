@@ -229,3 +229,14 @@ def test_command_records_your_model_and_predicts_from_your_step_time(tmp_path, c
     out = capsys.readouterr().out
     assert "--step-ms 10" in out and "2 gradients" in out
     assert [line.split("|")[5].strip() for line in out.splitlines() if line.startswith("| 1")] == ["10.00", "10.00"]
+
+
+def test_a_network_fitted_to_this_machines_benchmark_json():
+    truth = Link("t", 700e-6, 1.6e9)
+    sizes = [4096 * 4**k for k in range(7)]
+    text = json.dumps({"fit": {"sizes": sizes, "median_ms": [ring_allreduce_time(n, 2, truth) * 1e3 for n in sizes]}})
+    link = fit_network_table(text, world_size=2)
+    assert link.alpha_s == pytest.approx(truth.alpha_s, rel=1e-6)
+    assert link.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=1e-6)
+    with pytest.raises(ValueError, match="median_ms"):
+        fit_network_table(json.dumps({"rows": []}), world_size=2)

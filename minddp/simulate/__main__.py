@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     n.add_argument("--intra-latency-us", type=at_least_zero, help="inside a node: microseconds per ring step")
     n.add_argument("--intra-bandwidth", type=_rate, help="inside a node: achieved bus bandwidth per GPU")
     n.add_argument("--fit-table", metavar="FILE", help="fit the network (with --gpus-per-node > 1: one NIC, measured "
-                   "at one GPU per node) to all_reduce_perf (nccl-tests) output")
+                   "at one GPU per node) to all_reduce_perf (nccl-tests) output, or to the JSON of "
+                   "benchmarks/validate_simulator.py --json")
     n.add_argument("--fit-world", type=whole, help="ranks of --fit-table (default: its '# Rank' lines)")
     n.add_argument("--intra-fit-table", metavar="FILE", help="fit the link inside a node to all_reduce_perf output "
                    "measured on one node")

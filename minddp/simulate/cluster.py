@@ -19,6 +19,7 @@ to it with :func:`minddp.network.fit_link`.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, replace
@@ -224,9 +225,19 @@ def parse_collective_table(text: str) -> tuple[list[float], list[float], int | N
     return sizes, seconds, (len(ranks) or None)
 
 
+def _benchmark_json(text: str) -> tuple[list[float], list[float], int | None]:
+    """Sizes and median times of ``benchmarks/validate_simulator.py --json`` (its ``fit``): all-reduces here."""
+    fit = json.loads(text).get("fit", {})
+    if "sizes" not in fit or "median_ms" not in fit:
+        raise ValueError("a JSON table needs the 'fit' of benchmarks/validate_simulator.py --json (sizes, median_ms)")
+    return [float(n) for n in fit["sizes"]], [t / 1e3 for t in fit["median_ms"]], fit.get("world_size")
+
+
 def fit_network_table(text: str, world_size: int | None = None, min_bytes: float = 0) -> Link:
-    """A :class:`Link` fitted to an ``all_reduce_perf`` table (sizes >= ``min_bytes``); ValueError if it cannot."""
-    sizes, seconds, ranks = parse_collective_table(text)
+    """A :class:`Link` fitted to an ``all_reduce_perf`` table, or to the all-reduce timings of
+    ``benchmarks/validate_simulator.py --json`` (sizes >= ``min_bytes``); ValueError if it cannot."""
+    sizes, seconds, ranks = (_benchmark_json(text) if text.lstrip().startswith("{")
+                             else parse_collective_table(text))
     world = world_size or ranks
     if world is None:
         raise ValueError("the table names no ranks (# Rank lines): give --fit-world")
@@ -234,5 +245,5 @@ def fit_network_table(text: str, world_size: int | None = None, min_bytes: float
     if len(kept) < 2:
         raise ValueError(f"need at least 2 rows of all_reduce_perf output, found {len(kept)}")
     link = fit_link([n for n, _ in kept], [t for _, t in kept], world, "fitted")
-    return replace(link, source=f"fitted to {len(kept)} all_reduce_perf rows at {world} ranks: "
+    return replace(link, source=f"fitted to {len(kept)} all-reduce timings at {world} ranks: "
                                 f"{link.alpha_s * 1e6:.2f} us per ring step, {link.bandwidth_Bps / GB:.3g} GB/s bus bandwidth")

@@ -3,7 +3,7 @@
 The replay of :mod:`minddp.simulate.replay` treats communication that
 overlaps backward as free and DDP itself as costing nothing. Measured on
 GPUs, neither is true (PyTorch's own DDP benchmark: 1 GPU with DDP is
-2-6% slower than without; going to 2 GPUs costs 3% more, although every
+1-6% slower than without; going to 2 GPUs costs 2-4% more, although every
 all-reduce hides under backward). :class:`Overheads` names five costs:
 
 * ``per_step_ms``: the wrapper's own work once per step, before forward and
@@ -70,8 +70,8 @@ OVERHEAD_PRESETS: dict[str, Overheads] = {
     # Fitted by `python benchmarks/published_ddp.py --fit` to resnet50 and resnext101_32x8d of PyTorch's DDP
     # benchmark (benchmarks/distributed/ddp/README.md in pytorch/pytorch: DGX-1, V100, NCCL, torch 1.4);
     # resnet101 and resnext50_32x4d held out. See docs/simulator_checked.md.
-    "nccl-v100": Overheads(per_step_ms=0.0, per_gradient_us=10.0, per_bucket_us=40.0, contention_us_per_MB=20.0,
-                           compute_slowdown=0.02,
+    "nccl-v100": Overheads(per_step_ms=2.0, per_gradient_us=10.0, per_bucket_us=20.0, contention_us_per_MB=5.0,
+                           compute_slowdown=0.06,
                            source="fitted to PyTorch's published DDP benchmark, DGX-1 V100, torch 1.4 "
                                   "(benchmarks/published_ddp.py)"),
 }
