@@ -39,7 +39,8 @@ class TensorSpec:
 
 
 def assign_buckets(
-    specs: Sequence[TensorSpec], cap_bytes: int, first_cap_bytes: int | None = None
+    specs: Sequence[TensorSpec], cap_bytes: int, first_cap_bytes: int | None = None,
+    per_bucket_caps: Sequence[int] = (),
 ) -> list[list[int]]:
     """Group tensor indices into buckets of at most ``cap_bytes`` each.
 
@@ -55,6 +56,9 @@ def assign_buckets(
     * the first bucket of each (dtype, device) may have a smaller cap
       (``first_cap_bytes``; torch's DDP uses 1 MiB) so that the first
       all-reduce starts early in backward;
+    * ``per_bucket_caps`` (torch's ``bucket_cap_mb_list``), when given,
+      replace both: the k-th bucket of each (dtype, device) has cap
+      ``per_bucket_caps[k]``, the last one for every bucket after;
     * buckets are ordered by the position of their first tensor, which is
       the order they become ready in, and the order they are launched in.
     """
@@ -68,7 +72,9 @@ def assign_buckets(
     for index, spec in enumerate(specs):
         key = (spec.dtype, spec.device)
         cap = cap_bytes
-        if first_cap_bytes is not None and closed_per_key.get(key, 0) == 0:
+        if per_bucket_caps:
+            cap = per_bucket_caps[min(closed_per_key.get(key, 0), len(per_bucket_caps) - 1)]
+        elif first_cap_bytes is not None and closed_per_key.get(key, 0) == 0:
             cap = min(cap_bytes, first_cap_bytes)
         bucket = open_buckets.setdefault(key, [])
         if bucket and open_bytes[key] + spec.nbytes > cap:

@@ -34,6 +34,7 @@ a few KB.
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 
@@ -52,27 +53,35 @@ class BuffersInLastBucket:
     every rank's buffers before the next forward.
     """
 
-    def __init__(self, buffers: list[torch.Tensor], is_source: bool):
-        self.buffers = [b for b in buffers if b.numel() > 0]
+    def __init__(self, read_buffers: Callable[[], list[torch.Tensor]], is_source: bool):
+        # The buffers are read again at every pack and delivery, as MiniDDP reads them before a
+        # broadcast: a forward may re-assign one. Their layout is fixed here (the last bucket's
+        # room is); a buffer re-shaped or re-typed since (``model.double()``) goes back to the broadcast.
+        self._read_buffers = read_buffers
         self.is_source = is_source
+        buffers = self._buffers()
         # Whole 16-bit words of contiguous memory (a 1-byte bool buffer is not).
-        self._whole_words = all(b.is_contiguous() and b.numel() * b.element_size() % 2 == 0 for b in self.buffers)
-        self._words = [_as_int16(b) for b in self.buffers] if self._whole_words else []
-        self.numel = sum(w.numel() for w in self._words)
+        self._whole_words = all(b.is_contiguous() and b.numel() * b.element_size() % 2 == 0 for b in buffers)
+        self._layout = _layout(buffers)
+        self.numel = sum(b.numel() * b.element_size() // 2 for b in buffers) if self._whole_words else 0
         self._received: torch.Tensor | None = None
         self._versions_sent: list[int] = []
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for b in self._read_buffers() if b.numel() > 0]
 
     def fits(self, bucket_dtype: torch.dtype) -> bool:
         """Can a bucket of ``bucket_dtype`` carry these buffers exactly?"""
         return self._whole_words and bucket_dtype in CARRIER_DTYPES
 
     def pack(self, tail: torch.Tensor) -> None:
-        if not self.is_source:
-            tail.zero_()
+        buffers = self._buffers()
+        if not self.is_source or _layout(buffers) != self._layout:
+            tail.zero_()  # (rank 0's re-shaped buffers travel by broadcast instead: see deliver)
             return
-        self._versions_sent = [b._version for b in self.buffers]
+        self._versions_sent = [b._version for b in buffers]
         offset = 0
-        for words in self._words:
+        for words in map(_as_int16, buffers):
             tail[offset: offset + words.numel()].copy_(words)  # int16 -> float: exact
             offset += words.numel()
 
@@ -84,18 +93,26 @@ class BuffersInLastBucket:
             self._received = torch.empty_like(tail)
         self._received.copy_(tail)
 
-    def deliver(self) -> None:
-        """Rank 0's bytes into this rank's buffers (rank 0 keeps its own, as under a broadcast)."""
+    def deliver(self) -> bool:
+        """Rank 0's bytes into this rank's buffers (rank 0 keeps its own, as under a broadcast).
+
+        False, delivering nothing, when the buffers no longer have the layout the bucket was built
+        for: the caller broadcasts them instead (the same answer on every rank: the same module).
+        """
+        buffers = self._buffers()
+        if _layout(buffers) != self._layout:
+            return False
         if self.is_source:
-            if [b._version for b in self.buffers] != self._versions_sent:
+            if [b._version for b in buffers] != self._versions_sent:
                 self._warn_changed()
-            return
+            return True
         tail, offset = self._received, 0
-        for words in self._words:
+        for words in map(_as_int16, buffers):
             # Written through .data (see _as_int16): a forward's graph that
             # saved a buffer must not see its version counter move.
             words.copy_(tail[offset: offset + words.numel()])  # float -> int16: exact
             offset += words.numel()
+        return True
 
     @staticmethod
     def _warn_changed() -> None:
@@ -104,6 +121,10 @@ class BuffersInLastBucket:
             "this forward, outside the wrapped forward; the other ranks get the values sent with the "
             "gradients, not the new ones (torch's DDP would broadcast the new ones). Use "
             "buffer_sync='broadcast' if buffers are changed between steps.", stacklevel=4)
+
+
+def _layout(buffers: list[torch.Tensor]) -> list[tuple]:
+    return [(b.shape, b.dtype) for b in buffers]
 
 
 def _as_int16(buffer: torch.Tensor) -> torch.Tensor:

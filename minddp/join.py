@@ -97,11 +97,14 @@ class Join:
 
     inside_torch = False  # see inside_torchs_join
 
-    def __init__(self, joinables: Iterable[Joinable], enable: bool = True, **kwargs):
+    def __init__(self, joinables: Iterable[Joinable], enable: bool = True, throw_on_early_termination: bool = False,
+                 **kwargs):
         self.joinables = list(joinables)
         if not self.joinables:
             raise ValueError("Join needs at least one joinable")
         self.enable = enable
+        # torch's option: instead of shadowing, every rank raises as soon as one has run out of inputs.
+        self.throw_on_early_termination = throw_on_early_termination
         self.hooks = [j.join_hook(**kwargs) for j in self.joinables]
         self.group = self.joinables[0].join_process_group
         self.device = self.joinables[0].join_device
@@ -120,6 +123,7 @@ class Join:
         """
         join = cls.__new__(cls)
         join.joinables, join.enable, join.hooks = [joinable], True, []
+        join.throw_on_early_termination = False  # torch's Join throws itself
         join.group, join.device, join.active = joinable.join_process_group, joinable.join_device, []
         join.inside_torch = True
         return join
@@ -159,7 +163,10 @@ class Join:
             return None
         if joinable is not join.joinables[0]:
             return join.active
-        return join._exchange(active=True)
+        active = join._exchange(active=True)
+        if join.throw_on_early_termination and not all(active):
+            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
+        return active
 
     def _exchange(self, active: bool) -> Sequence[bool]:
         flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32, device=self.device)
@@ -176,6 +183,8 @@ class Join:
     def _shadow_until_everyone_joined(self) -> None:
         is_last_joiner = True
         while any(self._exchange(active=False)):
+            if self.throw_on_early_termination:  # the others raise at this same exchange
+                raise RuntimeError(f"Rank {dist.get_rank(self.group)} exhausted all inputs.")
             is_last_joiner = False
             for hook in self.hooks:
                 hook.main_hook()

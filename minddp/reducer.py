@@ -73,6 +73,8 @@ class ReducerOptions:
     static_graph: bool = False
     reduce_dtype: torch.dtype | None = None
     learn_bucket_order: bool = True
+    skip_all_reduce_unused_params: bool = False
+    bucket_caps_mb: tuple[float, ...] | None = None  # one cap per bucket (torch's bucket_cap_mb_list)
 
 
 class Reducer(ReducerHookPoints):
@@ -91,7 +93,8 @@ class Reducer(ReducerHookPoints):
         self.observer = observer
         self._index = {p: i for i, p in enumerate(params)}
         self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
-        self._init_hook_points(int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        self._init_hook_points(int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB),
+                               [int(cap * MiB) for cap in options.bucket_caps_mb or ()])
         self._offered: set[int] = set()  # buckets waited for and offered to bucket_reduced_hook, this backward
         self._reclaimed: set[int] = set()  # ... of which the hook took the result (no .grad to write)
         # Buckets, in the order gradients are expected: reverse registration.
@@ -125,7 +128,7 @@ class Reducer(ReducerHookPoints):
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
         specs = [self._bucket_spec(self.params[i]) for i in order]
-        groups = assign_buckets(specs, *self._caps)
+        groups = assign_buckets(specs, *self._caps, per_bucket_caps=self._per_bucket_caps)
         last_dtype = specs[groups[-1][0]].dtype
         self._passenger_fits = self.passenger is not None and self.passenger.fits(last_dtype)
         self.buckets = [
@@ -227,6 +230,13 @@ class Reducer(ReducerHookPoints):
         self._hooks_seen[index] += 1
         if self._hooks_expected is None:
             return False  # static_graph's first backward: count only, reduce everything at its end
+        if self._hooks_seen[index] > self._hooks_expected[index]:
+            raise RuntimeError(
+                f"MiniDDP(static_graph=True): Your training graph has changed in this iteration: parameter "
+                f"{self.names[index]!r} got gradient {self._hooks_seen[index]} time(s), where the first "
+                f"iteration gave it {self._hooks_expected[index]} (e.g. a parameter unused in the first "
+                "iteration is used now). This is not compatible with static_graph set to True: construct "
+                "MiniDDP(..., find_unused_parameters=True) without static_graph for a graph that changes.")
         return self._hooks_seen[index] == self._hooks_expected[index]
 
     def _mark_ready(self, index: int) -> None:
@@ -367,6 +377,14 @@ class Reducer(ReducerHookPoints):
         if self._next_to_launch == len(self.buckets):
             return  # every bucket complete and launched: nothing is missing
         missing = self.unready_names()
+        if missing and self._static_graph:
+            self._reset_buckets()
+            raise RuntimeError(
+                "MiniDDP(static_graph=True): Expected to have finished reduction in the prior iteration "
+                "before starting a new one. This error indicates that your training graph has changed in "
+                "this iteration, e.g., one parameter is used in first iteration, but then got unused in the "
+                "second iteration. this is not compatible with static_graph set to True.\n"
+                f"Parameters which did not receive grad: {missing}")
         if missing:
             self._reset_buckets()
             raise RuntimeError(
@@ -413,6 +431,8 @@ class Reducer(ReducerHookPoints):
             return self._static_used
         if not self.options.find_unused_parameters:
             return None  # every parameter produced a gradient, or we raised above
+        if self.options.skip_all_reduce_unused_params and self.globally_used is not None:
+            return self.globally_used  # promised: the same parameters unused on every rank, every step
         return self._used_on_any_rank(self._locally_used)
 
     def _used_on_any_rank(self, used_here: list[bool]) -> list[bool]:

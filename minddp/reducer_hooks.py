@@ -40,8 +40,9 @@ __all__ = ["ReducerHookPoints"]
 class ReducerHookPoints:
     """The reducer's narrow interface for the policies above it (see the module docstring)."""
 
-    def _init_hook_points(self, cap_bytes: int, first_cap_bytes: int | None) -> None:
+    def _init_hook_points(self, cap_bytes: int, first_cap_bytes: int | None, per_bucket_caps: list[int]) -> None:
         self._caps = (cap_bytes, first_cap_bytes)
+        self._per_bucket_caps = per_bucket_caps  # bucket_cap_mb_list, in bytes; [] when not given
         self._storage = BucketStorage()  # where bucket buffers come from (use_bucket_storage)
         # A passenger in the last bucket (carry_in_last_bucket): MiniDDP's buffers, with buffer_sync="with_gradients".
         self.passenger = None

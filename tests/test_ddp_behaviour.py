@@ -178,8 +178,9 @@ def test_forward_sees_rank0_buffers(ranks):
     # rank 0's buffers are broadcast, not rank 1's own last step (+11 -> 21).
     assert results[1] == [[0.0] * 3, [10.0] * 3, [20.0] * 3]
     own = ranks(2).run(_buffers, False)
-    # Only construction copied rank 0's zeros; after that rank 1 drifts by its own steps.
-    assert own[1] == [[0.0] * 3, [11.0] * 3, [22.0] * 3]
+    # broadcast_buffers=False: not even construction copies them (torch 2.14's rule; its
+    # forward_sync_buffers=False would): rank 1 keeps its own ones and drifts by its own steps.
+    assert own[1] == [[1.0] * 3, [12.0] * 3, [23.0] * 3]
 
 
 # -------------------------------------------------- gradient as bucket view

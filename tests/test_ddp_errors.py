@@ -14,7 +14,7 @@ def test_needs_a_process_group():
 
 
 def _frozen_module(rank, world_size):
-    with pytest.raises(ValueError, match="no parameter that requires a gradient.*Linear has none"):
+    with pytest.raises(RuntimeError, match="no parameter that requires a gradient.*Linear has none"):
         MiniDDP(nn.Linear(2, 2).requires_grad_(False))
 
 
