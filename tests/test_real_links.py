@@ -24,6 +24,19 @@ def ours() -> set[str]:
     return {n for n in links.list_namespaces() if n.startswith(links.PREFIX)}
 
 
+def left_by(pid: int) -> set[str]:
+    """The namespaces of process ``pid`` still there (other runs, side by side, have their own)."""
+    return {n for n in links.list_namespaces() if n.startswith(f"{links.PREFIX}{pid}x")}
+
+
+def run_script(argv: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, int]:
+    """Run a Python script with this checkout importable; its result and its process id."""
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), proc.pid
+
+
 def interfaces(namespace: str) -> str:
     return subprocess.run(["ip", "-n", namespace, "-o", "link"], capture_output=True, text=True).stdout
 
@@ -155,7 +168,7 @@ def test_spawn_runs_each_rank_in_its_own_namespace_on_the_link(tmp_path):
     assert [s[0][-2:] for s in seen] == ["r0", "r1"]  # each rank its own interface
     assert seen[0][1] == seen[1][1] and seen[0][1].startswith("10.213.")  # rank 0's address
     assert [s[2] for s in seen] == ["3", "3"]
-    assert not ours() - _hosts_networks()
+    assert not left_by(os.getpid())
 
 
 def _rank1_crashes_mid_run(rank, world_size):
@@ -169,10 +182,6 @@ def _rank1_crashes_mid_run(rank, world_size):
     time.sleep(120)
 
 
-def _hosts_networks() -> set[str]:
-    return {n for n in ours() if n.startswith(link_hosts.HOSTS_PREFIX)}
-
-
 @needs_root
 def test_a_crashed_rank_stops_the_others_names_itself_and_leaves_no_namespace():
     from minddp import spawn
@@ -184,7 +193,7 @@ def test_a_crashed_rank_stops_the_others_names_itself_and_leaves_no_namespace():
         spawn(_rank1_crashes_mid_run, 3, backend="gloo", link="1gbit")
     assert "rank 1 crashed mid-run" in str(info.value)
     assert time.monotonic() - started < 30 + GRACE_S  # the start, and the grace after the crash, not the sleep
-    assert not ours() - _hosts_networks()
+    assert not left_by(os.getpid())
     assert "mddp" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
 
 
@@ -202,11 +211,10 @@ def test_a_crashed_rank_script_exits_non_zero_with_the_rank_named(tmp_path):
             spawn(_rank1_crashes_mid_run, 2, backend="gloo", link="100mbit")
         """ % os.path.join(REPO, "tests")
     ))  # fmt: skip
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    done, pid = run_script([str(script)], timeout=60)
     assert done.returncode != 0
     assert "RankFailed: rank 1 failed first" in done.stderr
-    assert not ours() - _hosts_networks()
+    assert not left_by(pid)
 
 
 @needs_root
@@ -240,3 +248,20 @@ def test_a_failure_half_way_through_the_build_leaves_nothing_behind(monkeypatch)
     with pytest.raises(links.LinkError, match="tc refused"):
         links.build_network(3, "1gbit")
     assert set(links.list_namespaces()) == before
+
+
+LESSONS = os.path.join(REPO, "lessons")
+
+
+@pytest.mark.parametrize("lesson", ["06_async_overlap.py", "07_buckets.py", "17b_auto_buckets.py"])
+def test_a_lesson_given_a_real_link_that_does_not_parse_says_what_is_accepted(lesson):
+    done, _ = run_script([os.path.join(LESSONS, lesson), "--link", "real:1gbt"], timeout=60)
+    assert done.returncode == 2 and "'1gbt' does not parse" in done.stderr and "100mbit" in done.stderr, done.stderr
+
+
+@needs_root
+def test_lesson_06_measures_its_overlap_on_a_real_link_and_leaves_nothing_behind():
+    done, pid = run_script([os.path.join(LESSONS, "06_async_overlap.py"), "--link", "real:1gbit"], timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "link real:1gbit" in done.stdout and "checked: both variants give the full-batch gradients" in done.stdout
+    assert not left_by(pid)
