@@ -13,7 +13,8 @@ as the timed steps:
   time), fitted as ``bucket_cap_mb="auto"`` fits it
   (:func:`minddp.bucket_planner.fit_latency_bandwidth`).
 
-Then rank 0 replays each bucket cap. Whether communication may run beside
+After each row's timing, rank 0 replays its bucket cap, the profile's
+compute scaled to that row's measured bare step (``local``). Whether communication may run beside
 backward is the bound's rule (``_bound.py``): on a real link (``--link``) it
 mostly waits on the wire (``overlap=True``); on loopback with no core to
 spare it competes with backward (``overlap=False``). The simulator models a
@@ -48,8 +49,8 @@ def _fastest_allreduce(buffer: torch.Tensor) -> float:
     return t.item()
 
 
-def predicted_steps(runner, caps: list[float], solo_group, overlap: bool) -> dict[float, float]:
-    """Predicted ms per step at each cap (every rank calls; the figures are rank 0's, {} elsewhere)."""
+def measure_inputs(runner, solo_group):
+    """The compute profile and the link (every rank calls: collectives); rank 0 gets them, the others None."""
     model = runner.wrap_minddp(runner.fresh(), trace=True, process_group=solo_group)
     step = runner.stepper(model)
     for _ in range(2):  # allocation, the bucket rebuild: not traced
@@ -62,12 +63,21 @@ def predicted_steps(runner, caps: list[float], solo_group, overlap: bool) -> dic
     sizes = [PROBE_BYTES, max(4 * n, 2 * PROBE_BYTES)]
     seconds = [_fastest_allreduce(torch.zeros(size // 4)) for size in sizes]
     if dist.get_rank() != 0:
-        return {}
-    profile = profile_from_trace(trace)
-    world_size = dist.get_world_size()
-    link = fit_latency_bandwidth(sizes, seconds, world_size)
-    return {cap: simulate_step(profile, link, world_size, DDPPolicy(bucket_cap_mb=cap, overlap=overlap)).step_ms
-            for cap in caps}  # fmt: skip
+        return None
+    return profile_from_trace(trace), fit_latency_bandwidth(sizes, seconds, dist.get_world_size())
+
+
+def predicted_step(inputs, cap_mb: float, local_ms: float, world_size: int, overlap: bool) -> float:
+    """The simulator's step at ``cap_mb``, its compute scaled to this row's measured bare step.
+
+    The trace gives *when* each gradient is ready within the step; its clock runs slow (a traced
+    step of the small models took 2 to 3 times the bare step timed in the same run, on this loaded
+    machine), so the total is taken from ``local_ms``, timed beside the wrappers.
+    """
+    profile, link = inputs
+    traced = profile.forward_ms + profile.backward_ms + profile.after_backward_ms
+    profile = profile.scaled(traced / local_ms) if traced > 0 and local_ms > 0 else profile
+    return simulate_step(profile, link, world_size, DDPPolicy(bucket_cap_mb=cap_mb, overlap=overlap)).step_ms
 
 
 def table(cfg: dict, rows: list[dict]) -> str:
@@ -89,7 +99,7 @@ def table(cfg: dict, rows: list[dict]) -> str:
         cells_all.append(cells)
     lines = [
         f"On {where}, {cfg['world_size']} ranks: ms per step, median over runs (ratios and hidden: median [min, max]);",
-        "  simulated: minddp.simulate's step from this run's compute profile and link fit (benchmarks/_prediction.py),",
+        "  simulated: minddp.simulate's step from this run's compute profile (scaled to local) and link fit (_prediction.py),",
         f"  communication {'beside' if cfg['bound_rule'] == 'max' else 'sharing the cores with'} backward; sim error against torch copy;",
         "  hidden = (local + allreduce - step) / allreduce; auto / torch: MiniDDP(bucket_cap_mb='auto') against torch's",
         "  DDP at this row's cap (the 25 MB row: torch's default)",

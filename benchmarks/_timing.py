@@ -289,20 +289,20 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     device = _device(cfg)
     out, seen = [], set()
     solos = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
-    predicted: dict[str, dict[float, float]] = {}
+    inputs: dict = {}  # model -> the simulator's inputs (rank 0; None on the others)
     for name, cap in _cases(cfg):
-        if name not in predicted and device.type == "cpu":
+        if name not in inputs and device.type == "cpu":
             _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: {name}: the simulator's inputs (compute profile, link) ...")
-            predicted[name] = _prediction.predicted_steps(
-                Runner(cfg, name, cap, rank, world_size, device), cfg["bucket_caps"], solos[rank],
-                overlap=cfg["bound_rule"] == "max")  # fmt: skip
+            inputs[name] = _prediction.measure_inputs(Runner(cfg, name, cap, rank, world_size, device), solos[rank])
         _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: timing {name}, bucket cap {cap:g} MB ...")
         result = Runner(cfg, name, cap, rank, world_size, device).measure(with_naive=name not in seen)
         if name not in seen and cfg["run"] == 0 and result.get("auto_decision"):
             _say(rank, f"{name}: {result['auto_decision']}")
         seen.add(name)
-        if cap in predicted.get(name, {}):
-            result["predicted_ms"] = predicted[name][cap]
+        if inputs.get(name) is not None:
+            local_ms = statistics.median(result["block_ms"]["local"])
+            result["predicted_ms"] = _prediction.predicted_step(inputs[name], cap, local_ms, world_size,
+                                                                overlap=cfg["bound_rule"] == "max")
         out.append({"model": name, "bucket_cap_mb": cap, **result})
 
     def make_runner(name: str, cap: float) -> Runner:
