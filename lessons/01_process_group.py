@@ -34,14 +34,11 @@ What to look at
     global rank.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. ``--world-size 6``: predict the node and local rank of global rank 4.
-       (2 pretend nodes x 3: node 1, local rank 1.)
     2. Start only the first of the two ``--child`` commands above and
-       predict what it does. (It waits in init_process_group for the second;
-       after the timeout, torch's default for Gloo of 30 minutes -- 10 for
-       NCCL, see ``torch.distributed.constants`` -- it gives up.)
-    3. Start the two children with ``WORLD_SIZE=3`` and predict. (Both wait:
-       the group is complete only when rank 2 has arrived too.)
+       predict what it does.
+    3. Start the two children with ``WORLD_SIZE=3`` and predict.
 """
 
 import argparse
@@ -130,5 +127,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Lesson 01: how processes find each other")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--child", action="store_true", help="be one rank (reads RANK etc. from the environment)")
+    parser.add_argument("--reveal", action="store_true", help="print the answers to this lesson's Try this, and stop")
     args = parser.parse_args()
+    if args.reveal:
+        from _answers import reveal
+
+        print(reveal(__doc__))
+        parser.exit(0)
     child() if args.child else launch(args.world_size)

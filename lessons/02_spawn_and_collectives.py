@@ -22,22 +22,12 @@ What to look at
     with values built from r, so you can redo the arithmetic in your head.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict every "after" column for ``--world-size 4`` before running.
     2. ``--src 1`` broadcasts from rank 1 instead of rank 0: predict every
-       rank's "after". (Rank 1's values, 10 + [1, 2, 3], everywhere -- rank 0's
-       own values are overwritten too. The lesson asserts it.)
+       rank's "after".
     3. ``--rank-1-skips-all-gather`` makes rank 1 skip the ``all_gather``
-       (``if rank != 1:``): predict. (Not a hang, a crash within a second
-       or so: collectives are matched by their order, so rank 1's *next*
-       collective -- the ``all_gather_object`` inside ``print_ranks`` --
-       exchanges bytes with the others' ``all_gather``. Which rank notices
-       first varies from run to run: Gloo's check that a message has the
-       expected size aborts a process ("Received data size doesn't match
-       expected size. Is there a distributed collective mismatch in your
-       code?", SIGABRT), or a rank takes the other collective's bytes for
-       its own and fails on them (seen: an object size of 4.7e18 bytes that
-       cannot be allocated), and the rest see the connection close. A rank
-       that waits for a message nobody sends hangs instead: lesson 18.)
+       (``if rank != 1:``): predict.
 """
 
 import datetime

@@ -30,15 +30,11 @@ What to look at
     loopback, so take them as an illustration.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict which chunk rank 0 owns after the reduce-scatter for p = 3,
-       then for ``--world-size 4``. (Chunk (r + 1) mod p.)
+       then for ``--world-size 4``.
     2. ``--blocking-send``: the ring with a plain ``send`` before the
-       ``recv`` instead of ``isend``. Predict what happens. (Every rank waits
-       in ``send`` for its right neighbour to post a ``recv`` -- which it
-       never does, being stuck in its own ``send``: a deadlock. Gloo's send
-       waits for the matching receive even for small tensors. The lesson
-       runs it on a process group with a 3-second timeout, so the hang ends
-       as an error, which it reports as the expected outcome.)
+       ``recv`` instead of ``isend``. Predict what happens.
     3. The parameter server at ``--world-size 4``: predict rank 0's count.
 """
 

@@ -26,58 +26,32 @@ What to run
     with one line saying so.
 
 What to look at
-    The table: "start spread" is how far each rank's weights were from rank
-    0's right after wrapping; the errors compare with one process on the
-    whole batch. Without averaging each rank follows its own slice; with
-    HandDDP every column is at float rounding.
+    ``lessons/wrappers/hand_ddp.py``, this lesson's wrapper. Then the table:
+    "start spread" is how far each rank's weights were from rank 0's right
+    after wrapping; the errors compare with one process on the whole batch.
+    Without averaging each rank follows its own slice; with HandDDP every
+    column is at float rounding. The last two columns count the last step's
+    communication: one all-reduce per parameter tensor, and the bytes each
+    rank sends for them. (Counted, not timed: on a laptop the "network" is
+    memory, and a clock shared with other programs would measure those.)
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict, then run ``--no-broadcast`` (HandDDP skips step 1): which
-       columns go wrong, and do the ranks ever agree again? (Answer, checked
-       by the lesson: the spread stays, the weights never meet -- the same
-       averaged update applied to different starting points keeps them
-       apart forever.)
+       columns go wrong, and do the ranks ever agree again?
     2. In ``finish_gradient_synchronization`` forget ``/= self.world_size``
        (``--forget-divide`` adds that wrapper, ``ForgotToDivide``, to the
-       table). Predict the grad error. (The gradient is p times too large:
-       a p-times larger learning rate in disguise; the lesson compares one
-       backward with and without the division.)
-    3. ``--world-size 3``: the errors stay at rounding level; why does the
-       step time grow?
+       table). Predict the grad error.
+    3. ``--world-size 3``: the errors stay at rounding level and the
+       all-reduces per step stay 6. What grows, per all-reduce, that would
+       make the step slower on a real network?
 """
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from _common import FEATURES, is_exact, make_model, parse_args, print0, print_results, run, train_and_compare
-
-
-class HandDDP(nn.Module):
-    """The smallest data-parallel wrapper: sync weights once, gradients by hand."""
-
-    def __init__(self, module: nn.Module, broadcast: bool = True):
-        super().__init__()
-        self.module = module
-        self.world_size = dist.get_world_size()
-        self.require_sync = True  # False while accumulating micro-batches
-        # Without this, each rank would train its own model from its own
-        # random start; averaging gradients of different models means nothing.
-        if broadcast:
-            for p in self.module.parameters():
-                dist.broadcast(p.data, src=0)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def finish_gradient_synchronization(self) -> None:
-        # Called after backward, before optimizer.step().
-        if not self.require_sync:
-            return
-        for p in self.module.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-                p.grad /= self.world_size
+from wrappers.hand_ddp import HandDDP  # this lesson's wrapper, in a file of its own: read it first
 
 
 class NoAveraging(HandDDP):
@@ -107,6 +81,7 @@ def main(rank: int, world_size: int, args) -> None:
     results = [train_and_compare(name, wrap, rank, world_size)[0] for name, wrap in variants]
     print0(f"{world_size} ranks, 8 samples each, 3 SGD steps; one process on all {8 * world_size} samples as reference:")
     print_results(results)
+    print_ring_cost(results[1], world_size)
 
     alone, hand = results[:2]
     assert alone.grad_error > 1e-3 and not alone.ranks_agree, (
@@ -115,7 +90,8 @@ def main(rank: int, world_size: int, args) -> None:
     if broadcast:
         assert is_exact(hand), f"HandDDP matches one process to float rounding (1e-5); got {hand}"
         print0("checked: the broadcast aligned the models; each slice's gradient differs from the")
-        print0("         full batch's; averaged, they match it, and the trained models match.")
+        print0("         full batch's; averaged, they match it, and the trained models match;")
+        print0(f"         HandDDP made one all-reduce per parameter tensor, and sent {ring_cost(world_size)[1]:.2f} x the gradients' bytes.")
     else:
         assert hand.start_spread > 1e-3 and hand.weight_error > 1e-3 and not hand.ranks_agree, (
             f"without the broadcast the ranks start apart and stay apart; got {hand}")
@@ -123,6 +99,22 @@ def main(rank: int, world_size: int, args) -> None:
         print0("         gradients applied to different weights never make them meet.")
     if args.forget_divide:
         show_forgotten_division(rank, world_size, broadcast)
+
+
+def ring_cost(world_size: int) -> tuple[int, float]:
+    """One ring all-reduce on p ranks: (messages each rank sends one after another, bytes it sends per byte summed)."""
+    return 2 * (world_size - 1), 2 * (world_size - 1) / world_size
+
+
+def print_ring_cost(hand, world_size: int) -> None:
+    messages, share = ring_cost(world_size)
+    n_params = len(list(make_model(seed=0).parameters()))
+    print0(f"each all-reduce, as a ring on p = {world_size} ranks: 2(p-1) = {messages} messages one after another "
+           f"(each pays the link's latency), and each rank sends 2(p-1)/p = {share:.2f} x the tensor's bytes")
+    assert hand.all_reduces == n_params, f"HandDDP all-reduces each of the {n_params} parameter tensors once per step; counted {hand.all_reduces}"
+    gradient_bytes = sum(p.numel() * p.element_size() for p in make_model(seed=0).parameters())
+    assert abs(hand.ring_bytes_sent - share * gradient_bytes) < 1e-6, (
+        f"a ring sends {share:.3f} x the {gradient_bytes} gradient bytes; the table says {hand.ring_bytes_sent}")
 
 
 def show_forgotten_division(rank: int, world_size: int, broadcast: bool) -> None:

@@ -27,66 +27,34 @@ What to run
     with one line saying so.
 
 What to look at
-    The table, once with one backward per step and once with two
-    micro-batches: only the post-accumulate hook is right in both. Then
+    ``diff lessons/wrappers/hand_ddp.py lessons/wrappers/hook_ddp.py``: the
+    whole idea. Then the table, once with one backward per step and once
+    with two micro-batches: only the post-accumulate hook is right in both,
+    and its all-reduces per step stay one per parameter. Then
     mistake B made visible: rank r's weight is nudged by r, one backward
     runs, and the weights come out averaged while the gradients do not.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running, predict which rows of the two tables are exact.
-       (Mistake A passes every test without accumulation.)
     2. ``--micro-batches 4``: mistake A now averages 1 micro-batch of 4
-       instead of 1 of 2. Predict whether its ranks end up agreeing. (They do
-       not: the 3 earlier micro-batches stay each rank's own.)
+       instead of 1 of 2. Predict whether its ranks end up agreeing.
     3. In ``HookDDP._average_grad`` remove the ``require_sync`` test
        (``--sync-every-micro-batch`` adds that hook to the tables) and
-       predict the grad error with accumulation. (Still exact: averaging is
-       linear, so averaging after every micro-batch gives the same sum --
-       just k times the messages; the lesson counts them.)
+       predict the grad error with accumulation.
 """
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from _common import FEATURES, is_exact, make_model, parse_args, print0, print_ranks, print_results, run, train_and_compare
-
-
-class HookDDP(nn.Module):
-    """Lesson 04's HandDDP, with the averaging moved into backward."""
-
-    def __init__(self, module: nn.Module, broadcast: bool = True):
-        super().__init__()
-        self.module = module
-        self.world_size = dist.get_world_size()
-        self.require_sync = True  # False while accumulating micro-batches
-        for p in self.module.parameters():
-            if broadcast:
-                dist.broadcast(p.data, src=0)
-            if p.requires_grad:
-                self._add_hook(p)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def _add_hook(self, p: torch.Tensor) -> None:
-        p.register_post_accumulate_grad_hook(self._average_grad)
-
-    def _average_grad(self, param: torch.Tensor) -> None:
-        # By now param.grad holds everything accumulated so far, this pass
-        # included, so averaging it once at the end averages all of it.
-        if self.require_sync:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-            param.grad /= self.world_size
+from wrappers.hook_ddp import HookDDP  # this lesson's wrapper: diff it with wrappers/hand_ddp.py
 
 
 class SyncEveryMicroBatch(HookDDP):
     """Exercise 3: the require_sync test removed -- every backward averages."""
 
-    calls = 0  # all-reduces this process made, to count the price
-
     def _average_grad(self, param: torch.Tensor) -> None:
-        SyncEveryMicroBatch.calls += 1
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
         param.grad /= self.world_size
 
@@ -153,16 +121,20 @@ def main(rank: int, world_size: int, args) -> None:
     assert is_exact(a_1), "mistake A passes a test without accumulation..."
     assert a_k.grad_error > 1e-3, "...and silently breaks accumulation"
     assert b_1.grad_error > 1e-3 and b_k.grad_error > 1e-3, "mistake B never averages the gradients"
+    n_params = len(list(make_model(seed=0).parameters()))
+    assert right_1.all_reduces == right_k.all_reduces == n_params, (
+        f"the post-accumulate hook all-reduces each of the {n_params} parameters once per step, accumulating "
+        f"or not; counted {right_1.all_reduces} and {right_k.all_reduces}")
     print0("checked: only the post-accumulate hook is exact in both tables; mistake A is right")
     print0("         without accumulation and wrong with it; mistake B is wrong always: its")
-    print0("         hook averaged the weights (shown above) and left the gradients alone.")
+    print0("         hook averaged the weights (shown above) and left the gradients alone;")
+    print0(f"         the right hook made {n_params} all-reduces per step, with or without accumulation.")
     if args.sync_every_micro_batch:
-        every_k, steps, n_params = tables[args.micro_batches][-1], 3, len(list(make_model(seed=0).parameters()))  # 3: the bench's steps
-        expected = n_params * steps * (1 + args.micro_batches)  # both tables: 1, then k backward passes per step
+        every_k = tables[args.micro_batches][-1]
         assert is_exact(every_k), f"averaging every micro-batch is still exact (averaging is linear); got {every_k}"
-        assert SyncEveryMicroBatch.calls == expected, (
-            f"{n_params} parameters x {steps} steps x (1 + {args.micro_batches}) backward passes = {expected} "
-            f"all-reduces expected, {SyncEveryMicroBatch.calls} counted")
+        assert every_k.all_reduces == n_params * args.micro_batches, (
+            f"{n_params} parameters x {args.micro_batches} backward passes = {n_params * args.micro_batches} "
+            f"all-reduces per step expected, {every_k.all_reduces} counted")
         print0(f"checked (--sync-every-micro-batch): without the require_sync test the result stays exact,")
         print0(f"         but with {args.micro_batches} micro-batches each step made {args.micro_batches} x "
                f"{n_params} all-reduces instead of {n_params}.")

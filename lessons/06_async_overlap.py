@@ -10,8 +10,9 @@ What you will learn
 
     The difference from lesson 05: the hook launches instead of waiting, and
     ``finish_gradient_synchronization()`` comes back to wait and divide.
-    That is all of ``AsyncDDP``; the notes this lesson takes for its picture
-    and its timing live in a subclass, ``WatchedAsyncDDP``.
+    That is all of ``AsyncDDP`` (``diff lessons/wrappers/hook_ddp.py
+    lessons/wrappers/async_ddp.py``); the notes this lesson takes for its
+    picture and its timing live in a subclass here, ``WatchedAsyncDDP``.
     (Torch's DDP and MiniDDP call that for you at the end of backward, lesson
     07b; here it is explicit so you can see it.)
 
@@ -28,30 +29,25 @@ What to run
     with one line saying so.
 
 What to look at
-    The step times of the same wrapper waiting in the hook (lesson 05's
-    behaviour, no overlap) and not waiting (overlap), and the saving: first
-    by the clock (the fastest of 6 steps taken in turn), then in the link
-    model's time (this backward's compute, the model's wire), which is what
-    the lesson checks: the clock also counts a busy machine and a peer
-    arriving late, the model does not. Then the timeline of one backward on
-    rank 0: when each parameter's hook fired (``^``), while its all-reduce
-    waited for the wire (``.``) and was on it (``=``), and where backward
-    returned (``|``).
+    The saving, the lesson's one answer: the same wrapper waiting in the
+    hook (lesson 05's behaviour, no overlap) and not waiting (overlap),
+    both replayed in the link model's time -- this machine's backward as it
+    ran (when each hook fired), each message on the wire for the time the
+    alpha-beta model gives it. No clock figure is shown with a link: on a
+    shared machine the clock also counts the other programs and a peer
+    arriving late, and the model does not. Then the timeline of one
+    backward on rank 0: when each parameter's hook fired (``^``), while its
+    all-reduce waited for the wire (``.``) and was on it (``=``), and where
+    backward returned (``|``).
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict the saving before running: overlap hides the shorter of
        backward and communication behind the longer, so expect up to about
-       min(backward time, time on the wire); the lesson prints both. (The
-       clock's saving can come out larger: the waiting variant also pays, at
-       every hook, for the slowest rank to arrive.)
+       min(backward time, time on the wire); the lesson prints both.
     2. ``--wait-in-hook`` draws the waiting variant's timeline instead.
-       Predict its shape. (Each bar ends before the next hook fires, and
-       backward returns only after the last all-reduce: a staircase.)
-    3. ``--link none``: plain Gloo over loopback. Predict the saving. (About
-       nothing, or even a loss: there is no communication time to hide, and
-       on a 2-core machine Gloo's thread competes with backward. With no
-       simulated link there is no model to replay, so nothing is checked
-       about time.)
+       Predict its shape.
+    3. ``--link none``: plain Gloo over loopback. Predict the saving.
 """
 
 import time
@@ -61,42 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from _common import FEATURES, add_link_option, is_exact, make_link, parse_args, print0, print_results, run, train_and_compare
-
-
-class AsyncDDP(nn.Module):
-    """Lesson 05's HookDDP, launching all_reduce without waiting for it."""
-
-    def __init__(self, module: nn.Module, link=None, broadcast: bool = True):
-        super().__init__()
-        self.module = module
-        self.world_size = dist.get_world_size()
-        self.require_sync = True  # False while accumulating micro-batches
-        self.link = link
-        self.pending = []  # (param, future) launched during this backward
-        for p in self.module.parameters():
-            if broadcast:
-                dist.broadcast(p.data, src=0)
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._average_grad)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        if self.link is not None:  # the same sum, at the simulated network's pace
-            return self.link.all_reduce(tensor)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
-
-    def _average_grad(self, param: torch.Tensor) -> None:
-        if self.require_sync:
-            self.pending.append((param, self._all_reduce(param.grad)))  # launch, and go on
-
-    def finish_gradient_synchronization(self) -> None:
-        # Called after backward, before optimizer.step().
-        for param, future in self.pending:
-            future.wait()
-            param.grad /= self.world_size
-        self.pending.clear()
+from wrappers.async_ddp import AsyncDDP  # this lesson's wrapper: diff it with wrappers/hook_ddp.py
 
 
 class WatchedAsyncDDP(AsyncDDP):
@@ -182,10 +143,10 @@ def draw(ddp: WatchedAsyncDDP, width: int = 56) -> None:
 
 def time_alternately(wrappers: list, per_rank: int, rounds: int = 6) -> tuple[list[float], dict | None]:
     """Backward + sync, the part overlap can shorten, one step of each wrapper in
-    turn (so both meet the same load on a shared machine); the fastest step of
-    each, since a busy machine can only add time, never take it away. With a
-    link, also the link model's replay of the overlapping wrapper's least
-    disturbed round (its shortest backward)."""
+    turn; with a link, the link model's replay of the overlapping wrapper's
+    least disturbed round (its shortest backward), which is the lesson's
+    answer. Without a link, only the clock: the fastest step of each (a busy
+    machine can only add time), for the learner to look at, never to check."""
     x = torch.randn(per_rank, FEATURES)
     replays = []
     for _ in range(rounds):
@@ -208,18 +169,18 @@ def main(rank: int, world_size: int, args) -> None:
     overlap, ddp_overlap = train_and_compare("async, waits at the end (06)", lambda m: WatchedAsyncDDP(m, make_link(args.link)), rank, world_size, **bench)
     print0(f"{world_size} ranks, link {args.link}, {bench['per_rank']} samples per rank; the same wrapper, waiting in the hook or at the end:")
     print_results([waiting, overlap])
-    print0("  (step: median of 2 steps, one wrapper after the other; the fairer timing follows)")
     (slow, fast), model = time_alternately([ddp_waiting, ddp_overlap], per_rank=bench["per_rank"])
-    print0(f"  backward + sync, fastest of 6 alternating steps on rank 0: {slow:.1f} ms waiting in the hook, "
-           f"{fast:.1f} ms with overlap: saved {slow - fast:.1f} ms ({1 - fast / slow:.0%})")
-    if model is not None:
+    if model is None:
+        print0(f"  no link, so no model: by the clock on this machine (fastest of 6 alternating steps, rank 0; it also")
+        print0(f"  counts whatever else runs here, so it is not checked): backward + sync {slow:.1f} ms waiting in the")
+        print0(f"  hook, {fast:.1f} ms with overlap")
+    else:
         most = min(model["backward"], model["wire"])
-        print0(f"  the link model, replaying the least disturbed backward ({model['backward']:.1f} ms, "
-               f"{model['wire']:.1f} ms on the wire):")
+        print0(f"\nthe saving, in the link model's time: the least disturbed of 6 backwards ({model['backward']:.1f} ms here),")
+        print0(f"  its {len(ddp_overlap.timeline)} all-reduces on the wire for {model['wire']:.1f} ms by the alpha-beta model:")
         print0(f"  {model['waiting']:.1f} ms waiting in the hook, {model['overlap']:.1f} ms with overlap: saved "
                f"{model['waiting'] - model['overlap']:.1f} ms ({1 - model['overlap'] / model['waiting']:.0%}); "
                f"at most min(backward, wire) = {most:.1f} ms")
-        print0("  (the clock also counts a busy machine and peers arriving late; the model does not)")
 
     shown = ddp_waiting if args.wait_in_hook else ddp_overlap
     if rank == 0:

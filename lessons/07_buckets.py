@@ -21,21 +21,27 @@ What you will learn
     first and rank 1 bucket 0, the sums would mix different tensors.
 
 What to run
-    python lessons/07_buckets.py [--world-size 3] [--cap KB] [--link eth25|none]
+    python lessons/07_buckets.py [--world-size 3] [--cap KB] [--link eth25|none] [--registration-order]
     It compares ranks, so it needs two or more: ``--world-size 1`` stops
     with one line saying so.
 
 What to look at
-    The sweep over bucket caps through the simulated ``laptop`` link: calls
-    per step, the model's step time and the measured one. Too small a cap
-    pays alpha per call; one bucket pays all of ``bytes / bandwidth`` after
-    backward; the best cap is in the middle (a U). The lesson checks the U
-    in the model's column: the fastest forward and backward measured here, the wire
-    as the alpha-beta model says. The measured column usually agrees, but a
-    busy machine, or three ranks sharing two cores, can move its minimum by
-    a few ms; the clock counts that, the model does not.
+    ``diff lessons/wrappers/async_ddp.py lessons/wrappers/bucket_ddp.py``:
+    the idea. Then the sweep over bucket caps through the simulated
+    ``laptop`` link: all-reduces per step (counted), when each plan's first
+    bucket can leave, and the model's step. The model -- the lesson's
+    answer -- takes this machine's forward and, for every gradient, when
+    its hook fired (the fastest of 6 backwards, with no communication at
+    all); a bucket can leave when the last of *its* gradients is ready and
+    every bucket before it has left, and then holds the wire for its
+    alpha-beta time. Too small a cap pays alpha per call; one bucket pays
+    all of ``bytes / bandwidth`` after backward; the best cap is in the
+    middle (a U), which the lesson checks. No clock figure: the link is
+    simulated, and the clock of a shared machine would add the other
+    programs' noise to it.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running, predict the best cap from alpha = 2 ms and 200 MB/s
        (printed first, with backward's length and the gradient bytes).
        A bucket of b bytes is on the wire for 2(p-1) alpha + 2(p-1)/p b/B;
@@ -43,12 +49,12 @@ Try this
        a bucket's wire time is at most the time backward takes to fill the
        next one; the smallest such bucket leaves least work after backward.
     2. ``--cap 200``: add your own cap (in KB) to the sweep; the lesson
-       prints the model's prediction for it next to the measurement.
+       prints the model's step for it among the others.
     3. ``--link none``: plain Gloo on loopback, where alpha is microseconds.
-       Predict where the best cap moves. (To the largest buckets, or
-       anywhere: nothing is worth overlapping, and the differences drown in
-       noise. There is no model of the wire then, so nothing about time is
-       checked.)
+       Predict which columns change.
+    4. ``--registration-order`` fills the buckets in the order the model
+       registers its parameters (first layer first) instead of reversed.
+       Predict when the first bucket can leave, and where the U goes.
 """
 
 import math
@@ -56,103 +62,62 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from _common import (FEATURES, add_link_option, is_exact, is_real, make_link, make_model, parse_args, print0, print_results,
-                     run, train_and_compare, wire_model)
+from _common import (FEATURES, add_link_option, is_exact, is_real, make_link, make_model, parse_args, print0, run,
+                     train_and_compare, wire_model)
+from wrappers.bucket_ddp import BucketDDP  # this lesson's wrapper: diff it with wrappers/async_ddp.py
 
-
-class BucketDDP(nn.Module):
-    """Lesson 06's AsyncDDP, all-reducing flat buckets instead of single tensors."""
-
-    def __init__(self, module: nn.Module, bucket_cap_bytes: float, link=None, broadcast: bool = True):
-        super().__init__()
-        self.module = module
-        self.world_size = dist.get_world_size()
-        self.require_sync = True  # False while accumulating micro-batches
-        self.link = link
-        params = [p for p in module.parameters() if p.requires_grad]
-        for p in params:
-            if broadcast:
-                dist.broadcast(p.data, src=0)
-
-        # Reversed: backward produces the last layer's gradients first, so
-        # the first bucket fills (and can leave) first.
-        self.buckets, current, size = [], [], 0
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > bucket_cap_bytes:
-                self.buckets.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        self.buckets.append(current)
-        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-
-        self.ready = [0] * len(self.buckets)  # gradients arrived, per bucket
-        self.next_bucket = 0  # the next bucket to launch, in order
-        self.pending = []  # (bucket index, flat tensor, future)
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._average_grad)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        if self.link is not None:  # the same sum, at the simulated network's pace
-            return self.link.all_reduce(tensor)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
-
-    def _average_grad(self, param: torch.Tensor) -> None:
-        if not self.require_sync:
-            return
-        self.ready[self.bucket_of[param]] += 1
-        while self.next_bucket < len(self.buckets) and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket]):
-            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[self.next_bucket]])
-            self.pending.append((self.next_bucket, flat, self._all_reduce(flat)))
-            self.next_bucket += 1
-
-    def finish_gradient_synchronization(self) -> None:
-        # Called after backward, before optimizer.step().
-        if not self.require_sync:
-            return
-        assert self.next_bucket == len(self.buckets), "a parameter got no gradient this step"
-        for i, flat, future in self.pending:
-            future.wait()
-            flat /= self.world_size
-            offset = 0
-            for p in self.buckets[i]:  # unpack the bucket back into each .grad
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-        self.pending.clear()
-        self.ready = [0] * len(self.buckets)
-        self.next_bucket = 0
+WIDTH, DEPTH = 256, 12  # 26 gradient tensors, 2.9 MB: a backward long enough to hide several buckets
 
 
-class TimedBucketDDP(BucketDDP):
-    """BucketDDP noting when forward ended and each gradient hook fired, for the timing."""
+class RegistrationOrderBuckets(BucketDDP):
+    """Exercise 4: buckets filled in registration order -- the first layer's gradients, which
+    backward makes last, go into the first bucket, and buckets leave in order."""
 
-    def forward(self, *args, **kwargs):
-        self.hook_times = []
-        output = super().forward(*args, **kwargs)
-        self.forward_done = time.perf_counter()
-        return output
-
-    def _average_grad(self, param: torch.Tensor) -> None:
-        if self.require_sync:
-            self.hook_times.append(time.perf_counter())
-        super()._average_grad(param)
+    def _build_buckets(self, order: list) -> None:
+        super()._build_buckets(self.params)
 
 
-def predicted_ms(ddp: BucketDDP, link, backward_ms: float) -> float:
-    """The alpha-beta model's step: gradients made at a steady rate during
-    backward, each bucket on the wire once it is full and the wire is free."""
-    sizes = [sum(p.numel() * p.element_size() for p in b) for b in ddp.buckets]
-    made, wire_free = 0, 0.0
-    for nbytes in sizes:
-        made += nbytes
-        ready = backward_ms * made / sum(sizes)
-        wire_free = max(ready, wire_free) + 1e3 * link.predicted_time(nbytes)
+def measure_readiness(per_rank: int, rounds: int = 6) -> tuple[float, list[float]]:
+    """This machine's forward, and when each gradient is ready (its hook fires), in ms after
+    forward, of the lesson's model with no communication at all; each the fastest of ``rounds``,
+    then the slowest rank's. Indexed like ``model.parameters()``. Counted in this thread's CPU
+    time (``time.thread_time``), which autograd spends on CPU tensors in the calling thread: the
+    other programs of a shared machine stretch the wall clock, not this."""
+    model = make_model(seed=0, width=WIDTH, depth=DEPTH)
+    params = list(model.parameters())
+    fired = {}
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: fired.__setitem__(i, time.thread_time()))
+    x, forward, ready = torch.randn(per_rank, FEATURES), math.inf, [math.inf] * len(params)
+    for _ in range(rounds):
+        model.zero_grad()
+        start = time.thread_time()
+        loss = model(x).sum()
+        forward_done = time.thread_time()
+        loss.backward()
+        forward = min(forward, forward_done - start)
+        ready = [min(r, fired[i] - forward_done) for i, r in enumerate(ready)]
+    worst = torch.tensor([forward] + ready, dtype=torch.float64) * 1e3
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst[0].item(), worst[1:].tolist()
+
+
+def bucket_readiness(ddp: BucketDDP, ready_ms: list[float]) -> list[tuple[int, float]]:
+    """Per bucket, in launch order: (its bytes, when the last of its gradients is ready).
+    ``ready_ms[i]``: when the gradient of ``ddp.params[i]`` is ready."""
+    position = {p: i for i, p in enumerate(ddp.params)}
+    return [(sum(p.numel() * p.element_size() for p in bucket), max(ready_ms[position[p]] for p in bucket))
+            for bucket in ddp.buckets]
+
+
+def predicted_ms(buckets: list[tuple[int, float]], wire_ms) -> float:
+    """The alpha-beta model's end of communication, in ms after forward: buckets leave in order,
+    each once its last gradient is ready and the bucket before it has left, and hold the one wire
+    for ``wire_ms(bytes)`` once it is free."""
+    wire_free = 0.0
+    for nbytes, ready in buckets:
+        wire_free = max(ready, wire_free) + wire_ms(nbytes)
     return wire_free
 
 
@@ -160,93 +125,90 @@ def label(cap: float) -> str:
     return "per param" if cap == 0 else "one bucket" if cap == math.inf else f"{cap / 1024:.0f} KB"
 
 
-def time_alternately(wrappers: list, per_rank: int, rounds: int = 6) -> list[dict]:
-    """Forward + backward + sync, one step of each wrapper in turn (so all meet
-    the same load on a shared machine); the fastest of ``rounds``, slowest rank."""
-    x = torch.randn(per_rank, FEATURES)
-    times = [dict(step=[], forward=[], backward=[]) for _ in wrappers]
-    for _ in range(rounds):
-        for ddp, t in zip(wrappers, times):
-            ddp.zero_grad()
-            dist.barrier()
-            start = time.perf_counter()
-            ddp(x).sum().backward()
-            ddp.finish_gradient_synchronization()
-            t["step"].append(time.perf_counter() - start)
-            t["forward"].append(ddp.forward_done - start)
-            t["backward"].append(ddp.hook_times[-1] - ddp.forward_done)
-    worst = torch.tensor([[1e3 * min(t[k]) for k in ("step", "forward", "backward")] for t in times])
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return [dict(zip(("step", "forward", "backward"), row)) for row in worst.tolist()]
-
-
 def main(rank: int, world_size: int, args) -> None:
     caps = sorted({0, 300 * 1024, 600 * 1024, 1100 * 1024, 1600 * 1024, math.inf} | ({args.cap * 1024} if args.cap else set()))
+    wrapper = RegistrationOrderBuckets if args.registration_order else BucketDDP
     results, wrappers = [], []
     for cap in caps:  # the bench: every cap gives the full-batch gradients (checked at both ends)
-        result, ddp = train_and_compare(label(cap), lambda m: TimedBucketDDP(m, cap, make_link(args.link)), rank, world_size,
-                                        width=256, depth=12, steps=2, reference=cap in (0, math.inf))
+        result, ddp = train_and_compare(label(cap), lambda m: wrapper(m, cap, make_link(args.link)), rank, world_size,
+                                        width=WIDTH, depth=DEPTH, steps=2, reference=cap in (0, math.inf))
         results.append(result)
         wrappers.append(ddp)
-    # One more without any communication cost: how long forward and backward take here.
-    plain = TimedBucketDDP(make_model(seed=0, width=256, depth=12), math.inf)
     # 1024 samples per rank: a backward long enough to hide several buckets behind.
-    timing = time_alternately([plain] + wrappers, per_rank=1024)
-    # Every wrapper computes the same forward and backward (hooks only add to
-    # them): the fastest of all is the best measure of the compute alone.
-    compute = {k: min(t[k] for t in timing) for k in ("forward", "backward")}
-    timing = timing[1:]
+    forward_ms, ready_ms = measure_readiness(per_rank=1024)
+    backward_ms = max(ready_ms)
     link = make_link(args.link) or wire_model(args.link)  # real:RATE: the model only, the ranks use the wire
-    grad_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    n_params = len(ready_ms)
+    grad_bytes = sum(nbytes for nbytes, _ in bucket_readiness(wrappers[-1], ready_ms))
+    order = "registration order (first layer first)" if args.registration_order else "reverse registration order"
     if link is not None:
         print0(f"link {link.link.name}: alpha {link.link.alpha_s * 1e3:g} ms per message, {link.link.bandwidth_Bps / 1e6:g} MB/s; "
-               f"{world_size} ranks; {grad_bytes / 1e6:.2f} MB of gradients in {len(list(plain.parameters()))} tensors,")
-        print0(f"made by a backward of about {compute['backward']:.0f} ms after a {compute['forward']:.0f} ms forward.")
+               f"{world_size} ranks; {grad_bytes / 1e6:.2f} MB of gradients in {n_params} tensors,")
+        print0(f"made by a backward of {backward_ms:.0f} ms after a {forward_ms:.0f} ms forward (CPU time, fastest of 6, no communication).")
+        print0(f"Buckets filled in {order}.")
         print0("  (predict the best cap now; the sweep follows)\n")
 
     rows = []
-    for cap, ddp, t in zip(caps, wrappers, timing):
-        model_ms = compute["forward"] + predicted_ms(ddp, link, compute["backward"]) if link is not None else float("nan")
-        rows.append((cap, len(ddp.buckets), model_ms, t["step"]))
-    print0("  bucket cap  | all_reduce calls | model's step | measured step (fastest of 6)")
-    if link is not None:
-        print0("  (the model: the fastest forward and backward measured here, every bucket on the wire for")
-        print0("   its alpha-beta time from the moment it is full and the wire is free)")
-    for cap, calls, model_ms, measured in rows:
+    for cap, ddp, result in zip(caps, wrappers, results):
+        buckets = bucket_readiness(ddp, ready_ms)
+        model_ms = forward_ms + predicted_ms(buckets, lambda n: 1e3 * link.predicted_time(n)) if link else math.nan
+        rows.append((cap, result.all_reduces, buckets[0][1], model_ms))
+    print0("  bucket cap  | all-reduces per step | first bucket can leave | model's step")
+    for cap, calls, first_ready, model_ms in rows:
         model_cell = "no link" if link is None else f"{model_ms:.1f} ms"
-        print0(f"  {label(cap):<11} | {calls:>16} | {model_cell:>12} | {measured:>8.1f} ms")
+        print0(f"  {label(cap):<11} | {calls:>20} | {first_ready:>15.1f} ms in | {model_cell:>12}")
+    print0("  (all-reduces: counted in the bench's last step; \"can leave\": when the last gradient of bucket 0 is")
+    print0("   ready, ms after forward; the model: forward, then each bucket on the wire for its alpha-beta time")
+    print0("   from when it and every bucket before it are ready and the wire is free)")
 
     assert all(is_exact(r) for r in results if not math.isnan(r.grad_error)), "buckets change when, not what"
     calls = [c for _, c, _, _ in rows]
-    assert calls[0] == len(list(plain.parameters())) and calls[-1] == 1, (
-        f"per parameter: one call per tensor ({len(list(plain.parameters()))}), one bucket: 1 call; got {calls[0]} and {calls[-1]}")
+    assert calls == [len(ddp.buckets) for ddp in wrappers], f"one all-reduce per bucket per step; counted {calls}"
+    assert calls[0] == n_params and calls[-1] == 1, (
+        f"per parameter: one call per tensor ({n_params}), one bucket: 1 call; got {calls[0]} and {calls[-1]}")
     assert all(a >= b for a, b in zip(calls, calls[1:])), f"bigger buckets, fewer calls; got {calls}"
-    measured_best = min(rows, key=lambda row: row[3])
-    print0(f"\nfastest measured: {label(measured_best[0])} (by the clock, which also counts a busy machine and late peers)")
+    if args.registration_order:
+        assert all(first_ready == backward_ms for _, _, first_ready, _ in rows), (
+            "in registration order bucket 0 holds the first layer, whose gradients come last: it can leave only "
+            f"when backward ends ({backward_ms:.1f} ms); first buckets ready at {[round(r[2], 1) for r in rows]}")
     if link is None:
-        print0("checked: per-parameter and one-bucket runs give the full-batch gradients; calls fall as buckets grow.")
-        print0("         With no simulated link there is no model of the wire, so nothing about time is checked.")
+        print0("\nchecked: per-parameter and one-bucket runs give the full-batch gradients; one all-reduce per bucket,")
+        print0("         fewer as buckets grow. With no simulated link there is no model of the wire: nothing about")
+        print0("         time is checked.")
         return
-    model_best = min(rows, key=lambda row: row[2])
-    ends = min(rows[0][2], rows[-1][2])
-    print0(f"fastest in the model: {label(model_best[0])}, {model_best[2]:.1f} ms; "
-           f"the clock {'agrees' if measured_best[0] == model_best[0] else 'picks another cap this time'}")
+    model_best = min(rows, key=lambda row: row[3])
+    ends = min(rows[0][3], rows[-1][3])
+    u_shape = model_best[0] not in (0, math.inf) and model_best[3] < ends
+    print0(f"\nfastest in the model: {label(model_best[0])}, {model_best[3]:.1f} ms")
+    if args.registration_order:
+        assert not u_shape, f"in registration order nothing leaves before backward ends, so no U; the best was {label(model_best[0])}"
+        print0("checked (--registration-order): every run gives the full-batch gradients; but bucket 0, which")
+        print0(f"         must leave first, holds the gradients backward makes last: every plan's first bucket")
+        print0(f"         can leave only when backward ends ({backward_ms:.1f} ms), nothing overlaps, and the U is")
+        print0(f"         gone: the fewer buckets, the fewer alphas, the faster ({label(model_best[0])} is best).")
+        return
     if is_real(args.link):  # a wire with no added latency: the model charges nothing per call, so no U to check
-        print0("checked: per-parameter and one-bucket runs give the full-batch gradients; calls fall as buckets grow.")
-        print0("         On the real link the model knows the rate only (tc adds no latency), so it charges nothing")
-        print0("         per call: what the clock adds for many small buckets is Gloo's own cost per all-reduce.")
+        print0("checked: per-parameter and one-bucket runs give the full-batch gradients; one all-reduce per bucket.")
+        print0("         On the real link the model knows the rate only (tc adds no latency): it charges nothing per")
+        print0("         call, so it cannot show the U; what the clock adds for many buckets is Gloo's cost per call.")
         return
-    assert model_best[0] not in (0, math.inf) and model_best[2] < ends, (
+    assert rows[1][2] < backward_ms, (
+        f"in reverse order the first bucket holds the last layer and can leave during backward; it was ready at "
+        f"{rows[1][2]:.1f} ms of {backward_ms:.1f}")
+    assert u_shape, (
         f"the U: in the model the best cap lies in between; its steps were "
-        + ", ".join(f"{label(cap)} {m:.1f} ms" for cap, _, m, _ in rows))
-    print0("checked: per-parameter and one-bucket runs give the full-batch gradients; calls fall as buckets grow;")
-    print0(f"         in the model the best cap lies in between: {model_best[2]:.1f} ms against {rows[0][2]:.1f} ms per")
-    print0(f"         parameter (alpha paid {calls[0]} times) and {rows[-1][2]:.1f} ms for one bucket (nothing hidden).")
+        + ", ".join(f"{label(cap)} {m:.1f} ms" for cap, _, _, m in rows))
+    print0("checked: per-parameter and one-bucket runs give the full-batch gradients; one all-reduce per bucket,")
+    print0(f"         fewer as buckets grow; in the model the best cap lies in between: {model_best[3]:.1f} ms against")
+    print0(f"         {rows[0][3]:.1f} ms per parameter (alpha paid {calls[0]} times) and {rows[-1][3]:.1f} ms for one bucket")
+    print0("         (nothing hidden).")
 
 
 def options(parser) -> None:
     add_link_option(parser)
     parser.add_argument("--cap", type=float, default=None, help="add a bucket cap of your own, in KB")
+    parser.add_argument("--registration-order", action="store_true",
+                        help="exercise 4: fill the buckets first layer first, the order the model registers them")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 What you will learn
     Lesson 07's ``BucketDDP`` works, but a real DDP does five things more,
     and this lesson's ``FlatDDP`` adds each one (the numbers mark them in
-    the code). After it, lesson 08's ``MiniDDP`` is the same wrapper,
+    the code: ``diff lessons/wrappers/bucket_ddp.py lessons/wrappers/flat_ddp.py``). After it, lesson 08's ``MiniDDP`` is the same wrapper,
     packaged, and checked against torch's DDP.
 
     1. Persistent flat buckets with views. Lesson 07 built a new flat tensor
@@ -37,113 +37,20 @@ What to look at
     bench's table: exact, with and without accumulation.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict: after the rebuild, does the head's weight or bias come
-       first? (Its bias: ``Linear``'s backward hands the bias its gradient
-       directly, while the weight's passes through one more node, the
-       transpose ``TBackward``, so its hook fires a moment later.)
+       first?
     2. ``--keep-order`` skips step 5: predict what changes in the table.
-       (Nothing: the order of slots inside buckets changes when buckets
-       leave, never what they sum.)
     3. Remove the ``1 / self.world_size`` of step 2 (``--sum-not-average``
        adds that wrapper, ``SumsInstead``, to the table) and predict the
-       grad error. (A factor p: every rank adds full gradients.)
+       grad error.
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from _common import FEATURES, is_exact, make_model, parse_args, print0, print_results, run, train_and_compare
-
-
-class FlatDDP(nn.Module):
-    """Lesson 07's BucketDDP with persistent buckets, a callback and a learned order."""
-
-    def __init__(self, module: nn.Module, bucket_cap_bytes: float, link=None, broadcast: bool = True,
-                 learn_order: bool = True):
-        super().__init__()
-        self.module = module
-        self.world_size = dist.get_world_size()
-        self.factor = 1 / self.world_size  # 2. what each gradient is multiplied by before the sum
-        self.require_sync = True  # False while accumulating micro-batches
-        self.link = link
-        self.bucket_cap_bytes, self.learn_order = bucket_cap_bytes, learn_order
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.names = {p: n for n, p in module.named_parameters()}
-        if broadcast:  # 4. buffers too
-            for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src=0)
-        self._build_buckets(list(reversed(self.params)))  # the first guess
-        self.arrival = []  # the order gradients really came, this backward
-        self.backward_running = False
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._average_grad)
-
-    def _build_buckets(self, order: list) -> None:
-        self.buckets, current, size = [], [], 0
-        for p in order:
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > self.bucket_cap_bytes:
-                self.buckets.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        self.buckets.append(current)
-        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        # 1. One buffer per bucket, allocated once; each parameter's slot is a view.
-        self.buffers_ = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype) for b in self.buckets]
-        self.slot = {}
-        for buffer, bucket in zip(self.buffers_, self.buckets):
-            offset = 0
-            for p in bucket:
-                self.slot[p] = buffer[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-        self.ready = [0] * len(self.buckets)
-        self.next_bucket = 0
-        self.futures = []
-
-    def bucket_names(self) -> list:
-        return [[self.names[p] for p in bucket] for bucket in self.buckets]
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        if self.link is not None:  # the same sum, at the simulated network's pace
-            return self.link.all_reduce(tensor)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
-
-    def _average_grad(self, param: torch.Tensor) -> None:
-        if not self.require_sync:
-            return
-        if not self.backward_running:  # 3. the first hook of this backward
-            self.backward_running = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self.arrival.append(param)
-        torch.mul(param.grad, self.factor, out=self.slot[param])  # 2. divide, then sum
-        self.ready[self.bucket_of[param]] += 1
-        while self.next_bucket < len(self.buckets) and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket]):
-            self.futures.append(self._all_reduce(self.buffers_[self.next_bucket]))
-            self.next_bucket += 1
-
-    def _finish_backward(self) -> None:
-        # 3. Autograd calls this when the whole backward pass is done.
-        assert self.next_bucket == len(self.buckets), "a parameter got no gradient this step"
-        for future in self.futures:
-            future.wait()
-        for p in self.params:
-            p.grad.copy_(self.slot[p])  # the averaged value, out of the bucket
-        self.backward_running = False
-        self.ready = [0] * len(self.buckets)
-        self.next_bucket = 0
-        self.futures = []
-        if self.learn_order:  # 5. once: rebuild in the order rank 0 saw
-            self.learn_order = False
-            index = {p: i for i, p in enumerate(self.params)}
-            order = torch.tensor([index[p] for p in self.arrival])
-            dist.broadcast(order, src=0)
-            self._build_buckets([self.params[i] for i in order.tolist()])
-        self.arrival = []
+from wrappers.flat_ddp import FlatDDP  # this lesson's wrapper: diff it with wrappers/bucket_ddp.py
 
 
 class SumsInstead(FlatDDP):

@@ -33,15 +33,10 @@ What to look at
     a gradient's path through exactly these steps.
 
 Try this
-    1. Predict the order of the names in bucket 0. (``4.bias`` before
-       ``4.weight``: backward reaches the last layer first, and inside a
-       layer the bias's gradient comes straight out of ``Linear``'s backward
-       while the weight's goes through one more node (a transpose). That is
-       registration order, "weight, bias", reversed -- so for a plain stack
-       of layers the first guess was already right and the rebuild keeps it.)
+    Predict before you run; ``--reveal`` prints the answers.
+    1. Predict the order of the names in bucket 0.
     2. ``--bucket-cap-mb 25`` (torch's default): predict how many buckets and
-       whether the first one still leaves before the last gradient. (One
-       bucket, which can only leave at the very end.)
+       whether the first one still leaves before the last gradient.
 """
 
 import torch

@@ -28,17 +28,13 @@ What to look at
     the linear scaling rule.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict each rank's indices for 11 samples on 3 ranks with padding:
-       how many are repeated? (ceil(11/3) * 3 - 11 = 1.)
+       how many are repeated?
     2. ``--forget-set-epoch``: a small training loop over 3 epochs that
-       never calls ``set_epoch``. Predict what each epoch reads. (The same
-       order every epoch, on every rank: the shuffle is seeded with
-       ``seed + epoch`` and the epoch never changed.)
+       never calls ``set_epoch``. Predict what each epoch reads.
     3. ``--lr 0.05`` (ten times the default 0.005) in the scaling
-       experiment: predict whether the scaled big step still matches. (Less
-       well: the rule assumes the gradient barely changes over the k small
-       steps, and with a bigger rate it changes more. Seen: 6% off at 2
-       ranks, 11% at 3, against 1% at lr 0.005.)
+       experiment: predict whether the scaled big step still matches.
 """
 
 import torch

@@ -33,19 +33,14 @@ What to look at
     and running means are from one process on the whole batch.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict the row "running mean" for plain BatchNorm before running:
        rank 0's slice is not shifted, rank 1's by 2, so how far can rank 0's
-       running mean be from the global one? (About the momentum 0.1 times
-       half the shift: ~0.1. Seen: 0.13.)
+       running mean be from the global one?
     2. ``--shift 0`` (the default is 2) and predict which differences
-       remain for plain BatchNorm. (All three, smaller: each slice's own
-       mean and variance differ from the whole batch's by chance.)
+       remain for plain BatchNorm.
     3. ``--torch-syncbn``: convert with torch's own ``nn.SyncBatchNorm``
-       instead of MiniDDP's, on these CPU tensors. Predict. (It refuses: its
-       first training forward raises "SyncBatchNorm expected input tensor to
-       be on GPU or XPU or privateuseone". torch synchronizes BatchNorm only
-       on those devices; on a CPU its users are left with plain BatchNorm,
-       which ``--plain-batchnorm-only`` runs alone.)
+       instead of MiniDDP's, on these CPU tensors. Predict.
 """
 
 import copy

@@ -28,14 +28,11 @@ What to look at
     both give the gradients of one process on the whole global batch.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict the number of all-reduces per optimizer step for k = 4
-       micro-batches, with and without ``no_sync``. (k times the buckets,
-       and the buckets once.)
+       micro-batches, with and without ``no_sync``.
     2. ``--forward-outside``: the forward runs before the ``with`` block,
        only the backward inside it. Predict the count and the gradients.
-       (As many all-reduces as without no_sync -- the forward already
-       decided to synchronize -- and still correct gradients: averaging is
-       linear, so the only cost is the wasted communication.)
 """
 
 import copy

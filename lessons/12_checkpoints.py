@@ -55,25 +55,18 @@ What to look at
     with one piece of the state left out at a time.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict which losses change when the resumed run leaves out the
        optimizer state, the scheduler's, the RNG states or the data
-       position (the lesson runs each). (Optimizer and scheduler: the first
-       resumed loss matches -- it is computed before the first resumed
-       step -- and later ones differ, the scheduler's from the step where
-       its rate would have been halved. RNG and data: the first one already
-       differs: other dropout masks, other samples. The scaler: no loss
-       changes here: in float32 on a CPU, scaling by a power of two is
-       exact, so only its scale is back at the start; in float16 that means
-       overflowed, skipped steps after every resume.)
+       position (the lesson runs each).
     2. ``--save-ddp-state-dict``: save ``ddp.state_dict()`` instead of
        ``model.state_dict()`` and load it into the plain model: predict the
-       error. (Missing and unexpected keys: every name carries ``module.``.)
+       error.
     3. ``--no-barrier``: ``save_checkpoint`` without ``dist.barrier()``,
        and rank 0's write made slow -- so slow that it finishes only after
        the others have looked, the unlucky order a busy disk makes likely
        (the lesson makes it certain, so the outcome does not depend on the
-       load). Predict what the other ranks read. (Nothing: they find no
-       file.)
+       load). Predict what the other ranks read.
 """
 
 import os

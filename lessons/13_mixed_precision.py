@@ -32,18 +32,13 @@ What to look at
     identical whether MiniDDP or torch's DDP, minddp's hook or torch's.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict ``torch.tensor(1e-6).half()``, ``torch.tensor(1e-8).half()``
        and ``torch.tensor(1e5).half()``, then check in a Python shell.
-       (~1.0e-6 with 2-3 correct digits, a subnormal; 0; inf: fp16 stops at 65504.)
     2. ``--no-scaler``: the same inf on rank 0, without GradScaler. Predict
-       what every rank's weights look like after ``opt.step()``. (Not
-       finite, on every rank: the all-reduce spreads rank 0's inf to all,
-       and nothing skips the step.)
+       what every rank's weights look like after ``opt.step()``.
     3. ``--bf16-hook``: part 3 with ``bf16_compress_hook`` beside
        ``fp16_compress_hook``: predict whether the error grows or shrinks.
-       (Grows, about tenfold -- seen 8x to 13x at 1-3 ranks: bf16 keeps 8
-       significant bits to fp16's 11.
-       What bf16 buys is fp32's range: no overflow to guard against.)
 """
 
 import copy

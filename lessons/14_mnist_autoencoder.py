@@ -36,17 +36,14 @@ What to look at
     full training script.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict the samples/s at 2 ranks against 1 on your machine before
-       running. (On a laptop with 2 free cores, somewhat under 2x: every step
-       also all-reduces the gradients; with 1 free core, no gain at all.)
-    2. ``--epochs 20``: predict whether the two wrappers still agree.
-       (Yes: same start, same batches, same averages.) Then ``--lr 1e-3
+       running.
+    2. ``--epochs 20``: predict whether the two wrappers still agree. Then ``--lr 1e-3
        --epochs 3``, the settings this lesson once had: predict the
-       reconstructions. (All the same blob: the loss stays at the mean
-       image's and the lesson reports that nothing was learned.)
+       reconstructions.
     3. ``--batch-size 16`` at ``--world-size 2``: each rank's batch is 8;
-       predict what happens to the loss curve and why. (More, noisier steps:
-       the global batch, not the per-rank one, is what the optimizer sees.)
+       predict what happens to the loss curve and why.
 """
 
 import os

@@ -44,15 +44,14 @@ What to look at
     the ranks of a real launch reporting in.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. For SLURM with ``SLURM_JOB_NODELIST=gpu[07-08]`` predict the master
        address, then run with ``--slurm-nodelist "node[1,3-4]"`` and
-       predict again. (gpu07; node1: the first host of the list.)
+       predict again.
     2. Run it under torchrun with ``--nproc-per-node 3`` and predict each
-       rank's MASTER_ADDR line. (The same address for all: torchrun's. The
-       lesson checks that every rank saw the same one.)
+       rank's MASTER_ADDR line.
     3. ``--mpi-without-master-addr`` removes ``MASTER_ADDR`` from the
-       openmpi entry: predict what detect_launch says. (An error naming the
-       missing variable: MPI itself has no master address.)
+       openmpi entry: predict what detect_launch says.
 """
 
 import os

@@ -37,24 +37,22 @@ What to run
 
 What to look at
     The text timeline of rank 0's last step, and where the first bucket
-    left compared with the last gradient hook. With matplotlib installed
+    left compared with the last gradient hook. Then each bar split into its
+    parts: waiting for the wire, the model's time on it, waiting for the
+    slowest rank to launch the same bucket, and what this machine added. With matplotlib installed
     (``pip install '.[plot]'``) the same step for every rank as a PNG
     beside the JSON, drawn by ``minddp/trace_view.py``, the code
     behind ``benchmarks/compare.py --trace``.
 
 Try this
-    1. Each bucket here is one 256 KiB layer. Predict a bar's length on the
-       laptop link at 2 ranks: 2 alpha + bytes / bandwidth = 4 ms + 1.3 ms.
-       Then compare with the drawing.
+    Predict before you run; ``--reveal`` prints the answers.
+    1. Each bucket here is one 256 KiB layer. Predict the time a bar spends
+       on the wire on the laptop link at 2 ranks: 2 alpha + bytes / bandwidth
+       = 4 ms + 1.3 ms. Then read the table under the drawing: why are most
+       bars longer than that, and by how much?
     2. ``--link none``: predict whether the bars still end in launch order.
-       (Not always -- see above; run it a few times.)
     3. ``--bucket-cap-mb 25`` (torch's default) in place of 0.3: predict
-       the picture. (Two bars, not one: the model's 2 MiB would fit one
-       25 MiB bucket, but torch's DDP and MiniDDP cap the *first* bucket
-       at 1 MiB, ``first_bucket_cap_mb``, so that something leaves early.
-       That first bar, three layers and the head, is launched partway
-       through backward; the second holds the rest and leaves at the last
-       gradient hook.)
+       the picture.
 """
 
 import json
@@ -62,7 +60,6 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from minddp import MiniDDP
@@ -123,7 +120,44 @@ def hidden_ms(view: StepView, one_wire: bool) -> tuple[float, float]:
     return under, sum(b.finished_ms - s for b, s in zip(view.buckets, starts))
 
 
-def check_and_show(trace: dict, n_buckets: int, one_wire: bool) -> None:
+def explain_bars(views: list[StepView], wire_ms) -> list[dict]:
+    """Rank ``views[0]``'s bars of one step, each split into what the simulated link makes it:
+    ``queued`` until the wire is free (the bar before it done), ``wire`` the model's time for
+    its bytes (``wire_ms(nbytes)``), ``late_peer``: waiting past that for the slowest rank to
+    launch the same bucket (the real sum needs every rank's part), and ``rest``: what is left,
+    this machine's own delay (a thread waking late, a busy core). ``views`` holds every rank's
+    view of the same step; times are on the machine's one clock."""
+    mine, rows, free = views[0], [], float("-inf")
+    for bar in mine.buckets:
+        slowest_launch = max(v.buckets[bar.index].launched_ms for v in views)
+        on_wire = max(bar.launched_ms, free)
+        modelled_end = on_wire + wire_ms(bar.nbytes)
+        explained_end = max(modelled_end, slowest_launch)
+        rows.append(dict(index=bar.index, nbytes=bar.nbytes, bar=bar.finished_ms - bar.launched_ms,
+                         queued=on_wire - bar.launched_ms, wire=modelled_end - on_wire,
+                         late_peer=explained_end - modelled_end, rest=bar.finished_ms - explained_end))
+        free = bar.finished_ms
+    return rows
+
+
+def show_bar_lengths(steps: dict, wire_ms) -> None:
+    """Rank 0's last bars, explained: the model's wire time, and what made each bar longer."""
+    rows = explain_bars([views[-1] for views in steps.values()], wire_ms)
+    print0("\nrank 0's bars, ms: the wire's part is the model's 2(p-1) alpha + 2(p-1)/p bytes / bandwidth;")
+    print0("the rest of a bar is waiting (for the wire, for the slowest rank to launch the same bucket) and this")
+    print0("machine's own delay: the real sum on Gloo and the link's thread share the cores with backward and with")
+    print0("whatever else runs here (a clock figure: shown, not checked)")
+    print0(f"  {'bucket':>6} {'KiB':>6} {'bar':>6} = {'queued':>6} + {'on the wire':>11} + {'late peer':>9} + {'machine':>7}")
+    for r in rows:
+        print0(f"  {r['index']:>6} {r['nbytes'] / 1024:>6.0f} {r['bar']:>6.1f} = {r['queued']:>6.1f} + "
+               f"{r['wire']:>11.1f} + {r['late_peer']:>9.1f} + {r['rest']:>7.1f}")
+    # The simulated link never delivers before the model's time, nor before every rank has sent:
+    # a bar shorter than its explanation would mean the explanation is wrong. (0.05 ms: timestamps
+    # are rounded to microseconds in the trace.)
+    assert all(r["rest"] > -0.05 for r in rows), f"a bar ended before the model allows: {rows}"
+
+
+def check_and_show(trace: dict, n_buckets: int, one_wire: bool, wire_ms=None) -> None:
     """Rank 0: read the trace back, assert what it shows, draw it."""
     steps = read_steps(trace)
     for rank, views in steps.items():
@@ -143,6 +177,8 @@ def check_and_show(trace: dict, n_buckets: int, one_wire: bool) -> None:
     under, total = hidden_ms(last, one_wire)
     print0(f"  on the wire: {total:.1f} ms, of which {under:.1f} ms before the last gradient hook (hidden under backward)"
            + ("" if one_wire else ";\n  with plain Gloo a bar's start is its launch: it may still wait in Gloo's queue"))
+    if wire_ms is not None:
+        show_bar_lengths(steps, wire_ms)
     print0("\nevery rank's last step:")
     for views in steps.values():
         print0(f"  {views[-1].summary()}")
@@ -176,7 +212,8 @@ def main(rank: int, world_size: int, out: str, link_name: str, bucket_cap_mb: fl
     with open(out, "w") as f:
         json.dump(trace, f)
     print(f"wrote {out}: {STEPS} steps x {world_size} ranks; open it in https://ui.perfetto.dev")
-    check_and_show(trace, len(ddp.bucket_names), one_wire=link is not None)
+    wire_ms = None if link is None else (lambda nbytes: 1e3 * link.predicted_time(nbytes, world_size))
+    check_and_show(trace, len(ddp.bucket_names), one_wire=link is not None, wire_ms=wire_ms)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

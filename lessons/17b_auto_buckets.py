@@ -19,45 +19,48 @@ What you will learn
        time of its choice against the default's.
 
     The answer follows the model. On a high-latency link every bucket costs
-    its 2(p-1) alphas, more than it can hide: few buckets. On a fast link
-    whose transfer takes longer than the backward that is left, buckets
-    that leave early hide behind backward: several.
+    its 2(p-1) alphas, more than it can hide: few buckets. On a low-latency
+    link whose transfer takes longer than the backward that is left,
+    buckets that leave early hide behind backward: several.
 
 What to run
     python lessons/17b_auto_buckets.py [--world-size 2] [--link laptop]
 
 What to look at
-    The line MiniDDP prints for each link (chosen plan, predicted ms for it
-    and for the default), then the table. Per link: the buckets of the
-    default and of auto's choice, and in brackets what the same rule picks
-    on the link's *true* numbers; the step of both plans in the model (this
-    machine's forward and backward, measured with no DDP, each plan replayed
-    by the simulator on the link's alpha and bandwidth); and by the clock.
-    The claims are checked in the model, which a busy machine cannot move:
-    fewer buckets on the slow link than on the fast one. Auto measures for
-    itself, so on a busy machine its probe can see a slower link than the
-    one simulated, and choose otherwise; the clock also pays what the model
-    leaves out (a real all-reduce and a thread hand-off per bucket), so it
-    may disagree, and the table says where it does.
+    Part 1, the lesson's answer: the planner of step 3 (``choose_plan``)
+    given each link's true alpha and bandwidth and a stated backward
+    (this model's gradients, ready evenly over 8 ms, about what one laptop
+    core takes for it): the buckets it picks and their predicted step
+    against the default's. Nothing in part 1 is measured, so it prints the
+    same on every machine and every run.
+
+    Part 2: ``MiniDDP(bucket_cap_mb="auto")`` itself, on the same links. It
+    measures its own inputs (its backward, the time between backwards, the
+    link by a probe), so its line can differ from part 1 and from one run to
+    the next: the table puts its measurements beside part 1's, and checks
+    that its prediction is the same model applied to them. Then the test
+    bench: default (25 MB buckets, the first 1 MB) and auto both train
+    exactly as one process would.
 
 Try this
-    1. Before running, predict the choice on the "slow" link (20 ms per
-       message, 1 GB/s) for 3 MB of gradients: one bucket, or several?
-    2. ``--link laptop`` (2 ms, 200 MB/s) adds a third link. Predict: closer
-       to the slow link's choice or the fast one's? The 3 MB take 15 ms on
-       the wire, each extra bucket 4 ms of latency.
+    Predict before you run; ``--reveal`` prints the answers.
+    1. Before running, predict part 1's choice on the high-latency link
+       (20 ms per message, 1 GB/s) for 3 MB of gradients: one bucket, or
+       several?
+    2. ``--link laptop`` (2 ms, 200 MB/s) adds a third link. Predict part
+       1's choice: closer to the high-latency link's or the low-bandwidth
+       one's? The 3 MB take 15 ms on the wire, each extra bucket 4 ms of
+       latency, and backward lasts 8 ms.
     3. ``--link eth25`` (30 us, 3 GB/s): the transfer takes about 1 ms.
-       Nothing is worth overlapping; does auto care how many buckets it
-       keeps? (Look at the predicted ms of the choice and of the default.)
+       Nothing is worth overlapping; does the planner care how many buckets
+       it keeps?
 """
 
-import time
+import math
 
-import torch
 import torch.distributed as dist
 
-from _common import (REAL, FEATURES, add_link_option, is_exact, is_real, make_model, parse_args, print0, print_results, run,
-                     train_and_compare)
+from _common import REAL, add_link_option, is_exact, is_real, parse_args, print0, print_results, run, train_and_compare
 from minddp import MiniDDP
 from minddp.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB
@@ -67,16 +70,30 @@ from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
 from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
 
 LINKS = {
-    "slow": Link("slow", alpha_s=20e-3, bandwidth_Bps=1e9, source="made up: high latency, plenty of bandwidth"),
-    "fast": Link("fast", alpha_s=20e-6, bandwidth_Bps=100e6, source="made up: low latency, the bytes take time"),
+    "high-latency": Link("high-latency", alpha_s=20e-3, bandwidth_Bps=1e9,
+                         source="made up: 20 ms per message, plenty of bandwidth"),
+    "low-bandwidth": Link("low-bandwidth", alpha_s=20e-6, bandwidth_Bps=100e6,
+                          source="made up: 20 us per message, the bytes take time"),
 }
-WIDTH, DEPTH, PER_RANK = 256, 12, 256  # 12 layers of 256: 3.2 MB of gradients, a backward to hide behind
+WIDTH, DEPTH, PER_RANK = 256, 12, 256  # 12 layers of 256: 2.9 MB of gradients, a backward to hide behind
+FEATURES, CLASSES = 20, 4  # the bench's (lessons/_common.py)
+STATED_BACKWARD_MS = 8.0  # part 1's backward: about what one laptop core takes for this model and 256 samples
 STEPS = 7  # 1 warm-up + 3 measured backwards, the choice, then 3 steps with the chosen buckets
-ROUNDS = 6  # timed forward + backward passes per wrapper; the fastest counts
 DEFAULT_PLAN = (DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)  # torch's: 25 MB buckets, the first 1 MB
-TIE = 0.03  # plans within 3% of each other in the model: the clock cannot tell them apart
 # The simulated link waits on its own thread: the "wire" runs while backward computes.
 OVERLAP = True
+
+
+def stated_profile(backward_ms: float = STATED_BACKWARD_MS) -> ComputeProfile:
+    """The lesson's model (20 -> 12 x 256 -> 4) as the planner sees it: its 26 gradients, last
+    layer first (bias, then weight), ready evenly over ``backward_ms``, after a forward half as long."""
+    shapes = [(CLASSES,), (CLASSES, WIDTH)]
+    for _ in range(DEPTH - 1):
+        shapes += [(WIDTH,), (WIDTH, WIDTH)]
+    shapes += [(WIDTH,), (WIDTH, FEATURES)]
+    sizes = [4 * math.prod(shape) for shape in shapes]
+    return ComputeProfile(backward_ms / 2, [Gradient(f"g{i}", backward_ms * (i + 1) / len(sizes), n)
+                                            for i, n in enumerate(sizes)])
 
 
 def wrap(link: Link, cap, real: bool = False):
@@ -90,67 +107,28 @@ def wrap(link: Link, cap, real: bool = False):
     return make
 
 
-def measure_compute(rounds: int = ROUNDS) -> ComputeProfile:
-    """This machine's forward and backward of the lesson's model with no DDP at all: when each
-    gradient is ready, in ms after forward. Each figure the fastest of ``rounds`` (a busy machine
-    only ever adds time), then the slowest rank's: the compute side of the model's step."""
-    model = make_model(seed=0, width=WIDTH, depth=DEPTH)
-    params = list(model.named_parameters())
-    ready = [float("inf")] * len(params)
-    clock = {}
-    for i, (_, p) in enumerate(params):
-        p.register_post_accumulate_grad_hook(lambda p, i=i: clock.__setitem__(i, time.perf_counter()))
-    x, forward = torch.randn(PER_RANK, FEATURES), float("inf")
-    for _ in range(rounds):
-        model.zero_grad()
-        start = time.perf_counter()
-        loss = model(x).sum()
-        forward_done = time.perf_counter()
-        loss.backward()
-        forward = min(forward, forward_done - start)
-        ready = [min(r, clock[i] - forward_done) for i, r in enumerate(ready)]
-    worst = torch.tensor([forward] + ready) * 1e3
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    gradients = [Gradient(name, t, p.numel() * p.element_size()) for (name, p), t in zip(params, worst[1:].tolist())]
-    return ComputeProfile(worst[0].item(), sorted(gradients, key=lambda g: g.ready_ms))
-
-
-def model_ms(profile: ComputeProfile, link: Link, world_size: int, plan: tuple[float, float]) -> float:
+def model_ms(profile: ComputeProfile, link: Link, world_size: int, plan: tuple[float, float], overlap=OVERLAP) -> float:
     """Forward + backward + the wire, as the alpha-beta model replays ``profile`` with buckets ``plan``."""
-    return simulate_step(profile, link, world_size, DDPPolicy(*plan, overlap=OVERLAP)).step_ms
+    return simulate_step(profile, link, world_size, DDPPolicy(*plan, overlap=overlap)).step_ms
 
 
 def model_choices(profile: ComputeProfile, links: dict[str, Link], world_size: int) -> dict[str, BucketChoice]:
-    """What the planner's model picks on each link's *true* numbers, for this backward."""
+    """What the planner picks on each link's *true* numbers, for this compute."""
     return {name: choose_plan(profile, link, world_size, OVERLAP) for name, link in links.items()}
 
 
-def clock_verdict(same_plan: bool, model: tuple[float, float], clock: tuple[float, float]) -> str:
-    """Does the clock say what the model says about (default, auto)? Plans within ``TIE`` of each
-    other in the model are a tie: the clock's noise is larger than that on any machine."""
-    if same_plan:
-        return "same buckets"
-    (m_default, m_auto), (t_default, t_auto) = model, clock
-    if abs(m_auto - m_default) <= TIE * m_default:
-        return "a tie in the model"
-    return "agrees" if (m_auto < m_default) == (t_auto < t_default) else "differs this time"
-
-
-def step_ms(wrappers: list, rounds: int = ROUNDS) -> list[float]:
-    """The clock: forward + backward (communication included) of each wrapper in turn, ``rounds``
-    times, so that all meet the same load; per wrapper the fastest, slowest rank."""
-    x = torch.randn(PER_RANK, FEATURES)
-    times = [[] for _ in wrappers]
-    for _ in range(rounds):
-        for ddp, own in zip(wrappers, times):
-            ddp.zero_grad()
-            dist.barrier()
-            start = time.perf_counter()
-            ddp(x).sum().backward()
-            own.append(time.perf_counter() - start)
-    t = torch.tensor([1e3 * min(own) for own in times])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+def show_part_1(links: dict[str, Link], world_size: int) -> dict[str, BucketChoice]:
+    profile = stated_profile()
+    picks = model_choices(profile, links, world_size)
+    print0(f"part 1: the planner, given each link's true numbers and a stated compute ({profile.gradient_bytes / 1e6:.1f} MB "
+           f"of gradients ready evenly over a {profile.backward_ms:g} ms backward, after a {profile.forward_ms:g} ms "
+           f"forward), {world_size} ranks:")
+    print0(f"  {'link':<14} {'alpha':>8} {'MB/s':>6} | {'buckets: default -> pick':>24} | {'predicted: default':>18} {'pick':>9}")
+    for name, pick in picks.items():
+        link = links[name]
+        print0(f"  {name:<14} {link.alpha_s * 1e3:>5.2f} ms {link.bandwidth_Bps / 1e6:>6g} | "
+               f"{pick.default_buckets:>19} -> {pick.buckets:<2} | {pick.default_ms:>15.1f} ms {pick.predicted_ms:>6.1f} ms")
+    return picks
 
 
 def main(rank: int, world_size: int, args) -> None:
@@ -160,57 +138,53 @@ def main(rank: int, world_size: int, args) -> None:
                                 source="a real link shaped by tc: its rate, no added latency")
     elif args.link != "none" and args.link not in links:
         links[args.link] = get_link(args.link)
+    picks = show_part_1(links, world_size)
+
+    print0("\npart 2: MiniDDP(bucket_cap_mb='auto') on the same links, measuring for itself:")
     results, rows = [], []
     for name, link in links.items():
-        print0(f"\n-- link {name}: alpha {link.alpha_s * 1e3:g} ms, {link.bandwidth_Bps / 1e6:g} MB/s")
-        default, ddp_default = train_and_compare(f"{name}: default (25 MB, 1 MB first)", wrap(link, DEFAULT_PLAN[0], is_real(name)),
-                                                 rank, world_size, width=WIDTH, depth=DEPTH, per_rank=PER_RANK,
-                                                 steps=STEPS)
+        default = train_and_compare(f"{name}: default", wrap(link, DEFAULT_PLAN[0], is_real(name)),
+                                    rank, world_size, width=WIDTH, depth=DEPTH, per_rank=PER_RANK, steps=STEPS)[0]
         auto, ddp_auto = train_and_compare(f"{name}: auto", wrap(link, "auto", is_real(name)), rank, world_size,
                                            width=WIDTH, depth=DEPTH, per_rank=PER_RANK, steps=STEPS)
         results += [default, auto]
         everyone = [None] * world_size
         dist.all_gather_object(everyone, ddp_auto.bucket_names)
         assert all(b == everyone[0] for b in everyone), f"link {name}: ranks built different buckets: {everyone}"
-        choice = [ddp_auto.bucket_planner.choice]  # rank 0's; the others rebuilt from its broadcast
-        dist.broadcast_object_list(choice, src=0)
-        assert choice[0].predicted_ms <= choice[0].default_ms, f"link {name}: the choice must not be predicted slower"
-        rows.append((name, choice[0], *step_ms([ddp_default, ddp_auto])))
+        planner = ddp_auto.bucket_planner
+        decided = [(planner.choice, planner.profile() if rank == 0 else None)]  # rank 0 decides; the others rebuilt
+        dist.broadcast_object_list(decided, src=0)
+        rows.append((name, *decided[0]))
 
-    profile = measure_compute()
-    picks = model_choices(profile, links, world_size)
+    print0(f"\n  {'link':<14} | {'buckets':>7} | {'its backward':>12} {'outside it':>10} | {'probed: alpha':>13} {'MB/s':>6} | "
+           f"{'its prediction':>14} | {'on the true link':>16}")
+    for name, choice, measured in rows:
+        plan = (choice.cap_mb, choice.first_cap_mb)
+        replayed = model_ms(measured, choice.link, world_size, plan, choice.overlap)
+        assert abs(replayed - choice.predicted_ms) < 1e-6, (
+            f"link {name}: MiniDDP's prediction is the model on its own measurements: {choice.predicted_ms:.3f} ms "
+            f"printed, {replayed:.3f} ms replayed")
+        assert choice.predicted_ms <= choice.default_ms, f"link {name}: the choice must not be predicted slower"
+        on_true = model_ms(measured, links[name], world_size, plan, choice.overlap)
+        print0(f"  {name:<14} | {choice.buckets:>7} | {measured.backward_ms:>9.1f} ms {measured.forward_ms:>7.1f} ms | "
+               f"{choice.link.alpha_s * 1e3:>10.3f} ms {choice.link.bandwidth_Bps / 1e6:>6.0f} | "
+               f"{choice.predicted_ms:>11.1f} ms | {on_true:>13.1f} ms")
+    print0("  (its backward, and the time outside it -- the optimizer step and the next forward -- are the medians")
+    print0("   MiniDDP measured in its first steps, and the probe its fit of the link; its prediction replays its")
+    print0("   plan on those. It differs from part 1 exactly where these differ from part 1's stated compute and")
+    print0("   the true links, which a busy machine moves from run to run: part 1 is the lesson's answer.)")
     print0()
     print_results(results)
-    print0(f"\nthe model: this machine's forward ({profile.forward_ms:.1f} ms) and backward ({profile.backward_ms:.1f} ms)"
-           f" with no DDP, fastest of {ROUNDS}, and each link's true alpha and bandwidth")
-    titles = ["link", "buckets: default -> auto (model's pick)", "model: default", "auto", "clock: default", "auto",
-              "the clock"]
-    table = []
-    for name, choice, t_default, t_auto in rows:
-        plan = (choice.cap_mb, choice.first_cap_mb)
-        m_default, m_auto = (model_ms(profile, links[name], world_size, p) for p in (DEFAULT_PLAN, plan))
-        table.append([name, f"{choice.default_buckets} -> {choice.buckets} ({picks[name].buckets})",
-                      f"{m_default:.1f} ms", f"{m_auto:.1f} ms", f"{t_default:.1f} ms", f"{t_auto:.1f} ms",
-                      clock_verdict(plan == DEFAULT_PLAN, (m_default, m_auto), (t_default, t_auto))])
-    widths = [max(len(c) for c in column) for column in zip(titles, *table)]
-    for cells in [titles] + table:
-        print0("  " + " | ".join(c.ljust(w) if i in (0, 6) else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths))))
-    print0("  auto: what MiniDDP chose from what it measured itself (its first steps, a probe of the link).")
-    print0("  The model: the backward above and each link's true numbers, every plan replayed by the simulator;")
-    print0(f"  the model's pick: auto's rule applied to these. The clock: the fastest of {ROUNDS} passes, default")
-    print0("  and auto taking turns; it also pays what the model leaves out (per bucket a real Gloo all-reduce")
-    print0("  and a thread hand-off under the simulated wire: milliseconds on a busy machine, so many buckets")
-    print0("  can lose on the clock). With the same buckets, or plans within 3% in the model, the two clock")
-    print0("  figures differ by noise alone.")
 
     assert all(is_exact(r) for r in results), "buckets change when gradients travel, never what they add up to"
-    assert picks["slow"].buckets < picks["fast"].buckets, (
-        f"the model asks for fewer buckets on the 20 ms link than on the fast one, got "
-        f"{ {n: c.buckets for n, c in picks.items()} } for a {profile.backward_ms:.1f} ms backward")
-    print0(f"\nchecked: every rank built rank 0's buckets; each choice is predicted no slower than the default;")
-    print0(f"         for this backward the model picks fewer buckets on the slow link ({picks['slow'].buckets}) than")
-    print0(f"         on the fast one ({picks['fast'].buckets}); every run matches one process on the whole batch.")
+    assert picks["high-latency"].buckets < picks["low-bandwidth"].buckets, (
+        f"the planner asks for fewer buckets on the 20 ms link than on the 20 us one, got "
+        f"{ {n: c.buckets for n, c in picks.items()} }")
+    assert all(c.predicted_ms <= c.default_ms for c in picks.values()), "the planner's pick is never predicted slower"
+    print0(f"\nchecked: part 1's planner picks fewer buckets on the high-latency link ({picks['high-latency'].buckets}) than")
+    print0(f"         on the low-bandwidth one ({picks['low-bandwidth'].buckets}), none predicted slower than the default;")
+    print0("         in part 2 every rank built rank 0's buckets, and each prediction MiniDDP printed is the")
+    print0("         model replayed on its own measurements; every run matches one process on the whole batch.")
 
 
 if __name__ == "__main__":

@@ -44,15 +44,13 @@ What to look at
     long it took to appear, and the fixed run.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running, predict for failure 1 which rank raises, and after
-       how long. (Rank 0, the one with more data, after the timeout; rank 1
-       finished its loop without noticing anything.)
-    2. ``--timeout-s 1``: predict what changes. (Only the waits: each hang
-       now ends after about one second.)
+       how long.
+    2. ``--timeout-s 1``: predict what changes.
     3. ``--extra-first`` registers the *unused* layer first in the model,
        so its gradients would come last in the bucket order: predict the
-       error of failure 2. (The same: MiniDDP checks every bucket at the
-       end of backward, wherever the missing gradient sits.)
+       error of failure 2.
 """
 
 import datetime

@@ -44,16 +44,13 @@ What to look at
     ``python -m minddp.simulate zero``.
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Predict part 1 with ``--gradient-as-bucket-view``: which column
-       drops to zero, and why? (The bucket buffers: ``p.grad`` becomes a
-       view into its bucket, one copy of the gradients instead of two.)
+       drops to zero, and why?
     2. ``--world-size 3``: predict each rank's share of the state under
-       both partitions. (Flat: a third each, to within two elements of
-       padding. Greedy: the embedding's rank still holds it all, about
-       72%, while the other two split the rest.)
+       both partitions.
     3. ``--optimizer sgd``: plain SGD keeps no state at all. Predict what
-       stage 1 saves. (Nothing: the memory wall of SGD is parameters and
-       gradients, which stage 2 (lesson 20) and stage 3 shard.)
+       stage 1 saves.
 """
 
 import torch

@@ -40,19 +40,14 @@ What to look at
     shard besides).
 
 Try this
+    Predict before you run; ``--reveal`` prints the answers.
     1. Before running: stage 1 on a DDP wrapper all-reduces, then
        all-gathers the parameters. Predict its bytes on the wire against
-       DDP's. (1.5 x: torch's ZeroRedundancyOptimizer pays the same 3 psi
-       rather than the paper's 2 psi.)
+       DDP's.
     2. ``--bucket-cap-mb 25`` (torch's default): predict how many buckets,
-       and how many reduce-scatters leave before the last gradient. (Two
-       buckets, one early: the model is 1.4 MiB, and MiniDDP, as torch,
-       caps the *first* bucket at 1 MiB precisely so that something
-       leaves before backward ends. The last bucket always waits.)
+       and how many reduce-scatters leave before the last gradient.
     3. ``--world-size 3``: predict stage 2's gradient bytes per rank, and
-       its bytes on the wire against DDP's. (A third of the gradients, plus
-       under 3 elements of padding per bucket; stage 1 still keeps the
-       whole ``.grad``. The wire: DDP's plus that padding, sent twice.)
+       its bytes on the wire against DDP's.
 """
 
 import time
@@ -94,6 +89,7 @@ class WireCounter:
 COUNTER = WireCounter()
 
 from minddp import MiniDDP  # noqa: E402
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB  # noqa: E402
 from minddp.models import GPT, GPTConfig  # noqa: E402
 from minddp.zero import ZeroRedundancyOptimizer  # noqa: E402
 from minddp.zero.memory import measured_bytes, paper_bytes  # noqa: E402
@@ -161,6 +157,11 @@ def train(rank: int, setup: str, bucket_cap_mb: float):
     return model, before_step, max(last_gradient)
 
 
+def bucket_sizes(model) -> list[tuple[float, int]]:
+    """MiniDDP's buckets, in launch order: (MiB, the names of its parameters)."""
+    return [(b.numel * b.dtype.itemsize / MiB, b.names) for b in model.reducer.buckets]
+
+
 def weights(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -178,11 +179,18 @@ def main(rank: int, world_size: int, args) -> None:
         model, counted, last = train(rank, setup, args.bucket_cap_mb)
         early = sum(1 for kind, _, when in COUNTER.calls if kind != "all_gather" and when < last)
         wire = {kind: COUNTER.bytes(kind) for kind in ("all_reduce", "reduce_scatter", "all_gather")}
-        runs[setup] = (weights(model), counted, wire, early, len(model.reducer.buckets))
+        runs[setup] = (weights(model), counted, wire, early, bucket_sizes(model))
     numel = runs["ddp"][0].numel()
     reference = runs["ddp"][0]
-    print0(f"\npart 2: GPT of {numel:,} parameters, AdamW, {world_size} ranks, "
-           f"{runs['ddp'][4]} bucket(s) of at most {args.bucket_cap_mb:g} MiB; one step, rank 0, KiB:")
+    sizes = runs["ddp"][4]
+    caps = [min(args.bucket_cap_mb, FIRST_BUCKET_CAP_MB)] + [args.bucket_cap_mb] * (len(sizes) - 1)
+    for i, ((mib, names), cap) in enumerate(zip(sizes, caps)):  # torch's rule: the first at most 1 MiB, to leave early
+        assert mib <= cap or len(names) == 1, f"bucket {i} holds {names} in {mib:.2f} MiB, over its cap {cap:g} MiB"
+    over = [(mib, names[0]) for (mib, names), cap in zip(sizes, caps) if mib > cap]
+    print0(f"\npart 2: GPT of {numel:,} parameters, AdamW, {world_size} ranks, {len(sizes)} bucket(s) of "
+           f"{', '.join(f'{mib:.2f}' for mib, _ in sizes)} MiB; one step, rank 0, KiB")
+    print0(f"(cap {args.bucket_cap_mb:g} MiB, the first bucket at most {caps[0]:g} MiB"
+           + (f"; a parameter larger than its cap gets a bucket of its own: {over[0][1]}, {over[0][0]:.2f} MiB)" if over else ")"))
     print0(f"  {'setup':<7} {'all-reduce':>10} {'red-scatter':>11} {'all-gather':>10} {'wire':>7} "
            f"{'left before last grad':>21} {'grads':>7} {'model':>7} {'paper':>7}")
     paper = {}
@@ -198,10 +206,10 @@ def main(rank: int, world_size: int, args) -> None:
 
     ddp_wire, s1_wire, s2_wire = (sum(runs[s][2].values()) for s in SETUPS)
     # ZeRO pads each bucket (stage 2) or group (stage 1) to N equal pieces: under N elements each, sent twice.
-    padding = 2 * 4 * world_size * runs["stage2"][4]
+    padding = 2 * 4 * world_size * len(runs["stage2"][4])
     assert ddp_wire <= s2_wire <= ddp_wire + padding, "stage 2: reduce-scatter + all-gather = DDP's all-reduce"
     assert abs(s1_wire - 1.5 * ddp_wire) <= padding, "stage 1 on DDP: the all-reduce, then an all-gather"
-    buckets = runs["ddp"][4]
+    buckets = len(runs["ddp"][4])
     if world_size > 1:
         for setup in SETUPS:  # each bucket leaves with its own last gradient; only the last waits for the end
             assert runs[setup][3] == buckets - 1, f"{setup}: every bucket but the last leaves during backward"

@@ -39,18 +39,12 @@ What to look at
     Then part 2's differences: zero, or float32 rounding.
 
 Try this
-    1. ``--depth 8``: predict the peak against DDP's. (The shards halve with
-       N = 2 whatever the depth; the full unit on top stays one layer, a
-       smaller part of a deeper model, so the peak falls from 67% towards
-       1/N of DDP's: 58%.)
+    Predict before you run; ``--reveal`` prints the answers.
+    1. ``--depth 8``: predict the peak against DDP's.
     2. ``--world-size 3``: predict the shard bytes per rank and the padding.
-       (A third of each unit, rounded up: each unit is padded to a multiple
-       of 3 elements, at most 2 per unit.)
     3. ``--width 512`` makes every unit 16x bigger. Predict the peak's
-       share of DDP's. (Unchanged, 67%: the working set is one unit out of
-       five, whatever its width; only ``--depth`` changes that share.) And
-       ``--world-size 1``: predict it against DDP's. (Above it: nothing is
-       sharded, and a full copy of one unit, with its gradient, comes on top.)
+       share of DDP's. And
+       ``--world-size 1``: predict it against DDP's.
 """
 
 import weakref

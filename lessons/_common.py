@@ -16,25 +16,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
-import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minddp import links
 from minddp.launch import spawn
-from minddp.network import PRESETS, Link
+from minddp.network import PRESETS, Link, ring_bytes_sent_per_rank
 from minddp.simulated_link import SimulatedLink
 
 REAL = "real:"  # --link real:1gbit: real links between the ranks (minddp/links.py), not a simulated one
 
 
 def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 1) -> argparse.Namespace:
-    """``--world-size N`` (default 2), plus whatever ``extra(parser)`` adds.
+    """``--world-size N`` (default 2), ``--reveal``, plus whatever ``extra(parser)`` adds.
+
+    ``--reveal`` prints the lesson's Try this with the answers from
+    ``lessons/answers.md``, and exits before any rank starts.
 
     A lesson that compares ranks with each other passes ``min_world_size=2``
     and stops with one line when given fewer.
@@ -42,9 +45,15 @@ def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 
     first_line = (doc or "").strip().splitlines()[0] if doc else None
     parser = argparse.ArgumentParser(description=first_line)
     parser.add_argument("--world-size", type=int, default=world_size, help="number of processes (default %(default)s)")
+    parser.add_argument("--reveal", action="store_true", help="print the answers to this lesson's Try this, and stop")
     if extra is not None:
         extra(parser)
     args = parser.parse_args()
+    if args.reveal:
+        from _answers import reveal  # lessons/ is on the path of a lesson run as a script
+
+        print(reveal(doc))
+        parser.exit(0)
     if args.world_size < min_world_size:
         parser.exit(2, f"this lesson compares ranks with each other: run it with --world-size {min_world_size} or more\n")
     return args
@@ -153,7 +162,34 @@ class Result:
     grad_error: float  # max |averaged grad - one process's full-batch grad|, all steps
     weight_error: float  # max |weight - one process's weight| after the last step
     ranks_agree: bool  # every rank holds bit-identical weights at the end
-    step_ms: float  # median forward + backward + sync time, slowest rank
+    # The last step's communication on rank 0, counted (not timed: a clock on a shared machine
+    # measures the other programs too): collectives by name, and the bytes a ring all-reduce
+    # makes each rank send for them, 2 (p-1)/p of the tensors' bytes.
+    collectives: Counter = field(default_factory=Counter)
+    ring_bytes_sent: float = 0.0
+
+    @property
+    def all_reduces(self) -> int:
+        return self.collectives["allreduce_"]
+
+
+class CountCollectives(TorchDispatchMode):
+    """Inside ``with CountCollectives() as count:``, every collective this thread launches, with its
+    bytes: ``count.calls`` holds ``(name, bytes)`` pairs, e.g. ``("allreduce_", 1024)``.
+
+    A dispatch mode sees each operation torch runs on this thread, the c10d collectives
+    included, whoever launches them: a lesson's wrapper, MiniDDP, or torch's DDP from C++.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and "wait" not in func.__name__:
+            tensors = args[0] if args and isinstance(args[0], (list, tuple)) else []
+            self.calls.append((func.__name__.split(".")[0], sum(t.nbytes for t in tensors if hasattr(t, "nbytes"))))
+        return func(*args, **(kwargs or {}))
 
 
 def _sync_switch(ddp, sync: bool):
@@ -179,7 +215,8 @@ def train_and_compare(name: str, wrap, rank: int, world_size: int, *, width: int
     ``per_rank * micro_batches`` samples out of the same global batch, in
     ``micro_batches`` backward passes (syncing on the last only). Returns
     ``(Result, wrapper)``; every rank gets the same Result. ``reference=False``
-    skips the single process (errors then read nan): for timing sweeps.
+    skips the single process (errors then read nan): for sweeps that only
+    need the trained wrapper.
     """
     ddp = wrap(make_model(seed=rank, width=width, depth=depth))
     single = make_model(seed=0, width=width, depth=depth)  # rank 0's start, on every rank
@@ -188,26 +225,32 @@ def train_and_compare(name: str, wrap, rank: int, world_size: int, *, width: int
     loss_fn = nn.CrossEntropyLoss()  # a mean over the batch: what makes averaging exact
     data = torch.Generator().manual_seed(1234)  # the same global batches on every rank
     finish = getattr(ddp, "finish_gradient_synchronization", lambda: None)
-    grad_error, times = 0.0, []
-    for _ in range(steps):
+    batches, synced_grads = [], []
+    for step in range(steps):
         x = torch.randn(world_size, micro_batches, per_rank, FEATURES, generator=data)
         y = torch.randint(0, CLASSES, (world_size, micro_batches, per_rank), generator=data)
         opt.zero_grad()
-        dist.barrier()  # start together, for fair times
-        started = time.perf_counter()
-        for i in range(micro_batches):
-            with _sync_switch(ddp, i == micro_batches - 1):
-                # The mean of k equal parts' means, each divided by k, is the whole's mean.
-                (loss_fn(ddp(x[rank, i]), y[rank, i]) / micro_batches).backward()
-            finish()
-        times.append(time.perf_counter() - started)
+        # Only the last step is counted: a dispatch mode sees every operation, and would slow
+        # down the steps a wrapper may be measuring itself (MiniDDP's bucket_cap_mb="auto").
+        count = CountCollectives() if step == steps - 1 else contextlib.nullcontext()
+        with count:
+            for i in range(micro_batches):
+                with _sync_switch(ddp, i == micro_batches - 1):
+                    # The mean of k equal parts' means, each divided by k, is the whole's mean.
+                    (loss_fn(ddp(x[rank, i]), y[rank, i]) / micro_batches).backward()
+                finish()
+        if reference:
+            batches.append((x, y))
+            synced_grads.append([p.grad.clone() for p in ddp.parameters()])
         opt.step()
-        if not reference:
-            continue
+
+    # One process on each whole batch, after the wrapper's steps, so that those ran back to
+    # back as in training (nothing of the reference's work between one backward and the next).
+    grad_error = 0.0
+    for (x, y), grads in zip(batches, synced_grads):
         opt_single.zero_grad()
         loss_fn(single(x.reshape(-1, FEATURES)), y.reshape(-1)).backward()
-        grad_error = max(grad_error, *((p.grad - q.grad).abs().max().item()
-                                       for p, q in zip(ddp.parameters(), single.parameters())))
+        grad_error = max(grad_error, *((g - q.grad).abs().max().item() for g, q in zip(grads, single.parameters())))
         opt_single.step()
 
     weights = torch.cat([p.detach().flatten() for p in ddp.parameters()])
@@ -217,16 +260,29 @@ def train_and_compare(name: str, wrap, rank: int, world_size: int, *, width: int
     weight_error = max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), single.parameters()))
     if not reference:
         grad_error = weight_error = float("nan")
-    step_ms = 1e3 * statistics.median(times[1:] if steps > 1 else times)  # the first step warms up
-    return Result(name, start_spread, _worst(grad_error), _worst(weight_error), agree, _worst(step_ms)), ddp
+    collectives = [None] * world_size
+    dist.all_gather_object(collectives, count.calls)  # rank 0's count is the table's; ranks must match
+    collectives = collectives[0]
+    sent = sum(ring_bytes_sent_per_rank(n, world_size) for kind, n in collectives if kind == "allreduce_")
+    return Result(name, start_spread, _worst(grad_error), _worst(weight_error), agree,
+                  Counter(kind for kind, _ in collectives), sent), ddp
+
+
+def describe_collectives(r: Result) -> str:
+    """``"6 all-reduces"``, plus any other collective of the step: ``"3 all-reduces, 2 broadcast_"``."""
+    others = [f"{n} {kind}" for kind, n in sorted(r.collectives.items()) if kind != "allreduce_"]
+    return ", ".join([f"{r.all_reduces} all-reduce{'s' if r.all_reduces != 1 else ''}"] + others)
 
 
 def print_results(results: list[Result]) -> None:
-    print0(f"  {'wrapper':<34} {'start spread':>12} {'grad error':>10} {'weight error':>12} {'ranks agree':>11} {'step':>9}")
+    print0(f"  {'wrapper':<34} {'start spread':>12} {'grad error':>10} {'weight error':>12} {'ranks agree':>11} "
+           f"{'collectives, last step':>24} {'KB sent':>8}")
     for r in results:
         print0(f"  {r.name:<34} {r.start_spread:>12.1e} {r.grad_error:>10.1e} {r.weight_error:>12.1e} "
-               f"{'yes' if r.ranks_agree else 'NO':>11} {r.step_ms:>6.1f} ms")
-    print0("  (errors: max |difference| from one process training on the whole batch; spread: from rank 0)")
+               f"{'yes' if r.ranks_agree else 'NO':>11} {describe_collectives(r):>24} {r.ring_bytes_sent / 1e3:>8.1f}")
+    print0("  (errors: max |difference| from one process training on the whole batch; spread: from rank 0;")
+    print0("   collectives: those rank 0 launched in the last step, counted; KB sent: by each rank, for those")
+    print0("   all-reduces, if each is a ring: 2 (p-1)/p of its bytes)")
 
 
 def is_exact(r: Result, tolerance: float = 1e-5) -> bool:

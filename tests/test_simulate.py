@@ -186,13 +186,21 @@ def test_command_prints_a_table_per_world_size_and_bucket_cap(tmp_path):
     rows = [line for line in out.stdout.splitlines() if line.startswith("|") and line[2:3].isdigit()]
     assert len(rows) == 4, out.stdout
     bad = run_python(["-m", "minddp.simulate", "--trace", str(path), "--network", "nope"])
-    assert bad.returncode != 0 and "unknown network" in bad.stderr
+    assert bad.returncode != 0 and "--network must be one of" in bad.stderr
 
 
 def test_lesson_17_runs_and_checks_its_claims():
     out = run_python([os.path.join("lessons", "17_how_ddp_scales.py")], timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "checked" in out.stdout
+    assert "VGG-16 comes out within" in out.stdout  # at TensorFlow's published step, near Horovod's 68%
+
+
+def test_lesson_17_takes_a_measured_step_time():
+    out = run_python([os.path.join("lessons", "17_how_ddp_scales.py"), "--world-size", "1", "--step-ms", "20"],
+                     timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "--step-ms 20" in out.stdout
 
 
 def test_pictures_are_drawn(tmp_path):

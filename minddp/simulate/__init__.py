@@ -12,6 +12,14 @@ GPUs: this package answers with a replay, not a cluster.
   order, one collective on the wire, compression, ``no_sync`` accumulation)
   replayed bucket by bucket: step time, exposed communication, hidden
   fraction, scaling efficiency;
+* :mod:`minddp.simulate.overheads`: the costs the bare replay misses (per
+  step, per gradient hook, per bucket, compute lost to collectives beside
+  backward), named, with a preset fitted to PyTorch's published DDP table;
+* :mod:`minddp.simulate.cluster`: your network from what you know (achieved
+  bandwidth, GPUs and NICs per node, a measured ``all_reduce_perf`` table),
+  and the presets at their achieved bandwidth with its source;
+* :mod:`minddp.simulate.record`: a trace of a ``minddp.models`` model or of
+  your own (``module:function``);
 * :mod:`minddp.simulate.report`: the table and the pictures;
 * :mod:`minddp.simulate.zero`: DDP against ZeRO stages 1, 2 and 3 at any
   world size, for a model given by its size: the paper's bytes per rank, the
@@ -26,9 +34,11 @@ Nothing here needs a process group: a trace file is enough.
 """
 
 from minddp.simulate.profile import ComputeProfile, Gradient, load_profile, profile_from_trace
+from minddp.simulate.overheads import NO_OVERHEADS, OVERHEAD_PRESETS, Overheads
 from minddp.simulate.replay import DDPPolicy, SimulatedBucket, SimulatedStep, simulate_step
 
 __all__ = [
     "ComputeProfile", "Gradient", "load_profile", "profile_from_trace",
     "DDPPolicy", "SimulatedBucket", "SimulatedStep", "simulate_step",
+    "Overheads", "NO_OVERHEADS", "OVERHEAD_PRESETS",
 ]

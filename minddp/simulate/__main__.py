@@ -1,62 +1,162 @@
-"""``python -m minddp.simulate``: how would this step scale?
+"""``python -m minddp.simulate``: how would this step scale on your cluster?
 
-    python -m minddp.simulate --record mlp --out run.json        # take a trace (world size 1)
-    python -m minddp.simulate --trace run.json --network ib400 \\
-        --world 8,64,512,1024 --bucket-mb 1,5,25,100 --plot scaling.png
-    python -m minddp.simulate --trace run.json --network dgx-h100 --compression fp16 --compute-scale 20
+    python -m minddp.simulate --record mlp --out run.json        # a trace of a minddp model (world size 1)
+    python -m minddp.simulate --record my_module:build_model --step-ms 97 --network dgx1-v100 --world 8,16,64
+    python -m minddp.simulate --trace run.json --forward-ms 30 --backward-ms 62 \\
+        --latency-us 14 --bandwidth 40GB/s --gpus-per-node 8 --nics-per-node 4 --intra-bandwidth 120GB/s
+    python -m minddp.simulate --trace run.json --fit-table all_reduce_perf.txt --step-ms 100
 
     python -m minddp.simulate zero --model 7.5b --network dgx-h100      # DDP vs ZeRO stages 1, 2 and 3
+    python -m minddp.simulate --list-networks                          # the presets: nominal, achieved, sources
 
-Prints one row per (bucket cap, world size). With ``--plot PATH`` (needs
-matplotlib) it draws step time and scaling efficiency against world size,
-and beside it (``PATH-timeline.png``) the simulated step at
-``--timeline-world`` ranks with ``--timeline-cap`` MB buckets.
+The trace gives the step's shape (forward, when each gradient is ready,
+sizes); ``--step-ms`` or ``--forward-ms``/``--backward-ms`` give its length
+as you measured it on one GPU (``--compute-scale`` divides the traced CPU
+times instead). Presets are at their achieved bandwidth (``--nominal``: the
+line rate). The overheads the bare model misses are in the table's own
+columns (``--overheads none``: leave them out). Prints one row per (bucket
+cap, world size). ``--plot PATH`` (matplotlib) draws step time and
+efficiency against world size, and (``PATH-timeline.png``) one simulated step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-
 from dataclasses import replace
 
-from minddp.network import HIERARCHIES, PRESETS, get_network
+from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, positive, whole
+from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, names, network_table, parse_rate
+from minddp.simulate.overheads import OVERHEAD_PRESETS, get_overheads
 from minddp.simulate.profile import load_profile
-from minddp.simulate.record import record_trace
+from minddp.models import MODEL_NAMES
+from minddp.simulate.record import load_builder, record_trace
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.simulate.report import draw_scaling, draw_timeline, format_table, have_matplotlib, sweep
 
+DEFAULT_OVERHEADS = "nccl-v100"
 
-def _numbers(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+def _rate(text: str) -> float:
+    try:
+        return parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be {e}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m minddp.simulate", description=__doc__.strip().splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="python -m minddp.simulate zero --help: memory per rank and step time of DDP "
-                                       "against ZeRO stages 1, 2 and 3, for a model given by its size (no trace)")
+    p = OneLineParser(prog="python -m minddp.simulate", description=__doc__.strip().splitlines()[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog="python -m minddp.simulate zero --help: memory per rank and step time of DDP "
+                             "against ZeRO stages 1, 2 and 3, for a model given by its size (no trace); "
+                             "python -m minddp.simulate --list-networks: the presets")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", help="Chrome trace written by MiniDDP(..., trace=True)")
-    source.add_argument("--record", metavar="MODEL", help="first record a trace of this minddp.models model")
+    source.add_argument("--trace", help="Chrome trace of MiniDDP(..., trace=True), or a profile saved by save_profile")
+    source.add_argument("--record", metavar="MODEL", help="first trace a model: a minddp.models name, or "
+                        "module:function / file.py:function returning (model, batch) or (model, batch, loss_fn)")
     p.add_argument("--out", default="run.json", help="where --record writes its trace (default %(default)s)")
-    p.add_argument("--record-world", type=int, default=1, help="ranks for --record (default %(default)s)")
-    names = ", ".join([*PRESETS, *HIERARCHIES])
-    p.add_argument("--network", default="ib400", help=f"one of: {names} (default %(default)s)")
-    p.add_argument("--world", type=_numbers(int), default=[8, 64, 512, 1024], help="world sizes, comma-separated")
-    p.add_argument("--bucket-mb", type=_numbers(float), default=[1, 5, 25, 100], help="bucket caps in MiB")
-    p.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
-    p.add_argument("--compression", choices=["fp16", "bf16"], default=None)
-    p.add_argument("--accumulation", type=int, default=1, help="k: k-1 no_sync steps per synchronized one")
-    p.add_argument("--compute-scale", type=float, default=1.0,
-                   help="divide the trace's compute times by this (e.g. a GPU N times faster than the traced CPU)")
-    p.add_argument("--shared-cores", action="store_true",
+    p.add_argument("--record-world", type=whole, default=1, help="ranks for --record (default %(default)s)")
+    t = p.add_argument_group("compute times (one of)")
+    t.add_argument("--step-ms", type=positive, help="one step on one GPU without DDP, measured: the trace scaled to it")
+    t.add_argument("--forward-ms", type=positive, help="forward, measured (with --backward-ms)")
+    t.add_argument("--backward-ms", type=positive, help="backward, measured (with --forward-ms)")
+    t.add_argument("--after-backward-ms", type=positive, help="optimizer step and the rest, measured (optional)")
+    t.add_argument("--compute-scale", type=positive, help="divide the traced times by this (a device N x this CPU)")
+    n = p.add_argument_group("network (a preset, changed by any figure given)")
+    n.add_argument("--network", default="ib400", help=f"one of: {', '.join(names())} (default %(default)s)")
+    n.add_argument("--nominal", action="store_true", help="presets at their line rate, not the achieved bandwidth")
+    n.add_argument("--latency-us", type=at_least_zero, help="between nodes: microseconds per ring step")
+    n.add_argument("--bandwidth", type=_rate, help="between nodes: one NIC's achieved bus bandwidth (50GB/s, 400Gb/s)")
+    n.add_argument("--nominal-bandwidth", type=_rate, help="one NIC's line rate (with --efficiency)")
+    n.add_argument("--efficiency", type=positive, help="achieved / nominal, in (0, 1]")
+    n.add_argument("--gpus-per-node", type=whole)
+    n.add_argument("--nics-per-node", type=whole, help="NICs the node's GPUs share (default: one per GPU)")
+    n.add_argument("--intra-latency-us", type=at_least_zero, help="inside a node: microseconds per ring step")
+    n.add_argument("--intra-bandwidth", type=_rate, help="inside a node: achieved bus bandwidth per GPU")
+    n.add_argument("--fit-table", metavar="FILE", help="fit the network (with --gpus-per-node > 1: one NIC, measured "
+                   "at one GPU per node) to all_reduce_perf (nccl-tests) output, or to the JSON of "
+                   "benchmarks/validate_simulator.py --json")
+    n.add_argument("--fit-world", type=whole, help="ranks of --fit-table (default: its '# Rank' lines)")
+    n.add_argument("--intra-fit-table", metavar="FILE", help="fit the link inside a node to all_reduce_perf output "
+                   "measured on one node")
+    d = p.add_argument_group("DDP")
+    d.add_argument("--world", type=listed(whole), default=[8, 64, 512, 1024], help="world sizes, comma-separated")
+    d.add_argument("--bucket-mb", type=listed(positive), default=[1, 5, 25, 100], help="bucket caps in MiB")
+    d.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
+    d.add_argument("--compression", choices=["fp16", "bf16"], default=None)
+    d.add_argument("--accumulation", type=whole, default=1, help="k: k-1 no_sync steps per synchronized one")
+    d.add_argument("--shared-cores", action="store_true",
                    help="communication and compute share the cores (a CPU rank): no overlap")
+    o = p.add_argument_group("overheads the bare model misses (each shown in its own column)")
+    o.add_argument("--overheads", default=DEFAULT_OVERHEADS,
+                   help=f"one of: {', '.join(OVERHEAD_PRESETS)} (default %(default)s)")
+    o.add_argument("--per-step-ms", type=at_least_zero)
+    o.add_argument("--per-gradient-us", type=at_least_zero)
+    o.add_argument("--per-bucket-us", type=at_least_zero)
+    o.add_argument("--contention-us-per-mb", type=at_least_zero, help="backward's time lost per MB sent beside it")
+    o.add_argument("--compute-slowdown", type=at_least_zero, help="backward's slowdown once collectives are in "
+                   "flight, a fraction (0.02: 2%%)")
     p.add_argument("--plot", metavar="PATH", help="PNG of step time and efficiency vs world size (matplotlib)")
-    p.add_argument("--timeline-world", type=int, default=None, help="world size of the timeline (default: largest)")
-    p.add_argument("--timeline-cap", type=float, default=None, help="bucket cap of the timeline (default: 25 or first)")
+    p.add_argument("--timeline-world", type=whole, default=None, help="world size of the timeline (default: largest)")
+    p.add_argument("--timeline-cap", type=positive, default=None, help="bucket cap of the timeline (default: 25 or first)")
     return p.parse_args(argv)
+
+
+def _fitted(flag: str, path: str, world: int | None):
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
+    try:
+        return fit_network_table(text, world)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+def network_from(args: argparse.Namespace):
+    base = (_fitted("--fit-table", args.fit_table, args.fit_world) if args.fit_table
+            else lookup_network(args.network, nominal=args.nominal))
+    if args.intra_fit_table:
+        if args.intra_latency_us is not None or args.intra_bandwidth is not None:
+            raise ValueError("--intra-fit-table or --intra-latency-us/--intra-bandwidth, not both")
+        intra = _fitted("--intra-fit-table", args.intra_fit_table, None)
+        args.intra_latency_us, args.intra_bandwidth = intra.alpha_s * 1e6, intra.bandwidth_Bps
+    figures = dict(latency_us=args.latency_us, bandwidth_Bps=args.bandwidth, nominal_Bps=args.nominal_bandwidth,
+                   efficiency=args.efficiency, gpus_per_node=args.gpus_per_node, nics_per_node=args.nics_per_node,
+                   intra_latency_us=args.intra_latency_us, intra_bandwidth_Bps=args.intra_bandwidth)
+    return build_network(base, **figures) if any(v is not None for v in figures.values()) else base
+
+
+def compute_from(args: argparse.Namespace, path: str):
+    try:
+        profile = load_profile(path)
+    except OSError as e:
+        raise ValueError(f"--trace: cannot read {path} ({e.strerror})") from None
+    except json.JSONDecodeError:
+        raise ValueError(f"--trace: {path} is not a JSON trace") from None
+    if args.compute_scale is not None:
+        if any(v is not None for v in (args.step_ms, args.forward_ms, args.backward_ms)):
+            raise ValueError("--compute-scale or measured times (--step-ms, --forward-ms/--backward-ms), not both")
+        return profile.scaled(args.compute_scale), f"traced times / {args.compute_scale:g}"
+    given = [f"--{k.replace('_', '-')} {v:g}" for k, v in (("step_ms", args.step_ms), ("forward_ms", args.forward_ms),
+             ("backward_ms", args.backward_ms), ("after_backward_ms", args.after_backward_ms)) if v is not None]
+    try:
+        scaled = profile.with_times(args.step_ms, args.forward_ms, args.backward_ms, args.after_backward_ms)
+    except ValueError as e:
+        raise ValueError(str(e).replace("step_ms", "--step-ms").replace("forward_ms", "--forward-ms")
+                         .replace("backward_ms", "--backward-ms").replace("after_--backward-ms", "--after-backward-ms"))
+    return scaled, ("the trace's shape at your " + ", ".join(given) if given else "traced times, unscaled")
+
+
+def overheads_from(args: argparse.Namespace):
+    base = get_overheads(args.overheads)
+    mine = {k: v for k, v in (("per_step_ms", args.per_step_ms), ("per_gradient_us", args.per_gradient_us),
+            ("per_bucket_us", args.per_bucket_us), ("contention_us_per_MB", args.contention_us_per_mb),
+            ("compute_slowdown", args.compute_slowdown)) if v is not None}
+    return replace(base, **mine, source=base.source + "; changed: " + ", ".join(mine)) if mine else base
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,28 +165,36 @@ def main(argv: list[str] | None = None) -> int:
         from minddp.simulate.zero_report import main as zero_main
 
         return zero_main(argv[1:])
+    if argv[:1] == ["--list-networks"]:
+        print(network_table())
+        return 0
     args = parse_args(argv)
     try:
-        network = get_network(args.network)
-    except ValueError as e:
+        return run(args)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    network, overheads = network_from(args), overheads_from(args)
     if args.plot and not have_matplotlib():
-        print("error: --plot needs matplotlib: pip install matplotlib (or the project's '.[plot]' extra)",
-              file=sys.stderr)
-        return 2
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or the project's '.[plot]' extra)")
     path = args.trace
     if args.record:
+        if args.record not in MODEL_NAMES:
+            load_builder(args.record)  # a wrong name is said before anything starts
         path = os.path.abspath(args.out)
         print(f"recording {args.record} on {args.record_world} rank(s) -> {path}", flush=True)
         record_trace(args.record, path, world_size=args.record_world)
-    profile = load_profile(path).scaled(args.compute_scale)
+    profile, times = compute_from(args, path)
     policy = DDPPolicy(compression=args.compression, accumulation_steps=args.accumulation,
-                       algorithm=args.algorithm, overlap=not args.shared_cores)
-    print(f"profile: forward {profile.forward_ms:.2f} ms, backward {profile.backward_ms:.2f} ms, "
-          f"after backward {profile.after_backward_ms:.2f} ms, {len(profile.gradients)} gradients, "
-          f"{profile.gradient_bytes / 2**20:.2f} MiB (from {path}, compute / {args.compute_scale:g})")
+                       algorithm=args.algorithm, overlap=not args.shared_cores, overheads=overheads)
+    print(f"compute: forward {profile.forward_ms:.2f} ms, backward {profile.backward_ms:.2f} ms, "
+          f"after backward {profile.after_backward_ms:.2f} ms ({times}); {len(profile.gradients)} gradients, "
+          f"{profile.gradient_bytes / 2**20:.2f} MiB (from {path})")
     print(f"network: {network.name}: {network.source}")
+    print(f"overheads: {overheads.describe()}")
     rows = sweep(profile, network, args.world, args.bucket_mb, policy)
     print(format_table(rows))
     if args.plot:

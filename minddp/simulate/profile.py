@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from minddp.trace import BACKWARD_TRACK
 
-__all__ = ["Gradient", "ComputeProfile", "profile_from_trace", "load_profile"]
+__all__ = ["Gradient", "ComputeProfile", "profile_from_trace", "load_profile", "save_profile", "save_profiles",
+           "load_profiles"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,48 @@ class ComputeProfile:
     def gradient_bytes(self) -> int:
         return sum(g.nbytes for g in self.gradients)
 
+    @property
+    def step_ms(self) -> float:
+        """One step without communication: forward + backward + after backward."""
+        return self.forward_ms + self.backward_ms + self.after_backward_ms
+
     def scaled(self, factor: float) -> "ComputeProfile":
         """Every compute time divided by ``factor`` (e.g. 20 for "my GPU is 20x this CPU")."""
+        if not factor > 0:
+            raise ValueError(f"compute scale must be > 0, got {factor}")
         return ComputeProfile(
             self.forward_ms / factor,
             [replace(g, ready_ms=g.ready_ms / factor) for g in self.gradients],
             self.after_backward_ms / factor,
         )
+
+
+    def with_times(self, step_ms: float | None = None, forward_ms: float | None = None,
+                   backward_ms: float | None = None, after_backward_ms: float | None = None) -> "ComputeProfile":
+        """The trace's shape at times you measured: ``step_ms`` (one step without DDP; every part scaled
+        alike), or ``forward_ms`` and ``backward_ms`` (each part to its own; after backward scaled with
+        backward unless ``after_backward_ms`` is given). When each gradient is ready keeps its share of
+        backward."""
+        given = {"step_ms": step_ms, "forward_ms": forward_ms, "backward_ms": backward_ms,
+                 "after_backward_ms": after_backward_ms}
+        for name, value in given.items():
+            if value is not None and not (value > 0 and value < float("inf")):
+                raise ValueError(f"{name} must be a number of ms > 0, got {value}")
+        if step_ms is not None and (forward_ms is not None or backward_ms is not None):
+            raise ValueError("give step_ms, or forward_ms and backward_ms, not both")
+        if (forward_ms is None) != (backward_ms is None):
+            raise ValueError("forward_ms and backward_ms go together (or give step_ms)")
+        if self.forward_ms <= 0 or self.backward_ms <= 0:
+            raise ValueError("the trace has no forward or backward time to scale")
+        if step_ms is not None:
+            if after_backward_ms is not None:
+                raise ValueError("with step_ms, after backward is scaled with the rest: leave after_backward_ms out")
+            return self.scaled(self.step_ms / step_ms)
+        if forward_ms is None:
+            return self if after_backward_ms is None else replace(self, after_backward_ms=after_backward_ms)
+        k = backward_ms / self.backward_ms
+        return ComputeProfile(forward_ms, [replace(g, ready_ms=g.ready_ms * k) for g in self.gradients],
+                              self.after_backward_ms * k if after_backward_ms is None else after_backward_ms)
 
 
 def _median(values: list[float], what: str) -> float:
@@ -103,6 +139,41 @@ def profile_from_trace(trace: dict) -> ComputeProfile:
                           statistics.median(after) if after else 0.0)
 
 
-def load_profile(path: str) -> ComputeProfile:
+PROFILE_FORMAT = "minddp compute profile v1"
+
+
+def _as_dict(profile: ComputeProfile) -> dict:
+    return {"format": PROFILE_FORMAT, "forward_ms": profile.forward_ms, "after_backward_ms": profile.after_backward_ms,
+            "gradients": [[g.name, round(g.ready_ms, 4), g.nbytes, g.dtype] for g in profile.gradients]}
+
+
+def _from_dict(data: dict) -> ComputeProfile:
+    return ComputeProfile(data["forward_ms"], [Gradient(*g) for g in data["gradients"]], data["after_backward_ms"])
+
+
+def save_profile(profile: ComputeProfile, path: str) -> None:
+    """Write ``profile`` as a small JSON file (a few bytes per gradient, not the whole trace)."""
+    with open(path, "w") as f:
+        json.dump(_as_dict(profile), f)
+
+
+def save_profiles(profiles: dict[str, ComputeProfile], path: str) -> None:
+    """Several named profiles in one small JSON file (:func:`load_profiles` reads it)."""
+    with open(path, "w") as f:
+        json.dump({name: _as_dict(p) for name, p in profiles.items()}, f, separators=(",", ":"))
+
+
+def load_profiles(path: str) -> dict[str, ComputeProfile]:
     with open(path) as f:
-        return profile_from_trace(json.load(f))
+        return {name: _from_dict(data) for name, data in json.load(f).items()}
+
+
+def load_profile(path: str) -> ComputeProfile:
+    """A profile from a Chrome trace of ``MiniDDP(trace=True)`` or a file of :func:`save_profile`."""
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and data.get("format") == PROFILE_FORMAT:
+        return _from_dict(data)
+    if not isinstance(data, dict) or "traceEvents" not in data:
+        raise ValueError(f"{path} is neither a Chrome trace of MiniDDP(trace=True) nor a saved compute profile")
+    return profile_from_trace(data)

@@ -1,4 +1,11 @@
-"""Taking a trace to simulate from: a few traced MiniDDP steps of a named model.
+"""Taking a trace to simulate from: a few traced MiniDDP steps of a model.
+
+The model is one of ``minddp.models``' names (``mlp``, ``cnn``...) or your
+own, named ``module:function`` or ``path/to/file.py:function``: a function
+that takes no arguments and returns ``(model, batch)`` or ``(model, batch,
+loss_fn)``. ``batch`` is a tensor, or a tuple of tensors given to
+``model(*batch)``; without ``loss_fn`` the loss is the mean of the output
+(what backward computes is the same work whatever the loss).
 
 The same as these lines in your own training script (every rank calls the
 export; rank 0 writes)::
@@ -14,41 +21,95 @@ World size 1 (the default) gives the cleanest compute profile: no rank
 waits for a peer, and no all-reduce competes with backward for the cores.
 
 This is the command line's helper, the one part of the simulator that runs
-an example model; the replay never imports it (``tests/test_layout.py``
-counts it with the floor above the core). Its functions live here, not in
+a model; the replay never imports it (``tests/test_layout.py`` counts it
+with the floor above the core). Its functions live here, not in
 ``__main__``, because spawned ranks cannot import a ``__main__`` module.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
+from typing import Callable
+
 import torch
 
 from minddp import MiniDDP
 from minddp.launch import spawn
-from minddp.models import build_model, model_loss
+from minddp.models import MODEL_NAMES, build_model, model_loss
 
-__all__ = ["record_trace"]
+__all__ = ["record_trace", "load_builder", "built_model"]
 
 BATCH_SIZE = 32
 WARMUP_STEPS = 3
 
 
-def _rank(rank: int, world_size: int, model_name: str, path: str, steps: int) -> None:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    ddp = MiniDDP(build_model(model_name), trace=True)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+def load_builder(spec: str) -> Callable:
+    """The function named by ``module:function`` or ``file.py:function``; ValueError saying what is wrong."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ValueError(f"--record: {spec!r} is neither a model of minddp.models ({', '.join(MODEL_NAMES)}) "
+                         "nor module:function / file.py:function")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ValueError(f"--record: no file {where!r}")
+            loader = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as e:
+        raise ValueError(f"--record: cannot import {where!r} ({e})") from None
+    builder = getattr(module, name, None)
+    if not callable(builder):
+        raise ValueError(f"--record: {where!r} has no function {name!r}")
+    return builder
+
+
+def built_model(spec: str) -> tuple[torch.nn.Module, tuple, Callable]:
+    """``(model, inputs, loss_fn)`` from a builder spec; ValueError if it returns something else."""
+    built = load_builder(spec)()
+    if not isinstance(built, tuple) or len(built) not in (2, 3) or not isinstance(built[0], torch.nn.Module):
+        raise ValueError(f"--record: {spec}() must return (model, batch) or (model, batch, loss_fn), "
+                         f"got {type(built).__name__}")
+    model, batch = built[0], built[1]
+    inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    loss_fn = built[2] if len(built) == 3 else (lambda out: (out[0] if isinstance(out, (tuple, list)) else out).float().mean())
+    return model, inputs, loss_fn
+
+
+def _named_model(name: str, rank: int) -> tuple[torch.nn.Module, tuple, Callable]:
     data = torch.Generator().manual_seed(100 + rank)
     x, y = torch.rand(BATCH_SIZE, 1, 28, 28, generator=data), torch.randint(0, 10, (BATCH_SIZE,), generator=data)
-    for step in range(WARMUP_STEPS + steps):
-        if step == WARMUP_STEPS:
+    return build_model(name), (x,), lambda out: model_loss(name, out, x, y)
+
+
+def _rank(rank: int, world_size: int, spec: str, path: str, steps: int, warmup: int) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _named_model(spec, rank) if spec in MODEL_NAMES else built_model(spec)
+    ddp = MiniDDP(model, trace=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(warmup + steps):
+        if step == warmup:
             ddp.tracer.clear()
         opt.zero_grad()
-        model_loss(model_name, ddp(x), x, y).backward()
+        loss_fn(ddp(*inputs)).backward()
         opt.step()
     ddp.tracer.export_chrome_trace(path)
 
 
-def record_trace(model_name: str, path: str, world_size: int = 1, steps: int = 5) -> None:
-    """Run ``steps`` traced steps of ``minddp.models.build_model(model_name)`` on Gloo, write ``path``."""
-    spawn(_rank, world_size, model_name, path, steps, backend="gloo")
+def record_trace(spec: str, path: str, world_size: int = 1, steps: int = 5, warmup: int = WARMUP_STEPS) -> None:
+    """Run ``steps`` traced steps (after ``warmup``) of a model on Gloo, write the Chrome trace to ``path``.
+
+    ``spec``: a ``minddp.models`` name, or ``module:function`` / ``file.py:function`` (module doc).
+    A builder that cannot be found raises ValueError here, before any rank starts.
+    """
+    if spec not in MODEL_NAMES:
+        load_builder(spec)
+        where, _, name = spec.rpartition(":")
+        if where.endswith(".py"):  # the ranks may start elsewhere: name the file absolutely
+            spec = f"{os.path.abspath(where)}:{name}"
+    spawn(_rank, world_size, spec, path, steps, warmup, backend="gloo")

@@ -16,7 +16,12 @@ replay walks the buckets in order, as MiniDDP and torch's DDP launch them:
    reduce-scatter of the bucket instead: half the time on the wire).
 
 The step ends when backward has produced its last gradient and the last
-all-reduce is over, plus ``after_backward_ms``. With ``overlap=False``
+all-reduce is over, plus ``after_backward_ms``. ``policy.overheads``
+(:mod:`minddp.simulate.overheads`) adds what the bare model misses: each
+gradient's hook and each bucket's launch, inserted into backward where they
+happen; backward slowed while a collective runs beside it; the wrapper's
+cost per step. At world size 1 the buckets are built and launched too (a
+collective over one rank takes no time), as DDP on one rank does. With ``overlap=False``
 communication and compute share one core (a CPU rank whose Gloo thread
 competes with autograd): while a collective runs during backward, backward
 is paused, so everything after it becomes ready that much later.
@@ -29,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
-from minddp.network import COLLECTIVES, Hierarchy, Link, collective_time
+from minddp.network import COLLECTIVES, Hierarchy, Link, bytes_sent_per_rank, collective_time
+from minddp.simulate.overheads import NO_OVERHEADS, ComputeClock, Overheads
 from minddp.simulate.profile import ComputeProfile, Gradient
 
 __all__ = ["DDPPolicy", "SimulatedBucket", "SimulatedStep", "simulate_step"]
@@ -51,6 +57,7 @@ class DDPPolicy:
     algorithm: str = "ring"  # or "tree"; with a Hierarchy network, the one between nodes
     overlap: bool = True  # False: communication and compute share the cores (see module doc)
     collective: str = "all_reduce"  # what each bucket does: "reduce_scatter" is ZeRO stage 2's
+    overheads: Overheads = NO_OVERHEADS  # costs the bare model misses (minddp.simulate.overheads)
 
     def __post_init__(self) -> None:
         if self.collective not in ("all_reduce", "reduce_scatter"):
@@ -58,8 +65,11 @@ class DDPPolicy:
                              f"got {self.collective!r}; the known collectives are {', '.join(COLLECTIVES)}")
         if self.compression not in (None, "fp16", "bf16"):
             raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {self.compression!r}")
-        if self.accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be a whole number >= 1, got {self.accumulation_steps}")
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb", "cast_Bps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -83,6 +93,9 @@ class SimulatedStep:
     compute_ms: float  # the same step with no communication at all (world size 1)
     comm_ms: float  # sum of all-reduce durations
     buckets: list[SimulatedBucket] = field(default_factory=list)
+    hooks_ms: float = 0.0  # gradient hooks and bucket launches added to backward (Overheads)
+    contention_ms: float = 0.0  # backward's time lost to collectives running beside it (overlap=True)
+    per_step_ms: float = 0.0  # the wrapper's own work per step (Overheads)
 
     @property
     def exposed_ms(self) -> float:
@@ -91,10 +104,11 @@ class SimulatedStep:
 
     @property
     def hidden_fraction(self) -> float:
-        """Share of communication time that cost nothing: ``1 - (step - compute) / comm``, in [0, 1]."""
+        """Share of communication time that cost nothing: ``1 - (step - compute - overheads) / comm``, in [0, 1]."""
         if self.comm_ms == 0:
             return 1.0
-        return min(1.0, max(0.0, 1.0 - (self.step_ms - self.compute_ms) / self.comm_ms))
+        overheads = self.hooks_ms + self.contention_ms + self.per_step_ms
+        return min(1.0, max(0.0, 1.0 - (self.step_ms - self.compute_ms - overheads) / self.comm_ms))
 
     @property
     def scaling_efficiency(self) -> float:
@@ -128,42 +142,66 @@ def _wire_bytes(members: list[Gradient], policy: DDPPolicy) -> int:
     return nbytes // size * min(size, COMPRESSED_ELEMENT_SIZE)
 
 
+def _compute_positions(gradients: list[Gradient], buckets: list[list[Gradient]], costs: Overheads,
+                       ) -> tuple[list[float], list[float], float]:
+    """Where, in backward's own work (ms), each bucket's last gradient is ready and its launch is done,
+    and how long backward's work is, with the hooks' and launches' costs inserted as they happen."""
+    hook, launch = costs.per_gradient_us / 1e3, costs.per_bucket_us / 1e3
+    last_of = {}
+    for k, members in enumerate(buckets):
+        last = max(members, key=lambda g: g.ready_ms)
+        last_of.setdefault(id(last), []).append(k)
+    ready, launched, shift = [0.0] * len(buckets), [0.0] * len(buckets), 0.0
+    for g in gradients:
+        shift += hook
+        for k in last_of.get(id(g), []):
+            ready[k] = g.ready_ms + shift
+            shift += launch
+            launched[k] = g.ready_ms + shift
+    backward = max((g.ready_ms for g in gradients), default=0.0) + shift
+    return ready, launched, backward
+
+
 def simulate_step(profile: ComputeProfile, network: Link | Hierarchy, world_size: int,
                   policy: DDPPolicy = DDPPolicy()) -> SimulatedStep:
     """Replay one optimizer step of ``profile`` on ``world_size`` ranks; see the module doc."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    costs = policy.overheads
     gradients = sorted(profile.gradients, key=lambda g: g.ready_ms)
-    pauses: list[tuple[float, float]] = []  # (start, length) of collectives that paused backward
-
-    def wall(compute_ms: float) -> float:
-        """When backward reaches ``compute_ms`` of its own work, after the pauses before it."""
-        t = compute_ms
-        for start, length in pauses:
-            if start < t:
-                t += length
-        return t
-
+    groups = _buckets(gradients, policy)
+    ready, launched, backward_work = _compute_positions(gradients, groups, costs)
+    clock = ComputeClock()
     buckets: list[SimulatedBucket] = []
     wire_free = 0.0
-    for index, members in enumerate(_buckets(gradients, policy) if world_size > 1 else []):
-        ready = wall(max(g.ready_ms for g in members))
-        start = max(ready, wire_free)
+    for index, members in enumerate(groups):
+        start = max(clock.wall(launched[index]), wire_free)
+        if world_size > 1 and costs.compute_slowdown > 0:
+            clock.slow_from(clock.wall(launched[index]), 1.0 / (1.0 + costs.compute_slowdown))
         wire = _wire_bytes(members, policy)
         seconds = collective_time(policy.collective, wire, world_size, network, policy.algorithm)
         if wire < sum(g.nbytes for g in members):  # compressed: cast down before, back up after
             seconds += 2 * sum(g.nbytes for g in members) / policy.cast_Bps
         end = start + seconds * 1e3
-        if not policy.overlap and start < wall(profile.backward_ms):
-            pauses.append((start, end - start))
+        if not policy.overlap:  # the collective takes the cores: backward stands still
+            clock.slow(start, end, 0.0)
+        elif costs.contention_us_per_MB > 0 and end > start:
+            # Its kernels take lost_ms of the device from backward, spread over the collective (or, if the
+            # wire is faster than that, over lost_ms: the device cannot give more than all of itself).
+            lost_ms = costs.contention_us_per_MB * bytes_sent_per_rank(policy.collective, wire, world_size) / 1e9
+            begin = max(start, clock.busy_until)
+            clock.slow(begin, begin + max(end - start, lost_ms), 1.0 - lost_ms / max(end - start, lost_ms))
         buckets.append(SimulatedBucket(index, [g.name for g in members], sum(g.nbytes for g in members), wire,
-                                       ready, start, end))
+                                       clock.wall(ready[index]), start, end))
         wire_free = end
 
-    backward_end = wall(profile.backward_ms)
+    backward_end = clock.wall(backward_work)
     comm_end = buckets[-1].end_ms if buckets else 0.0
     unsynced = (policy.accumulation_steps - 1) * (profile.forward_ms + profile.backward_ms)
     compute = unsynced + profile.forward_ms + profile.backward_ms + profile.after_backward_ms
-    step = unsynced + profile.forward_ms + max(backward_end, comm_end) + profile.after_backward_ms
+    step = (unsynced + profile.forward_ms + max(backward_end, comm_end) + profile.after_backward_ms
+            + costs.per_step_ms)
     return SimulatedStep(world_size, profile.forward_ms, backward_end, comm_end, step, compute,
-                         sum(b.end_ms - b.start_ms for b in buckets), buckets)
+                         sum(b.end_ms - b.start_ms for b in buckets), buckets,
+                         hooks_ms=backward_work - profile.backward_ms, contention_ms=clock.lost_ms(backward_end) if policy.overlap else 0.0,
+                         per_step_ms=costs.per_step_ms)

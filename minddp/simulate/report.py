@@ -30,16 +30,22 @@ def sweep(profile: ComputeProfile, network: Link | Hierarchy, worlds: list[int],
 
 
 def format_table(rows: list[Row]) -> str:
-    """A markdown table, times in ms per optimizer step."""
+    """A markdown table, times in ms per optimizer step.
+
+    compute: the step without DDP; hooks: gradient hooks and bucket launches added to backward;
+    contention: backward's time lost to collectives beside it; per step: the wrapper's own cost.
+    """
     lines = [
-        "| world | cap MB | buckets | step ms | compute ms | comm ms | exposed ms | hidden | efficiency |",
-        "|------:|-------:|--------:|--------:|-----------:|--------:|-----------:|-------:|-----------:|",
+        "| world | cap MB | buckets | step ms | compute ms | comm ms | exposed ms | hidden | hooks ms "
+        "| contention ms | per step ms | efficiency |",
+        "|------:|-------:|--------:|--------:|-----------:|--------:|-----------:|-------:|---------:"
+        "|--------------:|------------:|-----------:|",
     ]
     for r in rows:
         s = r.step
         lines.append(f"| {r.world_size} | {r.bucket_cap_mb:g} | {len(s.buckets)} | {s.step_ms:.2f} | "
                      f"{s.compute_ms:.2f} | {s.comm_ms:.2f} | {s.exposed_ms:.2f} | {s.hidden_fraction:.2f} | "
-                     f"{s.scaling_efficiency:.1%} |")
+                     f"{s.hooks_ms:.2f} | {s.contention_ms:.2f} | {s.per_step_ms:.2f} | {s.scaling_efficiency:.1%} |")
     return "\n".join(lines)
 
 

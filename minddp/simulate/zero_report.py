@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from minddp.network import HIERARCHIES, PRESETS, get_network
+from minddp.simulate.arguments import OneLineParser, listed, positive, whole
 from minddp.simulate.replay import DDPPolicy
 from minddp.simulate.stage3 import Stage3Policy, working_set_bytes
 from minddp.simulate.zero import MODELS, PRECISIONS, SETUPS, Compute, get_model, predict, profile_for, units_for
@@ -44,22 +45,22 @@ def format_zero_table(rows: list[tuple[int, dict]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m minddp.simulate zero", description=__doc__.strip().splitlines()[0],
+    p = OneLineParser(prog="python -m minddp.simulate zero", description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="7.5b", help=f"one of: {', '.join(MODELS)}, or a parameter count like 13e9 "
                    "(default %(default)s)")
     p.add_argument("--network", default="dgx-h100", help=f"one of: {', '.join([*PRESETS, *HIERARCHIES])} "
                    "(default %(default)s)")
-    p.add_argument("--world", type=lambda t: [int(x) for x in t.split(",") if x.strip()], default=[8, 64, 512, 1024],
+    p.add_argument("--world", type=listed(whole), default=[8, 64, 512, 1024],
                    help="world sizes, comma-separated (default 8,64,512,1024)")
     p.add_argument("--precision", choices=list(PRECISIONS), default="mixed",
                    help="mixed: the paper's 2+2+12 bytes per parameter; fp32: 4+4+8, as minddp measures")
-    p.add_argument("--bucket-mb", type=float, default=DEEPSPEED_BUCKET_MB,
+    p.add_argument("--bucket-mb", type=positive, default=DEEPSPEED_BUCKET_MB,
                    help="bucket cap in MiB (default %(default).0f: DeepSpeed's reduce_bucket_size, 5e8 fp16 elements)")
-    p.add_argument("--tflops", type=float, default=Compute.tflops, help="achieved TFLOPS per rank (default %(default)g)")
+    p.add_argument("--tflops", type=positive, default=Compute.tflops, help="achieved TFLOPS per rank (default %(default)g)")
     p.add_argument("--no-prefetch", action="store_true",
                    help="stage 3 gathers each unit only when it is needed (default: the next unit is prefetched)")
-    p.add_argument("--tokens", type=int, default=Compute.tokens_per_rank, help="tokens per rank per step "
+    p.add_argument("--tokens", type=whole, default=Compute.tokens_per_rank, help="tokens per rank per step "
                    "(default %(default)s)")
     return p.parse_args(argv)
 

@@ -1,0 +1,24 @@
+"""Exercise 10: SyncBatchNorm's forward statistics -- the global batch's mean and variance (lesson 10).
+
+Write ``global_mean_and_var`` below; then, from the repository's root:
+
+    python -m lessons.grade 10
+
+The grader gives each of 3 ranks a batch of its own size (2, 5 and 8
+samples), shifted differently, and compares with the mean and variance of all
+the samples together in one process.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def global_mean_and_var(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, the mean and the variance of the batch formed by every rank's ``x`` together.
+
+    ``x`` is this rank's batch, shape (n, C); n may differ from rank to rank.
+    The variance is the biased one BatchNorm normalizes with (divided by the
+    total count, not count - 1). Every rank returns the same two tensors of
+    shape (C,).
+    """
+    raise NotImplementedError

@@ -1,0 +1,56 @@
+"""Grade your exercises: ``python -m lessons.grade 05`` from the repository's root.
+
+    python -m lessons.grade            # every exercise: passed, failed or not written yet
+    python -m lessons.grade 04 07      # only these
+    python -m lessons.grade 05 --file my_hooks.py   # grade another file than lessons/exercises/05_*.py
+
+Each exercise runs your code on Gloo ranks on this machine's CPU (a few
+seconds), compares it with one process on the whole batch, and says what is
+wrong. Exit status 0 when every exercise graded passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from lessons.grading.exercises import EXERCISES
+from lessons.grading.runner import grade
+from minddp.testing import RankPool
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Grade the exercises in lessons/exercises.")
+    parser.add_argument("numbers", nargs="*", help=f"exercises to grade (default: all of {', '.join(EXERCISES)})")
+    parser.add_argument("--file", help="grade this file instead of the exercise's own (one exercise only)")
+    parser.add_argument("--world-size", type=int, default=3, help="ranks to run on (default %(default)s)")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.numbers if n not in EXERCISES]
+    if unknown:
+        parser.error(f"no exercise {', '.join(unknown)}; there are {', '.join(EXERCISES)}")
+    if args.file and len(args.numbers) != 1:
+        parser.error("--file grades one exercise: name its number, e.g. python -m lessons.grade 05 --file mine.py")
+    if args.world_size < 2:
+        parser.error("the exercises compare ranks with each other: --world-size 2 or more")
+    torch.set_num_threads(1)
+    passed = True
+    with RankPool(args.world_size) as pool:
+        for number in args.numbers or EXERCISES:
+            exercise = EXERCISES[number]
+            failures = grade(exercise, args.file, pool)
+            passed &= not failures
+            if not failures:
+                print(f"{number} {exercise.title}: passed", flush=True)
+            elif failures[0].startswith("not written yet"):
+                print(f"{number} {exercise.title}: {failures[0]} (lessons/exercises/{exercise.file})", flush=True)
+            else:
+                print(f"{number} {exercise.title}: FAILED", flush=True)
+                for failure in failures:
+                    print(f"   - {failure}", flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Checks of exercises 03 (the ring all-reduce) and 10 (SyncBatchNorm's forward statistics)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from lessons.grading.bench import gather_failures
+from lessons.grading.runner import load
+
+COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter"]
+_all_reduce = dist.all_reduce  # the grader's own, never watched
+
+
+@contextlib.contextmanager
+def watched_messages(used: set, sent: list):
+    """Record the collectives called (in ``used``) and the numbers sent point to point (appended to ``sent``)."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES + ["send", "isend"] if hasattr(dist, name)}
+
+    def collective(name):
+        def call(*args, **kwargs):
+            used.add(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    def sending(name):
+        def call(tensor, *args, **kwargs):
+            sent.append(tensor.numel())
+            return originals[name](tensor, *args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, sending(name) if name in ("send", "isend") else collective(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def check_03(rank: int, world_size: int, path: str) -> list[str]:
+    exercise = load(path)
+    p = world_size
+    failures = []
+    for shape in [(12,), (7,), (4, 5), (2,)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(10 * rank + len(shape)))
+        before = x.clone()
+        used, sent = set(), []
+        with watched_messages(used, sent):
+            result = exercise.ring_all_reduce(x)
+        right = x.clone()
+        _all_reduce(right)
+        n = x.numel()
+        if used:
+            failures.append(f"you called dist.{', dist.'.join(sorted(used))}: the exercise builds the all-reduce "
+                            f"from send and recv alone")
+        if not torch.equal(x, before):
+            failures.append("your function changed x: sum into a copy (x.clone()) and return that")
+        if not isinstance(result, torch.Tensor) or result.shape != x.shape:
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            failures.append(f"for a tensor of shape {tuple(shape)} you returned {got}: return a tensor shaped like x")
+            continue
+        if not torch.allclose(result, right, atol=1e-5):
+            if torch.allclose(result, x):
+                failures.append(f"for shape {tuple(shape)} the result is this rank's own x: nothing was added")
+            else:
+                wrong = [i for i, (a, b) in enumerate(zip(result.reshape(-1).tensor_split(p), right.reshape(-1).tensor_split(p)))
+                         if not torch.allclose(a, b, atol=1e-5)]
+                failures.append(f"for a tensor of {n} numbers rank {rank}'s chunks {wrong} (of {p}) are not the sum: "
+                                f"after the reduce-scatter rank r holds the finished chunk (r + 1) mod p, and the "
+                                f"all-gather must hand every finished chunk to every rank")
+        everyone = [None] * p
+        dist.all_gather_object(everyone, sum(sent))
+        ring = -(-n // p) * 2 * (p - 1)  # at most: 2 (p - 1) chunks of ceil(n / p)
+        if not used and max(everyone) > ring:
+            failures.append(f"for a tensor of {n} numbers the ranks sent {everyone} numbers: a ring sends at most "
+                            f"{ring} per rank (2 (p - 1) chunks of n / p); sending whole tensors, or everything to "
+                            f"one rank (a parameter server), sends more")
+        if failures:
+            break
+    return gather_failures(failures)
+
+
+def check_10(rank: int, world_size: int, path: str) -> list[str]:
+    exercise = load(path)
+    channels = 4
+    batches = [torch.randn(2 + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r
+               for r in range(world_size)]  # every rank makes every rank's batch, for the reference
+    x = batches[rank]
+    mean, var = exercise.global_mean_and_var(x.clone())
+    whole = torch.cat(batches)
+    right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)
+    close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4)  # noqa: E731
+    failures = []
+    if not (isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)) or mean.shape != (channels,) or var.shape != (channels,):
+        failures.append(f"return two tensors of shape ({channels},): one mean and one variance per channel")
+    elif close(mean, x.mean(dim=0)) and not close(mean, right_mean):
+        failures.append("your statistics are this rank's own batch's: they must be the whole batch's, every rank's "
+                        "samples together (gather each rank's count, mean and M2)")
+    elif not close(mean, right_mean):
+        unweighted = torch.stack([b.mean(dim=0) for b in batches]).mean(dim=0)
+        if close(mean, unweighted):
+            failures.append("your mean is the average of the ranks' means: right only when every rank has as many "
+                            "samples; here they have " + ", ".join(str(len(b)) for b in batches)
+                            + ": weight each rank's mean by its count")
+        else:
+            failures.append(f"the mean is off by up to {(mean - right_mean).abs().max():.3g} from the whole batch's")
+    elif not close(var, right_var):
+        n = whole.shape[0]
+        local_vars = torch.stack([b.var(dim=0, correction=0) for b in batches])
+        counts = torch.tensor([len(b) for b in batches], dtype=torch.float32)[:, None]
+        if close(var, right_var * n / (n - 1)):
+            failures.append("your variance is the unbiased one (divided by n - 1): BatchNorm normalizes with the "
+                            "biased variance, divided by the total count n")
+        elif close(var, local_vars.mean(dim=0)) or close(var, (counts * local_vars).sum(dim=0) / n):
+            failures.append("your variance averages the ranks' variances: that misses the spread between the ranks' "
+                            "means. Add, for each rank, its count times (its mean - the global mean) squared")
+        else:
+            failures.append(f"the variance is off by up to {(var - right_var).abs().max():.3g} from the whole batch's")
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (mean, var))
+    if not failures and not all(torch.equal(m, mean) and torch.equal(v, var) for m, v in everyone):
+        failures.append("the ranks returned different statistics: every rank must normalize with the same ones")
+    return gather_failures(failures)

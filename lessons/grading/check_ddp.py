@@ -1,0 +1,213 @@
+"""Checks of exercises 04-07: the hand-made data-parallel wrappers, on the lessons' bench.
+
+Each ``check_NN(rank, world_size, path)`` runs on every rank and returns the
+same list of failures everywhere. Exercises 06 and 07 also watch every
+``dist.all_reduce`` call (``Watch``): when it was launched, whether it was
+asynchronous, and when its handle was waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lessons._common import FEATURES, make_model
+from lessons.grading.bench import explain, gather_failures, train_vs_one_process, worst
+from lessons.grading.runner import load
+
+
+class Watch:
+    """While active, every dist.all_reduce is recorded: (launched at, async?); each handle's waits too."""
+
+    def __init__(self):
+        self.launches, self.waits, self.bytes = [], [], []
+
+    @contextlib.contextmanager
+    def active(self):
+        original = dist.all_reduce
+
+        def all_reduce(tensor, *args, async_op=False, **kwargs):
+            self.launches.append((time.perf_counter(), async_op))
+            self.bytes.append(tensor.numel())
+            work = original(tensor, *args, async_op=async_op, **kwargs)
+            return _WatchedWork(work, self.waits) if async_op else work
+
+        dist.all_reduce = all_reduce
+        try:
+            yield self
+        finally:
+            dist.all_reduce = original
+
+
+class _WatchedWork:
+    def __init__(self, work, waits: list):
+        self._work, self._waits = work, waits
+
+    def wait(self, *args, **kwargs):
+        self._waits.append(time.perf_counter())
+        return self._work.wait(*args, **kwargs)
+
+    def get_future(self):
+        return _WatchedFuture(self._work.get_future(), self._waits)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class _WatchedFuture:
+    def __init__(self, future, waits: list):
+        self._future, self._waits = future, waits
+
+    def wait(self):
+        self._waits.append(time.perf_counter())
+        return self._future.wait()
+
+    def value(self):
+        self._waits.append(time.perf_counter())
+        return self._future.value()
+
+    def __getattr__(self, name):
+        return getattr(self._future, name)
+
+
+class _HandWrapper:
+    """Exercise 04's two functions as a wrapper for the bench."""
+
+    def __init__(self, exercise, module: nn.Module):
+        self.exercise, self.module = exercise, module
+        self.require_sync = True
+        exercise.broadcast_parameters(module)
+
+    def __call__(self, x):
+        return self.module(x)
+
+    def finish(self) -> None:
+        if self.require_sync:
+            self.exercise.average_gradients(self.module)
+
+
+def check_04(rank: int, world_size: int, path: str) -> list[str]:
+    exercise = load(path)
+    seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True)
+    return gather_failures(explain(seen, world_size))
+
+
+def check_05(rank: int, world_size: int, path: str) -> list[str]:
+    exercise = load(path)
+    failures = []
+    # Mistake B: a post-accumulate hook gets the parameter. Nudge one weight by the rank; backward must not move it.
+    model = make_model(seed=0)
+    wrapper = exercise.HookAverager(model)
+    with torch.no_grad():
+        model[-1].weight[0, 0] += rank
+    before = model[-1].weight.detach().clone()
+    wrapper(torch.randn(4, FEATURES, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    if worst((model[-1].weight - before).abs().max().item()) > 0:
+        failures.append("backward changed the weights: your hook averaged the parameter itself. A post-accumulate "
+                        "hook receives the parameter, not its gradient: average param.grad (lesson 05's mistake B)")
+    one = train_vs_one_process(exercise.HookAverager)
+    two = train_vs_one_process(exercise.HookAverager, micro_batches=2)
+    if not failures:
+        if one.exact() and not two.exact():
+            failures.append("right with one backward per step, wrong when 2 micro-batches accumulate: your hook saw "
+                            "only this pass's gradient, so the earlier micro-batch stayed un-averaged in .grad. "
+                            "Tensor.register_hook runs before accumulation (lesson 05's mistake A): use "
+                            "register_post_accumulate_grad_hook")
+        else:
+            failures += explain(one, world_size)
+            failures += explain(two, world_size, "with 2 micro-batches accumulated: ") if one.exact() else []
+    # require_sync: accumulating must not communicate.
+    watch = Watch()
+    wrapper = exercise.HookAverager(make_model(seed=0))
+    wrapper.require_sync = False
+    with watch.active():
+        wrapper(torch.randn(4, FEATURES)).sum().backward()
+    if watch.launches:
+        failures.append(f"with require_sync False your hooks still made {len(watch.launches)} all-reduces: while "
+                        f"micro-batches accumulate nothing should be sent (test self.require_sync in the hook)")
+    return gather_failures(failures)
+
+
+def _watched_training(make, model=None) -> tuple:
+    """Train through ``make`` on the bench with every all-reduce watched; (seen, watch, backward end times)."""
+    watch, ends = Watch(), []
+    with watch.active():
+        seen = train_vs_one_process(make, lambda: ends.append(time.perf_counter()), model=model)
+    return seen, watch, ends
+
+
+def _launch_failures(watch: Watch, ends: list, where: str) -> list[str]:
+    failures = []
+    if any(not is_async for _, is_async in watch.launches):
+        failures.append(f"an all-reduce was called without async_op=True: {where} waits for it, so backward stands "
+                        f"still while it travels")
+    if not watch.waits:
+        failures.append("nothing ever waited for the all-reduces: finish() must wait for each (handle.wait()) "
+                        "before reading the sums, or it may read a half-summed gradient")
+    elif watch.waits[0] < ends[0]:
+        failures.append(f"{where} waited for its all-reduce inside backward: backward stands still until the sum "
+                        f"arrives, so nothing overlaps. Launch with async_op=True and wait in finish()")
+    return failures
+
+
+def check_06(rank: int, world_size: int, path: str) -> list[str]:
+    exercise = load(path)
+    seen, watch, ends = _watched_training(exercise.AsyncAverager)
+    n_params = len(list(make_model(seed=0).parameters()))
+    failures = _launch_failures(watch, ends, "the hook")
+    launched_in_backward = sum(t < ends[0] for t, _ in watch.launches)
+    if not failures and launched_in_backward < n_params:
+        failures.append(f"only {launched_in_backward} of the {n_params} all-reduces of the first step were launched "
+                        f"during backward: the hook must launch each gradient's sum as soon as it is ready")
+    failures += explain(seen, world_size)
+    return gather_failures(failures)
+
+
+class TwoBranches(nn.Module):
+    """Two equal branches whose order in forward depends on the rank: so does the order of their gradients."""
+
+    def __init__(self, swap: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(FEATURES, 16, bias=False), nn.Linear(FEATURES, 16, bias=False)
+        self.head = nn.Linear(16, 4, bias=False)
+        self.swap = swap
+
+    def forward(self, x):
+        if self.swap:  # b first: autograd then reaches a's gradient first
+            hb = torch.relu(self.b(x))
+            ha = torch.tanh(self.a(x))
+        else:
+            ha = torch.tanh(self.a(x))
+            hb = torch.relu(self.b(x))
+        return self.head(ha + hb)
+
+
+def check_07(rank: int, world_size: int, path: str) -> list[str]:
+    exercise = load(path)
+    cap = 4096  # the bench model: 4 buckets
+    made = []
+    seen, watch, ends = _watched_training(lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
+    buckets = len(made[0].buckets)
+    failures = _launch_failures(watch, ends, "a bucket")
+    per_step = len(watch.launches) / 3
+    if per_step != buckets:
+        failures.append(f"{per_step:g} all-reduces per step for {buckets} buckets: each bucket is sent as one flat "
+                        f"tensor, once per step")
+    elif not failures and watch.launches[0][0] > ends[0]:
+        failures.append("every bucket left after backward had returned: launch a bucket from the hook as soon as it "
+                        "(and every bucket before it) is full, so it travels while backward goes on")
+    failures += explain(seen, world_size)
+    if not failures:  # in-order launching: ranks that fill buckets in different orders
+        swapped, _, _ = _watched_training(lambda m: exercise.BucketAverager(m, 16 * FEATURES * 4),
+                                          model=TwoBranches(swap=rank % 2 == 1))
+        if not swapped.exact():
+            failures.append("wrong when ranks fill their buckets in different orders (odd ranks compute branch b "
+                            "before a): collectives are matched by the order they are called, so one rank's bucket "
+                            "was summed with another rank's different bucket. Launch bucket i only after buckets "
+                            "0 .. i-1, whatever order they fill in")
+    return gather_failures(failures)

@@ -1,0 +1,141 @@
+"""Checks of exercises 19 (ZeRO-1's step over a shard) and 21 (FSDP's gather-compute-free of a unit)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lessons._common import CLASSES, FEATURES, make_model
+from lessons.grading.bench import PER_RANK, flat_weights, gather_failures, worst
+from lessons.grading.runner import load
+
+STEPS = 3
+_all_reduce, _all_gather = dist.all_reduce, dist.all_gather  # the grader's own
+
+
+def check_19(rank: int, world_size: int, path: str) -> list[str]:
+    exercise = load(path)
+    mine, plain = make_model(seed=0), make_model(seed=0)
+    sharded = exercise.ShardedOptimizer(mine.parameters(), torch.optim.AdamW, lr=1e-2)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(7)
+    failures = []
+    for step in range(STEPS):
+        x = torch.randn(world_size, PER_RANK, FEATURES, generator=data)
+        y = torch.randint(0, CLASSES, (world_size, PER_RANK), generator=data)
+        sharded.zero_grad()
+        nn.functional.cross_entropy(mine(x[rank]), y[rank]).backward()
+        for p, q in zip(mine.parameters(), plain.parameters()):
+            _all_reduce(p.grad)
+            p.grad /= world_size
+            q.grad = p.grad.clone()  # plain AdamW steps the same averaged gradients, all of them
+        before = flat_weights(mine)
+        sharded.step()
+        reference.step()
+        after, right = flat_weights(mine), flat_weights(plain)
+        if worst((after - right).abs().max().item()) < 1e-6:
+            continue
+        piece = sharded.piece
+        pieces = [slice(r * piece, min((r + 1) * piece, after.numel())) for r in range(world_size)]
+        moved = [not torch.equal(after[s], before[s]) for s in pieces]
+        if not any(moved):
+            failures.append("the parameters did not move: give self.shard its gradient (this rank's piece of every "
+                            "p.grad, laid end to end), step self.optimizer, and copy the updated pieces back")
+        elif moved[rank] and torch.allclose(after[pieces[rank]], right[pieces[rank]], atol=1e-6) and \
+                not any(moved[r] for r in range(world_size) if r != rank):
+            failures.append(f"rank {rank} updated only its own piece of the parameters; the others kept their old "
+                            f"values, so the ranks' weights differ after the step: all-gather every rank's updated "
+                            f"piece and copy them into the parameters")
+        else:
+            failures.append(f"after step {step + 1} the parameters differ from plain AdamW's on every element by up "
+                            f"to {(after - right).abs().max():.2g}")
+        break
+    if not failures and not sharded.optimizer.state:
+        failures.append("self.optimizer never stepped: the optimizer state of this rank's piece lives there")
+    return gather_failures(failures)
+
+
+class Watched:
+    """Wraps every unit's gather: notes, at each call, the bytes of earlier gathered tensors still alive."""
+
+    def __init__(self, units):
+        self.units, self.phase, self.late = units, "forward", []
+        for index, unit in enumerate(units):
+            original = unit.gather
+
+            def gather(original=original, index=index):
+                held = self.held()
+                if held:
+                    self.late.append((self.phase, index, held))
+                return original()
+            unit.gather = gather
+
+    def held(self) -> int:
+        return sum(t.untyped_storage().nbytes() for u in self.units for t in u.gathered)
+
+
+def make_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)], nn.Linear(16, 1))
+
+
+def check_21(rank: int, world_size: int, path: str) -> list[str]:
+    exercise = load(path)
+    reference = make_layers()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    model = exercise.Sharded(make_layers())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    watch = Watched(model.units)
+    failures = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        xs, ys = torch.randn(world_size, 8, 16, generator=g), torch.randn(world_size, 8, 1, generator=g)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(xs.reshape(-1, 16)), ys.reshape(-1, 1)).backward()
+        opt.zero_grad()
+        watch.phase = "forward"
+        loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
+        watch.phase = "backward"
+        loss.backward()
+        if watch.late:
+            phase, index, held = watch.late[0]
+            failures.append(f"when unit {index} was gathered in {phase}, {held} bytes gathered earlier were still "
+                            f"held: free each unit's full parameters (free(full)) as soon as it has computed, and "
+                            f"do not keep them for backward: gather again there")
+            break
+        if watch.held():
+            failures.append(f"after backward {watch.held()} bytes of gathered parameters were still held: free "
+                            f"everything you gather")
+            break
+        if step == 0:
+            right = _refs(model, reference, rank)
+            got = torch.cat([u.shard.grad for u in model.units])
+            want = torch.cat([grad for _, grad in right])
+            ratio = (got @ want / (want @ want)).item()
+            if abs(ratio - world_size) < 1e-3 * world_size:
+                failures.append(f"the shards' gradients are {world_size}x the single-process ones: did you divide "
+                                f"by the world size? (reduce-scatter sums)")
+                break
+        opt.step()
+        ref_opt.step()
+        gap = max((u.shard.detach() - w).abs().max().item() for u, (w, _) in zip(model.units, _refs(model, reference, rank)))
+        if worst(gap) > 1e-5:
+            failures.append(f"after step {step + 1} the shards differ from one process on the whole batch by up to "
+                            f"{worst(gap):.2g}")
+            break
+    return gather_failures(failures)
+
+
+def _piece(unit, layer: nn.Module, rank: int):
+    """This rank's piece of the layer's flat (weights, gradients), padded like the unit."""
+    def cut(tensors):
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = nn.functional.pad(flat, (0, unit.piece * unit.world_size - unit.numel))
+        return flat[rank * unit.piece:(rank + 1) * unit.piece]
+    params = list(layer.parameters())
+    return cut([p.detach() for p in params]), cut([p.grad for p in params])
+
+
+def _refs(model, reference, rank):
+    return [_piece(unit, layer, rank) for unit, layer in zip(model.units, reference)]

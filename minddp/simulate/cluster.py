@@ -1,0 +1,249 @@
+"""Your cluster, described by what you know: achieved bandwidths, node shape, NICs, or a measured table.
+
+:mod:`minddp.network`'s presets are line rates (what the datasheet says).
+A collective reaches less: NCCL's own maintainers put its protocol overhead
+on NVLink at about 20% (450 GB/s line rate, about 370 GB/s achieved on an
+H100 node; NVIDIA/nccl-tests issue 212). :data:`ACHIEVED` gives each preset
+its achieved fraction and where that figure comes from, and
+:func:`achieved_network` applies it: a flat link's bandwidth, or both levels
+of a machine.
+
+:func:`build_network` makes a network from flags: a latency and an achieved
+bandwidth (or a nominal rate and an efficiency), GPUs per node and NICs per
+node. The GPUs of a node share its NICs: each rank's share between nodes is
+``NIC bandwidth x NICs / GPUs`` (a DGX-1 has 4 NICs for 8 GPUs: half a NIC
+each). :func:`parse_collective_table` reads the output of NCCL's
+``all_reduce_perf`` (nccl-tests) and :func:`fit_network_table` fits a link
+to it with :func:`minddp.network.fit_link`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+
+from minddp.network import HIERARCHIES, PRESETS, Hierarchy, Link, fit_link, get_network
+
+__all__ = ["Achieved", "ACHIEVED", "MACHINES", "achieved_network", "lookup_network", "build_network", "network_table",
+           "parse_rate", "parse_collective_table", "fit_network_table"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Achieved:
+    efficiency: float  # achieved bus bandwidth / line rate
+    source: str
+
+
+_NVLINK_OVERHEAD = "NCCL's ~20% protocol overhead on NVLink (NVIDIA/nccl-tests issue 212, a maintainer's answer)"
+_IB = ("~40 GB/s all-reduce bus bandwidth over 4 x 100 Gb/s EDR per node (NCCL's GTC 2017 talk S7155, as "
+       "quoted in NVIDIA/nccl-tests issue 29): 80%")
+ACHIEVED: dict[str, Achieved] = {
+    "nvlink4": Achieved(370 / 450, "about 370 GB/s bus bandwidth on 8 H100s with NCCL_ALGO=Ring; " + _NVLINK_OVERHEAD),
+    "nvlink3": Achieved(200 / 300, "about 200 GB/s bus bandwidth on 8 A100s (NVIDIA/nccl-tests issues 149, 178)"),
+    "nvlink2": Achieved(0.8, "assumed: " + _NVLINK_OVERHEAD),
+    "pcie4": Achieved(0.8, "assumed: the same 20% as NVLink; on PCIe the CPU's memory often limits more"),
+    "ib200": Achieved(0.8, _IB),
+    "ib400": Achieved(0.8, _IB),
+    "ib100": Achieved(0.8, _IB),
+    "eth25": Achieved(0.8, "assumed: as InfiniBand; kernel TCP often reaches less"),
+    "eth100": Achieved(0.8, "assumed: as InfiniBand; kernel TCP often reaches less"),
+    "laptop": Achieved(1.0, "teaching preset: the figure is the model"),
+}
+
+# Links and machines beyond minddp.network's presets (line rates, as there).
+_EXTRA_LINKS = {
+    "nvlink2": Link("nvlink2", 3.4e-6, 150 * GB,
+                    "DGX-1 V100 NVLink 2: 6 links of 25 GB/s per direction per GPU, run as 6 one-way rings "
+                    "(NVIDIA DGX-1 V100 whitepaper, hybrid cube-mesh); 3.4 us per ring step (NCCL tuning.cc hwLat)"),
+    "ib100": Link("ib100", 14e-6, 100e9 / 8,
+                  "InfiniBand EDR 100 Gb/s = 12.5 GB/s (Mellanox ConnectX-4/5); 14 us per ring step (NCCL tuning.cc "
+                  "hwLat, Net/Ring/Simple)"),
+}
+MACHINES: dict[str, tuple[str, str, int, int, str]] = {  # name: (intra link, NIC, GPUs per node, NICs per node, source)
+    "dgx1-v100": ("nvlink2", "ib100", 8, 4, "NVIDIA DGX-1 (V100): 8 GPUs, NVLink 2 hybrid cube-mesh, 4 x 100 Gb/s "
+                  "InfiniBand EDR per machine (as PyTorch's DDP benchmark README describes its DGX-1s)"),
+}
+
+
+# minddp.network's machines give every GPU a NIC of its own; a typical cloud instance has one for all 8.
+NICS_PER_NODE = {"pcie-eth25": 1}
+
+
+def _link(name: str) -> Link:
+    return _EXTRA_LINKS[name] if name in _EXTRA_LINKS else PRESETS[name]
+
+
+def _scaled(link: Link, factor: float, note: str) -> Link:
+    return Link(link.name, link.alpha_s, link.bandwidth_Bps * factor, f"{link.source}; {note}" if note else link.source)
+
+
+def _achieved(link: Link, name: str) -> Link:
+    a = ACHIEVED.get(name)
+    if a is None:
+        return link
+    return _scaled(link, a.efficiency, f"achieved {a.efficiency:.0%} of {link.bandwidth_Bps / GB:g} GB/s = "
+                   f"{link.bandwidth_Bps * a.efficiency / GB:.3g} GB/s: {a.source}")
+
+
+def names() -> list[str]:
+    return [*PRESETS, *_EXTRA_LINKS, *HIERARCHIES, *MACHINES]
+
+
+def lookup_network(name: str, nominal: bool = False) -> Link | Hierarchy:
+    """A preset by name, its bandwidths the achieved ones (``nominal=True``: the line rates)."""
+    if name in MACHINES:
+        intra, nic, g, nics, source = MACHINES[name]
+        net = Hierarchy(name, _link(intra), _scaled(_link(nic), nics / g, f"{nics} NICs for {g} GPUs"), g, source)
+        parts = (intra, nic)
+    elif name in _EXTRA_LINKS:
+        net, parts = _EXTRA_LINKS[name], (name,)
+    else:
+        try:
+            net = get_network(name)
+        except ValueError:
+            raise ValueError(f"--network must be one of {', '.join(names())}, got {name!r}") from None
+        parts = (net.intra.name, net.inter.name) if isinstance(net, Hierarchy) else (name,)
+        if name in NICS_PER_NODE:
+            nics = NICS_PER_NODE[name]
+            net = replace(net, inter=_scaled(net.inter, nics / net.ranks_per_node,
+                                             f"{nics} NIC(s) for {net.ranks_per_node} GPUs"))
+    if nominal:
+        return net
+    return achieved_network(net, parts)
+
+
+def achieved_network(net: Link | Hierarchy, parts: tuple[str, ...] | None = None) -> Link | Hierarchy:
+    """``net`` with each link's bandwidth at its achieved fraction (:data:`ACHIEVED`, by preset name)."""
+    if isinstance(net, Hierarchy):
+        intra_name, inter_name = parts or (net.intra.name, net.inter.name)
+        return replace(net, intra=_achieved(net.intra, intra_name), inter=_achieved(net.inter, inter_name))
+    return _achieved(net, (parts or (net.name,))[0])
+
+
+def network_table() -> str:
+    """Every preset's nominal and achieved bandwidth and latency, and where the achieved figure comes from."""
+    lines = ["| network | GPUs per node | NICs per node | nominal GB/s (per rank) | achieved GB/s | latency us | "
+             "achieved figure from |", "|---|---:|---:|---:|---:|---:|---|"]
+    for name in names():
+        nominal, achieved = lookup_network(name, nominal=True), lookup_network(name)
+        if isinstance(nominal, Hierarchy):
+            nics = MACHINES[name][3] if name in MACHINES else NICS_PER_NODE.get(name, nominal.ranks_per_node)
+            levels = [("inside", nominal.intra, achieved.intra, nominal.intra.name),
+                      ("between", nominal.inter, achieved.inter, nominal.inter.name)]
+            shape = (nominal.ranks_per_node, nics)
+        else:
+            levels, shape = [("", nominal, achieved, name)], (1, 1)
+        for where, a, b, part in levels:
+            label = f"{name} ({where})" if where else name
+            source = ACHIEVED[part].source if part in ACHIEVED else "line rate"
+            lines.append(f"| {label} | {shape[0]} | {shape[1]} | {a.bandwidth_Bps / GB:.3g} | {b.bandwidth_Bps / GB:.3g} "
+                         f"| {a.alpha_s * 1e6:.3g} | {source} |")
+    return "\n".join(lines)
+
+
+_RATE = re.compile(r"^\s*([0-9.eE+-]+)\s*(GB/s|Gb/s|MB/s|Mb/s|TB/s)?\s*$")
+_UNITS = {None: GB, "GB/s": GB, "Gb/s": GB / 8, "MB/s": 1e6, "Mb/s": 1e6 / 8, "TB/s": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """``"400Gb/s"``, ``"50GB/s"``, ``"50"`` (GB/s) -> bytes per second; ValueError unless positive."""
+    m = _RATE.match(text)
+    value = float(m.group(1)) if m else math.nan
+    if not (m and math.isfinite(value) and value > 0):
+        raise ValueError(f"a positive rate like 50GB/s, 400Gb/s or 800MB/s (a bare number is GB/s), got {text!r}")
+    return value * _UNITS[m.group(2)]
+
+
+def build_network(base: Link | Hierarchy, *, latency_us: float | None = None, bandwidth_Bps: float | None = None,
+                  nominal_Bps: float | None = None, efficiency: float | None = None,
+                  gpus_per_node: int | None = None, nics_per_node: int | None = None,
+                  intra_latency_us: float | None = None, intra_bandwidth_Bps: float | None = None) -> Link | Hierarchy:
+    """``base`` with the given figures replaced. The between-node figures are *one NIC's*
+    (``bandwidth_Bps`` achieved, or ``nominal_Bps x efficiency``); with ``gpus_per_node > 1`` each rank
+    gets ``NICs / GPUs`` of it. ValueError naming the flag at fault."""
+    for flag, value in (("--latency-us", latency_us), ("--intra-latency-us", intra_latency_us)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} must be a number of microseconds >= 0, got {value:g}")
+    for flag, value in (("--gpus-per-node", gpus_per_node), ("--nics-per-node", nics_per_node)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value}")
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ValueError(f"--efficiency must be in (0, 1] (achieved / nominal), got {efficiency:g}")
+    if (nominal_Bps is None) != (efficiency is None):
+        raise ValueError("--nominal-bandwidth and --efficiency go together (achieved = nominal x efficiency)")
+    if bandwidth_Bps is not None and nominal_Bps is not None:
+        raise ValueError("give --bandwidth (achieved) or --nominal-bandwidth with --efficiency, not both")
+    was = base if isinstance(base, Hierarchy) else None
+    g = gpus_per_node or (was.ranks_per_node if was else 1)
+    nic = was.inter if was else base  # one rank's share of the NICs: a whole NIC where there is one per GPU
+    if was and (was.name in MACHINES or was.name in NICS_PER_NODE):
+        shared = MACHINES[was.name][3] if was.name in MACHINES else NICS_PER_NODE[was.name]
+        nic = _scaled(nic, was.ranks_per_node / shared, "")  # back to one NIC
+    nics = nics_per_node or g
+    nic_Bps = bandwidth_Bps or (nominal_Bps * efficiency if nominal_Bps else nic.bandwidth_Bps)
+    nic = Link("NIC", nic.alpha_s if latency_us is None else latency_us * 1e-6, nic_Bps,
+               "from the command line" if (bandwidth_Bps or nominal_Bps or latency_us is not None) else nic.source)
+    if g == 1:
+        if was and (intra_latency_us is not None or intra_bandwidth_Bps):
+            raise ValueError("--intra-* figures need --gpus-per-node > 1")
+        return replace(nic, name=base.name if not was else "custom")
+    intra = was.intra if was else None
+    if intra is None and intra_bandwidth_Bps is None:
+        raise ValueError("--gpus-per-node > 1 needs the link inside a node: --intra-bandwidth (and --intra-latency-us), "
+                         "or a machine preset as --network")
+    intra = Link("intra", (intra.alpha_s if intra else 3.4e-6) if intra_latency_us is None else intra_latency_us * 1e-6,
+                 intra_bandwidth_Bps or intra.bandwidth_Bps, intra.source if intra and not intra_bandwidth_Bps else
+                 "from the command line")
+    inter = Link("NIC share", nic.alpha_s, nic.bandwidth_Bps * nics / g, f"{nics} NIC(s) shared by {g} GPUs")
+    return Hierarchy(f"{g} GPUs x {nics} NIC(s) per node", intra, inter, g,
+                     f"inside: {intra.bandwidth_Bps / GB:.3g} GB/s, {intra.alpha_s * 1e6:.3g} us; between nodes "
+                     f"{nic.bandwidth_Bps / GB:.3g} GB/s per NIC, {nic.alpha_s * 1e6:.3g} us")
+
+
+def parse_collective_table(text: str) -> tuple[list[float], list[float], int | None]:
+    """Sizes (bytes), out-of-place times (s) and world size (from its ``# Rank`` lines, if any) of an
+    ``all_reduce_perf`` output. Its data lines end in two blocks of time, algbw, busbw, #wrong."""
+    sizes, seconds, ranks = [], [], set()
+    for line in text.splitlines():
+        rank = re.match(r"#\s*Rank\s+(\d+)", line.strip())
+        if rank:
+            ranks.add(int(rank.group(1)))
+        tokens = line.split()
+        if len(tokens) < 10 or not tokens[0].isdigit():
+            continue
+        try:
+            size, time_us = int(tokens[0]), float(tokens[-8])
+        except ValueError:
+            continue
+        if size > 0 and time_us > 0:
+            sizes.append(float(size))
+            seconds.append(time_us * 1e-6)
+    return sizes, seconds, (len(ranks) or None)
+
+
+def _benchmark_json(text: str) -> tuple[list[float], list[float], int | None]:
+    """Sizes and median times of ``benchmarks/validate_simulator.py --json`` (its ``fit``): all-reduces here."""
+    fit = json.loads(text).get("fit", {})
+    if "sizes" not in fit or "median_ms" not in fit:
+        raise ValueError("a JSON table needs the 'fit' of benchmarks/validate_simulator.py --json (sizes, median_ms)")
+    return [float(n) for n in fit["sizes"]], [t / 1e3 for t in fit["median_ms"]], fit.get("world_size")
+
+
+def fit_network_table(text: str, world_size: int | None = None, min_bytes: float = 0) -> Link:
+    """A :class:`Link` fitted to an ``all_reduce_perf`` table, or to the all-reduce timings of
+    ``benchmarks/validate_simulator.py --json`` (sizes >= ``min_bytes``); ValueError if it cannot."""
+    sizes, seconds, ranks = (_benchmark_json(text) if text.lstrip().startswith("{")
+                             else parse_collective_table(text))
+    world = world_size or ranks
+    if world is None:
+        raise ValueError("the table names no ranks (# Rank lines): give --fit-world")
+    kept = [(n, t) for n, t in zip(sizes, seconds) if n >= min_bytes]
+    if len(kept) < 2:
+        raise ValueError(f"need at least 2 rows of all_reduce_perf output, found {len(kept)}")
+    link = fit_link([n for n, _ in kept], [t for _, t in kept], world, "fitted")
+    return replace(link, source=f"fitted to {len(kept)} all-reduce timings at {world} ranks: "
+                                f"{link.alpha_s * 1e6:.2f} us per ring step, {link.bandwidth_Bps / GB:.3g} GB/s bus bandwidth")

@@ -1,0 +1,94 @@
+"""The exercises' grader, run against the reference solutions (must pass), the known-wrong ones (must fail
+with the words that name the mistake) and the learner's untouched stubs (must say "not written yet").
+
+All exercises share one pool of 3 Gloo ranks (the ``ranks`` fixture); the
+grader's checks take a fraction of a second each, a deadlocking solution
+its exercise's time limit (8 s for the ring).
+"""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `lessons.grading` is imported by path, as `python -m lessons.grade` does
+
+from lessons.grading.exercises import EXERCISES  # noqa: E402
+from lessons.grading.runner import EXERCISES_DIR, SOLUTIONS_DIR, grade, unwritten  # noqa: E402
+
+WRONG = sorted((SOLUTIONS_DIR / "wrong").glob("*.py"))
+
+
+def _hangs(path: Path) -> bool:
+    return "deadlock" in path.read_text()
+
+
+# A solution that deadlocks costs the pool its ranks (they are killed and restarted): those run last.
+WRONG.sort(key=_hangs)
+
+
+def expected_words(path: Path) -> str:
+    """A wrong solution's EXPECT: the words the grader's answer must contain."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and node.targets[0].id == "EXPECT":
+            return node.value.value
+    raise AssertionError(f"{path.name} has no EXPECT = '...': the words its grade must contain")
+
+
+def test_at_least_eight_exercises_each_with_a_stub_a_reference_and_a_wrong_solution():
+    assert len(EXERCISES) >= 8
+    for number, exercise in EXERCISES.items():
+        assert exercise.path.exists(), exercise.path
+        assert unwritten(exercise.path), f"{exercise.file}: no function left for the learner to write"
+        assert ast.get_docstring(ast.parse(exercise.path.read_text())), f"{exercise.file}: no docstring"
+        assert (SOLUTIONS_DIR / exercise.file).exists(), f"exercise {number} has no reference solution"
+        assert not unwritten(SOLUTIONS_DIR / exercise.file), f"the reference of {number} is still a stub"
+        assert any(p.name.startswith(number + "_") for p in WRONG), f"exercise {number} has no known-wrong solution"
+    assert {p.name[:2] for p in WRONG} <= set(EXERCISES), "a wrong solution for an exercise that does not exist"
+    assert sorted(p.name for p in EXERCISES_DIR.glob("[0-9]*.py")) == sorted(e.file for e in EXERCISES.values())
+
+
+@pytest.mark.parametrize("number", list(EXERCISES))
+def test_an_untouched_stub_is_not_written_yet(number, ranks):
+    failures = grade(EXERCISES[number], pool=ranks(3))
+    assert len(failures) == 1 and failures[0].startswith("not written yet"), failures
+
+
+@pytest.mark.parametrize("number", list(EXERCISES))
+def test_the_reference_solution_passes(number, ranks):
+    exercise = EXERCISES[number]
+    assert grade(exercise, SOLUTIONS_DIR / exercise.file, ranks(3)) == []
+
+
+def test_a_stub_that_raises_midway_is_reported_as_not_written(ranks, tmp_path):
+    # A learner who wrote one function and left a helper raising: not a traceback, a sentence.
+    source = (SOLUTIONS_DIR / "04_average_gradients.py").read_text()
+    half = tmp_path / "04_half.py"
+    half.write_text(source.replace("            p.grad /= world_size", "            p.grad /= helper()")
+                    + "\n\ndef helper():\n    x = 1\n    raise NotImplementedError\n")
+    assert not unwritten(half)
+    failures = grade(EXERCISES["04"], half, ranks(3))
+    assert failures and failures[0].startswith("not written yet"), failures
+    assert grade(EXERCISES["04"], SOLUTIONS_DIR / "04_average_gradients.py", ranks(3)) == [], "the ranks serve on"
+
+
+@pytest.mark.parametrize("path", WRONG, ids=[p.stem for p in WRONG])
+def test_a_wrong_solution_fails_with_the_words_that_name_its_mistake(path, ranks):
+    failures = grade(EXERCISES[path.name[:2]], path, ranks(3))
+    assert failures, f"{path.name} passed the grader"
+    assert any(expected_words(path) in failure for failure in failures), (
+        f"{path.name}: expected a failure saying {expected_words(path)!r}, got {failures}")
+
+
+def test_the_command_line_grades_one_exercise_and_exits_with_its_verdict():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "lessons.grade", *args], cwd=ROOT, env=env,  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    passed = run("09", "--file", str(SOLUTIONS_DIR / "09_distributed_sampler.py"))
+    assert passed.returncode == 0 and "09 the distributed sampler: passed" in passed.stdout, passed.stdout + passed.stderr
+    wrong = run("09", "--file", str(SOLUTIONS_DIR / "wrong" / "09_no_padding.py"))
+    assert wrong.returncode == 1 and "FAILED" in wrong.stdout and "same number" in wrong.stdout, wrong.stdout
