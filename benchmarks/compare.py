@@ -7,6 +7,16 @@
     python benchmarks/compare.py --backend nccl --device cuda --world-size 1
     python benchmarks/compare.py --models mlp --trace overlap.json --plot compare.png
     python benchmarks/compare.py --learned-order
+    python benchmarks/compare.py --link 1gbit          # ranks on real links shaped to 1 Gbit/s (root)
+
+``--link RATE`` (``loopback`` is the default): every rank in a network
+namespace of its own, joined to the others by links shaped to that rate
+(``minddp/links.py``; needs root and iproute2), so that communication waits
+on a wire instead of sharing the cores with backward. Then the bucket caps
+default to a sweep of 1, 5 and 25 MB, and a further table sets beside each
+measured step the simulator's (``_prediction.py``) and each wrapper's hidden
+fraction with its spread. While it runs, one progress line per round, and
+``bucket_cap_mb="auto"``'s decision once per model.
 
 The whole timing runs ``--runs`` times, each in fresh rank processes; every
 figure below is first taken within a run, then reported as the median over
