@@ -85,8 +85,8 @@ def measure_learned_order(runner) -> dict:
     steps = {
         "local": runner.stepper(runner.fresh()),
         "allreduce": runner.allreduce_step(),
-        "learned": runner.stepper(runner.wrap_minddp(runner.fresh(), learn_bucket_order=True)),
-        "registration": runner.stepper(runner.wrap_minddp(runner.fresh(), learn_bucket_order=False)),
+        "learned": runner.stepper(runner.wrap_minddp(runner.fresh(), learn_bucket_order=True, timeline=True)),
+        "registration": runner.stepper(runner.wrap_minddp(runner.fresh(), learn_bucket_order=False, timeline=True)),
     }
     out = {"median_ms": runner.medians(steps)}
     for name in ("learned", "registration"):

@@ -45,7 +45,7 @@ medians over rounds, each block's time the slowest rank's:
   ``MiniDDP(bucket_cap_mb="auto", buffer_sync="with_gradients")``: it
   measures its first steps and the link and picks its buckets with the
   alpha-beta model (``minddp/bucket_planner.py``), and its buffers ride in
-  the last gradient bucket (``minddp/buffers_in_bucket.py``); with how many
+  the last gradient bucket (``minddp/features/buffers_in_bucket.py``); with how many
   buckets it chose; ``ratio auto`` = minddp auto / torch copy (torch at its
   defaults). Every implementation then warms up for at least
   ``AUTO_WARMUP`` steps, so that the choice is made before timing;

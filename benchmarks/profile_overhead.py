@@ -50,11 +50,11 @@ from _wrappers import return_bucket  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(minddp.__file__)) + os.sep
 SECTIONS = {  # (class, method) -> what the report calls it
-    (MiniDDP, "_before_synchronized_forward"): "forward: buffer broadcast",
-    (Reducer, "on_grad_ready"): "hook (per gradient), in all",
-    (Reducer, "_fill_bucket"): "  of which filling the bucket",  # once per bucket
-    (Reducer, "_launch_ready_buckets"): "  of which bucket launch",
-    (Reducer, "_finish_backward"): "end of backward: wait, write .grad",
+    (Reducer, "prepare_for_forward"): "forward: the sync decision (+ layers)",
+    (Reducer, "_autograd_hook"): "hook (per gradient), in all",
+    (Reducer, "bucket_ready"): "  of which filling and launching buckets",  # once per bucket
+    (Reducer, "fill_bucket"): "    of which filling the bucket",
+    (Reducer, "finish_backward"): "end of backward: wait, write .grad",
 }
 
 

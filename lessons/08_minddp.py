@@ -1,24 +1,25 @@
-"""Lesson 08: ``minddp.MiniDDP`` -- lesson 07b's wrapper, packaged, and equal to torch's DDP.
+"""Lesson 08: ``minddp.MiniDDP`` -- lesson 07b's wrapper grown up, and equal to torch's DDP.
 
 What you will learn
-    ``MiniDDP`` is the wrapper you grew in lessons 04-07b, finished:
+    ``MiniDDP``'s plain path -- what a default ``MiniDDP(model)`` step runs --
+    is lesson 07b's ``FlatDDP`` with four changes, which this lesson prints
+    as diffs of the real code (07b's methods against minddp's):
 
-    * at construction it broadcasts rank 0's parameters *and buffers* (07b);
-    * post-accumulate hooks (05) copy each gradient, already divided by the
-      world size, into its slot of a persistent flat bucket (07b);
-    * full buckets are all-reduced asynchronously, strictly in order (07),
-      while backward goes on (06);
-    * an end-of-backward callback waits for them (07b): when
-      ``loss.backward()`` returns, every ``.grad`` is the average;
-    * after the first step buckets are rebuilt in the order gradients really
-      arrived (07b);
-    * ``require_sync`` became torch's ``with ddp.no_sync():``; with
-      ``broadcast_buffers=True`` (the default) every synchronized forward
-      first copies rank 0's buffers to all ranks.
+    * the hook only *counts* a gradient in its bucket; when the bucket is
+      complete, all its gradients are copied in, times 1/N, in one batched
+      call, and the complete buckets are launched strictly in order (07);
+    * the end-of-backward callback (07b) is queued again if a nested
+      backward pass (a reentrant activation checkpoint) ends first, and
+      waits for each bucket before writing its averages into ``.grad``;
+    * a parameter that got no gradient is an error naming it, not an assert
+      (``find_unused_parameters=True`` makes it count as zero instead);
+    * rank 0's broadcast covers buffers at construction and again before
+      every forward that follows a synchronized one (``broadcast_buffers``).
 
-    Its constructor takes torch's arguments, so it is a drop-in for
-    ``torch.nn.parallel.DistributedDataParallel`` -- and this lesson runs
-    both on the same test bench as lessons 04-07b.
+    Everything else torch's DDP does is a *layer* beside that path, one file
+    each in ``minddp/features/``, stacked on the reducer only when asked
+    for; the lesson lists them with the lesson that explains each. Then it
+    follows one gradient down the path on every rank: ``model.follow(name)``.
 
 What to run
     python lessons/08_minddp.py [--world-size 3] [--bucket-cap-mb 25]
@@ -27,25 +28,119 @@ What to run
 
 What to look at
     The test bench's table for MiniDDP and torch's DDP (both exact, with
-    accumulation through ``no_sync``); the buckets MiniDDP built, in launch
-    order, and when the first one left; and the BatchNorm buffers made
-    equal at construction. Then read ``minddp/ddp.py``: its docstring traces
-    a gradient's path through exactly these steps.
+    accumulation through ``no_sync``); the diffs; the layers; the buckets
+    MiniDDP built, in launch order; one gradient's stations with values and
+    times on each rank. Then read ``minddp/ddp.py``, ``minddp/reducer.py``
+    and ``minddp/buckets.py`` top to bottom (``docs/reading_the_code.md``).
 
 Try this
     Predict before you run; ``--reveal`` prints the answers.
     1. Predict the order of the names in bucket 0.
     2. ``--bucket-cap-mb 25`` (torch's default): predict how many buckets and
        whether the first one still leaves before the last gradient.
+    3. In the followed gradient, predict which stations show the same values
+       on every rank.
 """
+
+import ast
+import difflib
+import importlib
+import inspect
+import pkgutil
+import textwrap
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+import minddp.features
+from wrappers.flat_ddp import FlatDDP  # lesson 07b's wrapper
 from minddp import MiniDDP
+from minddp.bucket_order import LearnedBucketOrder
+from minddp.features import Layer
+from minddp.reducer import Reducer
 from _common import is_exact, parse_args, print0, print_ranks, print_results, run, train_and_compare
+
+# What the plain path changed, as (07b's methods, minddp's methods).
+DIFFS = [
+    ("the hook counts; a complete bucket is filled in one call and launched in order",
+     [FlatDDP._average_grad], [Reducer._autograd_hook, Reducer.on_grad_ready, Reducer.bucket_ready, Reducer.fill_bucket]),
+    ("the end of backward: nested passes, a named error, wait and write per bucket",
+     [FlatDDP._finish_backward], [Reducer._on_pass_end, Reducer.finish_backward, Reducer.write_grads,
+                                  Reducer._missing_gradients_error]),
+    ("rank 0's buffers: at construction (07b) and before each forward after a synchronized one",
+     [FlatDDP.forward], [MiniDDP.forward]),
+    ("the learned order: out of the path, a policy on the reducer's arrival log",
+     [FlatDDP._finish_backward], [LearnedBucketOrder.after_first_backward]),
+]
+
+# Every layer in minddp/features/, with what asks for it and the lesson that explains the feature.
+LAYERS = {
+    "GradientCases": ("no gradient, a sparse one, or one already in its slot", "18, 19"),
+    "ReduceDtype": ("reduce_dtype=torch.float32", "13"),
+    "BucketViews": ("gradient_as_bucket_view=True", "19"),
+    "LentBuckets": ("ZeRO stage 2: bucket_reduced_hook, use_bucket_storage", "20"),
+    "CarryBuffers": ('buffer_sync="with_gradients"', "10"),
+    "CommHook": ("register_comm_hook(state, hook)", "13"),
+    "ArrivalLog": ('learn_bucket_order (first backward), bucket_cap_mb="auto"', "07b, 17b"),
+    "Observed": ("timeline=True", "16"),
+    "ObservedGradients": ("trace=True", "16"),
+    "UnusedParameters": ("find_unused_parameters=True", "18"),
+    "StaticGraph": ("static_graph=True", "08 (docs/reading_the_code.md)"),
+    "JoinedSteps": ("with model.join():", "18"),
+    "ReplicaChecks": ("check_sync_every=N", "18"),
+    "ProfilerRanges": ("a torch.profiler recording", "16"),
+    "Follow": ('model.follow("0.weight")', "08"),
+}
+
+
+def code_lines(methods) -> list:
+    """The methods' code without docstrings and comments, as ``ast.unparse`` writes it."""
+    lines = []
+    for method in methods:
+        node = ast.parse(textwrap.dedent(inspect.getsource(method))).body[0]
+        if ast.get_docstring(node):
+            node.body = node.body[1:]
+        lines += ast.unparse(node).splitlines()
+    return lines
+
+
+def show_the_diffs() -> None:
+    for title, old, new in DIFFS:
+        print0(f"\n--- 07b FlatDDP -> minddp: {title}")
+        diff = difflib.unified_diff(code_lines(old), code_lines(new), "lessons/wrappers/flat_ddp.py",
+                                    "minddp/", lineterm="", n=1)
+        for line in list(diff)[2:]:
+            print0("  " + line)
+
+
+def show_the_layers() -> list:
+    found = {}
+    for info in pkgutil.iter_modules(minddp.features.__path__):
+        module = importlib.import_module(f"minddp.features.{info.name}")
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, Layer) and obj is not Layer and obj.__module__ == module.__name__:
+                found[name] = (obj, f"minddp/features/{info.name}.py")
+    print0("\nThe layers beside the plain path, lowest first (a layer runs before those below it):")
+    for name, (layer, path) in sorted(found.items(), key=lambda item: item[1][0].height):
+        asked, lesson = LAYERS.get(name, ("?", "?"))
+        print0(f"  {name:<18} {path:<38} {asked:<58} lesson {lesson}")
+    return sorted(found)
+
+
+def follow_one_gradient(ddp, rank: int) -> tuple:
+    """One more synchronized step of the bench's model, following its first layer's weight."""
+    name = ddp.bucket_names[-1][-1]
+    followed = ddp.follow(name)
+    x = torch.randn(8, ddp.module[0].in_features, generator=torch.Generator().manual_seed(rank))
+    ddp.zero_grad()
+    ddp(x).square().mean().backward()
+    print0(f"\nFollowing {name!r} down the path in one synchronized backward (values: its first 3 elements):")
+    print_ranks("\n" + followed.report())
+    stations = {station: values for _, station, _, values in followed.stations}
+    followed.stop()
+    return stations
 
 
 def show_buffers(rank: int) -> None:
@@ -60,7 +155,8 @@ def show_buffers(rank: int) -> None:
 
 def main(rank: int, world_size: int, args) -> None:
     cap = args.bucket_cap_mb  # 0.02 MiB ~ 20 KB: several buckets even for a small model
-    variants = [("MiniDDP", lambda m: MiniDDP(m, bucket_cap_mb=cap)), ("torch DDP", lambda m: TorchDDP(m, bucket_cap_mb=cap))]
+    variants = [("MiniDDP", lambda m: MiniDDP(m, bucket_cap_mb=cap, timeline=True)),
+                ("torch DDP", lambda m: TorchDDP(m, bucket_cap_mb=cap))]
     results, wrappers = [], []
     for k in (1, 2):
         for name, wrap in variants:
@@ -69,25 +165,37 @@ def main(rank: int, world_size: int, args) -> None:
             wrappers.append(ddp)
     print0(f"{world_size} ranks on the test bench of lessons 04-07b:")
     print_results(results)
+    show_the_diffs()
+    layers = show_the_layers()
 
     ours = wrappers[0]
     print0(f"\nMiniDDP's buckets after the first step, in launch order ({len(ours.bucket_names)} buckets):")
     for i, names in enumerate(ours.bucket_names):
         print0(f"  bucket {i}: {', '.join(names)}")
     tl = ours.timeline
-    print0(f"last step: first bucket launched {(tl.launches[0] - tl.first_hook) * 1e3:.2f} ms after the first hook; "
-           f"last hook at {(tl.last_hook - tl.first_hook) * 1e3:.2f} ms")
+    several = len(ours.bucket_names) > 1
+    early = tl.launches[0] < tl.last_hook
+    stations = follow_one_gradient(ours, rank)
     show_buffers(rank)
 
     assert all(is_exact(r) for r in results), f"every row exact expected, got {results}"
+    assert set(layers) == set(LAYERS), f"the table above must list every layer: {set(layers) ^ set(LAYERS)}"
     assert ours.bucket_names[0][:2] == ["4.bias", "4.weight"], (
         f"the learned order starts with the last layer's bias, then its weight; bucket 0 is {ours.bucket_names[0]}")
-    several = len(ours.bucket_names) > 1
-    assert several == (tl.launches[0] < tl.last_hook), "a first bucket leaves early exactly when there are several"
+    assert several == early, "a first bucket leaves early exactly when there are several"
+    assert all(abs(s - h / world_size) <= 1e-6 * abs(h) for s, h in zip(stations["slot"], stations["hook"])), (
+        "the slot holds the gradient times 1/N")
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (stations["hook"], stations[".grad"]))
+    average = [sum(h[i] for h, _ in everyone) / world_size for i in range(len(stations["hook"]))]
+    assert all(abs(g - a) <= 1e-6 * max(1.0, abs(a)) for g, a in zip(stations[".grad"], average)), (
+        f".grad is the average of the ranks' hooks: {stations['.grad']} against {average}")
+    assert all(g == everyone[0][1] for _, g in everyone), "the same .grad on every rank"
     print0("\nchecked: MiniDDP and torch's DDP are both exact on the bench, with and without")
     print0("         accumulation; the learned order starts with the last layer's bias;")
     print0("         " + ("the first bucket left before the last gradient hook;" if several else
-                         "one bucket, launched only with the last gradient;") + " construction fixed the buffers.")
+                         "one bucket, launched only with the last gradient;") + " construction fixed the buffers;")
+    print0(f"         every one of the {len(layers)} layers is listed; the followed .grad is the average of the hooks.")
 
 
 def options(parser) -> None:

@@ -1,9 +1,11 @@
 """minddp: a readable DistributedDataParallel, built from scratch.
 
 Read in this order: ``minddp/ddp.py`` (the wrapper: construction, forward,
-no_sync) -> ``minddp/reducer.py`` (the path of a gradient: hook, bucket,
-all-reduce, wait, .grad) -> ``minddp/buckets.py`` (flat buckets and their
-life cycle) -> ``minddp/comm_hooks.py`` (what a bucket's communication is).
+no_sync) -> ``minddp/reducer.py`` (the plain path of a gradient: hook,
+bucket, in-order all-reduce, end-of-backward wait, .grad) ->
+``minddp/buckets.py`` (flat buckets and their life cycle). Every feature
+beyond that path is a layer in ``minddp/features/``, one file each
+(``docs/reading_the_code.md`` lists them).
 """
 
 from minddp.ddp import MiniDDP

@@ -9,21 +9,24 @@ computing the gradients of earlier layers.
 
 Which parameters share a bucket is decided by
 :func:`minddp.bucket_assignment.assign_buckets`; what lives here is
-:class:`Bucket`, the flat buffer plus its life cycle::
+:class:`Bucket`, the flat buffer plus its life cycle, as the reducer
+(:mod:`minddp.reducer`) drives it::
 
-      reset() ─> mark_ready(p) ... mark_ready(p) ─> launch(comm) ─> wait() ─> reset()
-                 (one per parameter; the last one       (async)      (result in
-                  makes the bucket ready)                             buffer)
+    mark_ready_at(i) ... mark_ready_at(i)   one per parameter: a count, no copy;
+                                            True for the last one
+    copy_in(grads, slots, 1/N)              then every gradient into its slot, in one batch
+    launch(communicate)                     the async all-reduce of the whole buffer
+    wait()                                  the sum is in the buffer
+    reset()                                 ready for the next backward
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-__all__ = ["Bucket", "BucketStorage", "ScratchBucket"]
+__all__ = ["Bucket", "BucketStorage"]
 
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
@@ -31,16 +34,11 @@ LARGE_GRADIENT_NUMEL = 64 * 1024
 
 
 def _slot(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
-    """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param``.
+    """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param`` (as torch's reducer).
 
-    A ``channels_last`` convolution weight has strides ``(27, 1, 9, 3)``, not
-    the contiguous ``(27, 9, 3, 1)``. Its ``.grad`` follows the parameter's
-    layout (autograd's rule), and so must its slot: a bucket view used as
-    ``.grad`` then has the parameter's strides (fused optimizers walk
-    parameter and gradient as flat memory, and refuse or mix up mismatched
-    ones), and a copy into the slot is a plain copy, not a permutation.
-    As torch's reducer: the parameter's strides when it is dense and
-    non-overlapping, else a contiguous slot.
+    A ``channels_last`` weight's ``.grad`` has the weight's strides (autograd's rule), and so must
+    its slot: a bucket view used as ``.grad`` then suits fused optimizers (which walk parameter and
+    gradient as flat memory), and a copy into the slot is a plain copy, not a permutation.
     """
     if _dense_and_non_overlapping(param):
         return buffer.as_strided(param.shape, param.stride(), offset)
@@ -59,16 +57,8 @@ def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
 
 
 class BucketStorage:
-    """Where bucket buffers come from, and where they go back: a hook point.
-
-    This default allocates one buffer per bucket, and the bucket keeps it
-    for the whole run (``keep_buffers``), as torch's DDP does. A storage
-    with ``keep_buffers = False`` (ZeRO stage 2's pool, in
-    :mod:`minddp.zero`) gets every buffer back as soon as its bucket's
-    result has been taken elsewhere, and lends it out again when a bucket
-    next needs one: a few buffers in flight instead of a full gradient copy.
-    Buffers come back dirty: every slot is overwritten before it is sent.
-    """
+    """Where bucket buffers come from: one per bucket, kept for the whole run (torch's way). ZeRO
+    stage 2 lends them from a pool instead (:mod:`minddp.features.lent_buckets`)."""
 
     keep_buffers = True
 
@@ -82,24 +72,17 @@ class BucketStorage:
 class Bucket:
     """A flat gradient buffer for a few parameters, and its life cycle.
 
-    The bucket owns ``buffer``, one contiguous tensor; each parameter's
-    gradient has a fixed slot in it (:meth:`view`), with the parameter's
-    own memory layout (:func:`_slot`). States:
+    Each parameter's gradient has a fixed slot in ``buffer`` (``views[i]``,
+    :meth:`view`), with the parameter's own memory layout. :meth:`mark_ready_at`
+    only counts: the gradients are copied in by :meth:`copy_in` once the last
+    one is ready. Misuse (a parameter marked twice, a launch before all are
+    ready, a wait without a launch) raises ``RuntimeError``: it would mean
+    gradients summed twice, or sent before they existed.
 
-    * *filling*: :meth:`mark_ready` counts parameters whose gradient has been
-      copied into their slot; it returns True for the last one;
-    * *launched*: :meth:`launch` started the asynchronous communication;
-    * *done*: :meth:`wait` blocked until it finished and left the reduced
-      values in ``buffer``.
-
-    :meth:`reset` returns it to *filling* for the next step. The buffer
-    itself comes from a :class:`BucketStorage`: :meth:`acquire` before the
-    first slot is written, :meth:`release` once the result is no longer
-    needed (with the default storage, acquired once and never released).
-    Misuse (a
-    parameter marked twice, a launch before all are ready, a wait without a
-    launch) raises ``RuntimeError``: it would mean gradients were summed
-    twice, or sent before they existed.
+    ``dtype``: what the gradients are reduced in (default: the parameters').
+    ``extra_numel``: room after the gradients (``tail``) for what rides along
+    (:mod:`minddp.features.buffers_in_bucket`). ``storage``: where the buffer
+    comes from; the default one allocates it here, once.
     """
 
     def __init__(
@@ -108,22 +91,24 @@ class Bucket:
     ):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
-        self.index = index
-        self.params = params
-        self.names = names
-        # ``extra_numel``: room after the gradients for a passenger (the reducer's ``carry_in_last_bucket``).
+        self.index, self.params, self.names = index, params, names
         self.extra_numel = extra_numel
         self.numel = sum(p.numel() for p in params) + extra_numel
-        self.dtype = dtype or params[0].dtype  # what the gradients are reduced in (default: the parameters')
+        self.dtype = dtype or params[0].dtype
         self.storage = storage or BucketStorage()
         self.buffer: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []  # each parameter's slot, in ``params`` order
-        if self.storage.keep_buffers:
-            self.acquire()
+        self.views: list[torch.Tensor] = []
+        # How copy_in copies, decided once: one fused pass per large gradient, or two batched calls;
+        # a cast first when the bucket's dtype is not the gradients' (reduce_dtype).
+        self._one_by_one = self.numel - extra_numel >= LARGE_GRADIENT_NUMEL * len(params)
+        self._casts = any(p.dtype != self.dtype for p in params)
         self._position = {id(p): i for i, p in enumerate(params)}
         self._ready = [False] * len(params)
-        self._pending = len(params)
-        self._future: torch.futures.Future | None = None
+        self.pending = len(params)  # parameters not ready yet
+        self.future: torch.futures.Future | None = None  # set by launch, cleared by wait
+        self.done = False  # waited for: the result is in the buffer
+        if self.storage.keep_buffers:
+            self.acquire()
 
     def acquire(self) -> None:
         """Have a buffer (from the storage) and the slots into it."""
@@ -135,14 +120,8 @@ class Bucket:
             self.views.append(_slot(self.buffer, offset, p))
             offset += p.numel()
 
-    @property
-    def tail(self) -> torch.Tensor:
-        """The ``extra_numel`` elements after the gradients' slots."""
-        return self.buffer[self.numel - self.extra_numel:]
-
     def release(self) -> None:
-        """Give the buffer back to the storage; a ``.grad`` that was a slot of it is dropped
-        (the buffer will hold another bucket's gradients)."""
+        """Give the buffer back to the storage; a ``.grad`` that was a slot of it is dropped."""
         if self.buffer is None:
             return
         for p, slot in zip(self.params, self.views):
@@ -151,61 +130,22 @@ class Bucket:
         self.storage.give_back(self.buffer)
         self.buffer, self.views = None, []
 
-    def copy_in(self, grads: list[torch.Tensor], slots: list[torch.Tensor], scale: float) -> None:
-        """Copy ``grads`` into their ``slots``, and leave the whole buffer scaled by ``scale``.
-
-        Every Python-dispatched tensor operation costs microseconds, every
-        pass over memory costs bytes / bandwidth. Measured on this project's
-        CPU (a 25 MB bucket of 5 MLP gradients; 48 transformer gradients):
-        a fused ``slot = grad * scale`` per gradient is fastest for large
-        gradients (1.0 ms against 1.4), one ``_foreach_copy_`` plus one
-        ``buffer.mul_`` for many small ones (0.08 ms against 0.17). Slots not
-        in ``slots`` (gradients already there, zeros) are scaled in place.
-        """
-        large = bool(grads) and sum(g.numel() for g in grads) >= LARGE_GRADIENT_NUMEL * len(grads)
-        if not large:
-            if grads:
-                torch._foreach_copy_(slots, grads)  # casts too, with reduce_dtype
-            if scale != 1.0:
-                self.buffer.mul_(scale)
-            return
-        for grad, slot in zip(grads, slots):
-            if scale == 1.0:  # a comm hook averages: a plain copy (casts too)
-                slot.copy_(grad)
-            elif grad.dtype == slot.dtype:
-                torch.mul(grad, scale, out=slot)
-            else:  # reduce_dtype: cast first, so the scaling rounds only once
-                slot.copy_(grad).mul_(scale)
-        if scale != 1.0:
-            copied = {id(slot) for slot in slots}
-            for slot in self.views:
-                if id(slot) not in copied:
-                    slot.mul_(scale)
+    @property
+    def tail(self) -> torch.Tensor:
+        """The ``extra_numel`` elements after the gradients' slots."""
+        return self.buffer[self.numel - self.extra_numel:]
 
     def view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This parameter's slot in the buffer, shaped like the parameter."""
         return self.views[self._position[id(param)]]
 
-    @property
-    def ready(self) -> bool:
-        return self._pending == 0
-
-    @property
-    def launched(self) -> bool:
-        return self._future is not None
-
-    def unready_params(self) -> list[torch.nn.Parameter]:
-        return [p for p, r in zip(self.params, self._ready) if not r]
-
-    def unready_names(self) -> list[str]:
-        return [n for n, r in zip(self.names, self._ready) if not r]
-
+    # ----------------------------------------------------------- life cycle
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
-        """Record that ``param``'s gradient is in its slot; True if it was the last."""
+        """Count ``param``'s gradient as ready; True if it was the bucket's last."""
         return self.mark_ready_at(self._position[id(param)])
 
     def mark_ready_at(self, i: int) -> bool:
-        """:meth:`mark_ready` for ``params[i]`` (the reducer's hooks know ``i`` in advance)."""
+        """:meth:`mark_ready` for ``params[i]`` (the reducer knows ``i`` in advance)."""
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {self.names[i]!r} produced a gradient twice in one backward "
@@ -215,46 +155,74 @@ class Bucket:
                 "ready only once.)"
             )
         self._ready[i] = True
-        self._pending -= 1
-        return self._pending == 0
+        self.pending -= 1
+        return self.pending == 0
+
+    def copy_in(self, grads: list[torch.Tensor], slots: list[torch.Tensor], scale: float) -> None:
+        """Copy ``grads`` into their ``slots``; leave every slot (those not listed hold their
+        gradient already) scaled by ``scale``. Measured on this project's CPU: a fused
+        ``slot = grad * scale`` per gradient is fastest for large gradients (1.0 ms against 1.4
+        for 5 MLP gradients in 25 MB), one ``_foreach_copy_`` plus one ``buffer.mul_`` for many
+        small ones (0.08 ms against 0.17 for 48 transformer gradients)."""
+        if not self._one_by_one:
+            if grads:
+                torch._foreach_copy_(slots, grads)  # casts too, with reduce_dtype
+            if scale != 1.0:
+                self.buffer.mul_(scale)
+            return
+        for grad, slot in zip(grads, slots):
+            if scale == 1.0 or self._casts:  # cast first, so the scaling rounds only once
+                slot.copy_(grad)
+                if scale != 1.0:
+                    slot.mul_(scale)
+            else:
+                torch.mul(grad, scale, out=slot)
+        if len(slots) < len(self.views) and scale != 1.0:
+            copied = {id(slot) for slot in slots}
+            for slot in self.views:
+                if id(slot) not in copied:
+                    slot.mul_(scale)
 
     def launch(self, communicate: Callable[["Bucket"], torch.futures.Future]) -> None:
         """Start communication; ``communicate`` returns a future of the reduced buffer."""
-        if not self.ready:
+        if self.pending:
             raise RuntimeError(f"bucket {self.index} launched with unready parameters {self.unready_names()}")
-        self.launch_unconditionally(communicate)
+        self.future = communicate(self)
 
     def launch_unconditionally(self, communicate: Callable[["Bucket"], torch.futures.Future]) -> None:
         """Launch whatever the buffer holds (a joined rank's zeros, see minddp.join)."""
-        self._future = communicate(self)
-
-    @property
-    def future(self) -> torch.futures.Future | None:
-        return self._future
+        self.future = communicate(self)
 
     def wait(self) -> None:
-        """Block until the communication finished; the result is in ``buffer``."""
-        if self._future is None:
+        """Block until the communication finished; the result is in ``buffer`` (again: nothing to do)."""
+        if self.done:
+            return
+        if self.future is None:
             raise RuntimeError(f"bucket {self.index} waited on before it was launched")
-        result = self._future.wait()
+        result = self.future.wait()
         if isinstance(result, list):  # a Work's future yields the list of its tensors
             result = result[0]
         if result is not self.buffer and result.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(result)  # a comm hook may return a new tensor
-        self._future = None
+        self.future, self.done = None, True
 
     def reset(self) -> None:
         self._ready = [False] * len(self.params)
-        self._pending = len(self.params)
-        self._future = None
+        self.pending = len(self.params)
+        self.future, self.done = None, False
 
+    # ----------------------------------------------------------- inspection
+    @property
+    def ready(self) -> bool:
+        return self.pending == 0
 
-@dataclass
-class ScratchBucket:
-    """A stand-in :class:`Bucket` with no parameters: a scratch buffer sent the way buckets travel
-    (``Reducer.communicate_buffer``). Its index is past the real buckets', so no comm hook mistakes it for one."""
+    @property
+    def launched(self) -> bool:
+        return self.future is not None or self.done
 
-    buffer: torch.Tensor
-    index: int
-    params: tuple = ()
-    views: tuple = ()
+    def unready_params(self) -> list[torch.nn.Parameter]:
+        return [p for p, r in zip(self.params, self._ready) if not r]
+
+    def unready_names(self) -> list[str]:
+        return [n for n, r in zip(self.names, self._ready) if not r]
+

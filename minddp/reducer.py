@@ -1,50 +1,38 @@
-"""The path of a gradient, from autograd's hook to the averaged ``.grad``.
+"""The path of a gradient, from autograd's hook to the averaged ``.grad``: lesson 07b's ``FlatDDP``, grown up.
 
-``MiniDDP`` (:mod:`minddp.ddp`) wraps the module; this :class:`Reducer` does
-the averaging, as torch splits ``DistributedDataParallel`` (Python) from its
-``Reducer`` (C++). Top to bottom in this file::
+``MiniDDP`` (:mod:`minddp.ddp`) wraps the module; this :class:`Reducer`
+averages the gradients, as torch splits ``DistributedDataParallel`` (Python)
+from its ``Reducer`` (C++). The plain path, top to bottom in this file::
 
     loss.backward()
       autograd accumulates p.grad
-        └─ on_grad_ready(i, p)            post-accumulate hook, one per parameter
-             mark p ready in its bucket (where: looked up once, in _plan[i]);
-             bucket complete?
-               ─> _fill_bucket(): every p.grad / world_size into its slot,
-                  one call for the bucket (in place where p.grad *is* its
-                  slot: gradient_as_bucket_view)
-               ─> _launch_ready_buckets(): async all_reduce, strictly in
-                  bucket order
-      end of the backward pass
-        └─ _on_backward_pass_end()        callback queued on the autograd engine
-             └─ _finish_backward()
-                  _account_for_missing_gradients   (zeros, or an error naming them)
-                  wait for every bucket
-                  _write_averages_into_grads
-                  backward_done_callbacks: policies above may rebuild
-                  the buckets (after the first backward, in the order
-                  gradients arrived: minddp.bucket_order; and
-                  bucket_cap_mb="auto": minddp.bucket_planner)
+        └─ _autograd_hook(i, p)           post-accumulate hook, one per parameter
+             first hook of this backward: queue _on_pass_end on autograd's engine
+             on_grad_ready(i, p)          count p ready in its bucket (which one: _plan[i])
+               its bucket complete? ─> bucket_ready(bucket)
+                  fill_bucket: every p.grad * 1/N into its slot, one batched copy
+                  launch every complete bucket, strictly in bucket order:
+                  communicate(bucket) = an async all_reduce
+      the backward pass ends
+        └─ _on_pass_end() ─> finish_backward()
+              every bucket launched? (else an error naming the parameters without a gradient)
+              per bucket: write_grads (wait for its sum, copy it into .grad), reset
+              backward_done_callbacks
 
-The buckets themselves are in :mod:`minddp.bucket_assignment` (which
-parameters share one) and :mod:`minddp.buckets` (a flat buffer and its life
-cycle); what "communicate" means (all-reduce, or a compressed one) in
-:mod:`minddp.comm_hooks`.
+Every feature beyond this path is a *layer* (:mod:`minddp.features`): a
+class that overrides some of the steps above and calls ``super()`` for the
+rest. :meth:`Reducer.add_layer` stacks one on this reducer; a feature that is
+off is not in the stack, so the plain path neither calls nor tests for it.
+What policies above may call (the arrival log, ``rebuild``, bucket storage,
+``bucket_reduced_hook``) is in :mod:`minddp.reducer_hooks`.
 
-What code above the reducer may call (mechanism here, policy there) is in
-:mod:`minddp.reducer_hooks`: the arrival log, ``rebuild``, the
-backward-done callbacks, bucket storage, a passenger in the last bucket.
-The learned bucket order (:mod:`minddp.bucket_order`),
-``bucket_cap_mb="auto"`` (:mod:`minddp.bucket_planner`), ZeRO stage 2 and
-``buffer_sync="with_gradients"`` are built on them.
-
-Why dividing *before* summing: the sum of N half-precision gradients can
-overflow where their average would not.
+Why divide *before* summing: the sum of N half-precision gradients can
+overflow where N parts of their average cannot.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -53,14 +41,15 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
-from minddp.buckets import Bucket
-from minddp.comm_hooks import GradBucket
+from minddp.buckets import Bucket, BucketStorage
+from minddp.features import Layer
+from minddp.features.observed import ProfilerRanges
 from minddp.reducer_hooks import ReducerHookPoints
-from minddp.trace import StepObserver, profiler_range
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
 
-_graph_task_id = torch._C._current_graph_task_id  # which autograd pass is running (a private torch API)
+_engine = torch.autograd.Variable._execution_engine
+_profiling = torch.autograd._profiler_enabled
 
 
 @dataclass(frozen=True)
@@ -80,397 +69,210 @@ class ReducerOptions:
 class Reducer(ReducerHookPoints):
     """Averages the gradients of ``params`` over ``process_group`` during backward.
 
-    (What policies above may call, the hook points, is in
-    :class:`~minddp.reducer_hooks.ReducerHookPoints`; this class is the path.)
+    (What policies above may call, ``rebuild``, ``watch_arrivals``, bucket
+    storage, ``bucket_reduced_hook``, is in :class:`~minddp.reducer_hooks.ReducerHookPoints`:
+    methods only; every attribute the path reads is set in ``__init__`` here.)
     """
 
+    _layers: tuple[type[Layer], ...] = ()  # the features stacked on this class (add_layer)
+
     def __init__(self, params: list[nn.Parameter], names: list[str], process_group: dist.ProcessGroup,
-                 options: ReducerOptions, observer: StepObserver):
+                 options: ReducerOptions):
         self.params, self.names, self.options = params, names, options
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.device = params[0].device
-        self.observer = observer
-        self._index = {p: i for i, p in enumerate(params)}
-        self._sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
-        self._init_hook_points(int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB),
-                               [int(cap * MiB) for cap in options.bucket_caps_mb or ()])
-        self._offered: set[int] = set()  # buckets waited for and offered to bucket_reduced_hook, this backward
-        self._reclaimed: set[int] = set()  # ... of which the hook took the result (no .grad to write)
-        # Buckets, in the order gradients are expected: reverse registration.
-        self._build_buckets(list(reversed(range(len(params)))))
-        self._static_graph = options.static_graph  # read by every hook: one attribute, not two
-        for i, p in enumerate(params):  # fires after p.grad has been accumulated
-            p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
-
-        self.sync_this_backward = False  # set at each forward
-        # Also set at each synchronized forward: did it run inside a backward
-        # pass? A reentrant checkpoint around the whole wrapped model
-        # recomputes its forward there, and then every gradient of that
-        # forward comes from the one nested pass that follows.
+        self.divisor = self.world_size  # the average is over this many ranks (join() may lower it)
+        self.scale = 1.0 / self.divisor  # what every gradient is multiplied by before the sum
+        self.sync_this_backward = False  # set at each forward: does its backward communicate?
+        # Also set at each synchronized forward: did it run inside a backward pass? (A reentrant
+        # checkpoint around the whole model recomputes its forward there: see _on_pass_end.)
         self.forward_inside_backward = False
-        self.unused: list[nn.Parameter] = []  # no gradient will come for these (graph walk, static graph)
-        self.divisor = self.world_size  # what each gradient is divided by before the sum (join changes it)
         self.backward_started = False
+        self._end_of_pass_queued = False
         self.backwards_done = 0
-        self.comm_hook: tuple[Any, Callable] | None = None
-        self._watched_passes: set[int] = set()  # autograd passes whose end we are told of
-        self._pass_now: int | None = None  # the pass the last hook fired in
-        self._tracing = observer.tracer is not None  # per-gradient trace events
-        self._locally_used = [True] * len(params)
-        # Per parameter, did the last synchronized backward see a gradient on some rank?
-        # None: all did (without find_unused_parameters a missing one is an error).
-        self.globally_used: list[bool] | None = None
-        self._hooks_seen = [0] * len(params)  # this backward, per parameter (static_graph)
-        self._hooks_expected: list[int] | None = None  # learned by static_graph's first backward
-        self._static_used: list[bool] | None = None  # ... and which parameters some rank uses
+        self.backward_done_callbacks: list[Callable[[], None]] = []
+        self.comm_hook: tuple[Any, Callable] | None = None  # (state, hook): minddp.features.comm_hook
+        self.globally_used: list[bool] | None = None  # None: every parameter had a gradient somewhere
+        self.planned_rebuild: str | None = None  # why the buckets will still change (a policy's plan)
+        self.storage = BucketStorage()
+        self.caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
+        self._index = {p: i for i, p in enumerate(params)}
+        self._build_buckets(list(reversed(range(len(params)))))  # the first guess: reverse registration
+        for i, p in enumerate(params):  # fires after p.grad has been accumulated
+            p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
 
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
-        specs = [self._bucket_spec(self.params[i]) for i in order]
-        groups = assign_buckets(specs, *self._caps, per_bucket_caps=self._per_bucket_caps)
-        last_dtype = specs[groups[-1][0]].dtype
-        self._passenger_fits = self.passenger is not None and self.passenger.fits(last_dtype)
-        self.buckets = [
-            Bucket(k, [self.params[order[j]] for j in group], [self.names[order[j]] for j in group],
-                   dtype=specs[group[0]].dtype, storage=self._storage,
-                   extra_numel=self.passenger.numel if self._passenger_fits and k == len(groups) - 1 else 0)
-            for k, group in enumerate(groups)
-        ]
-        # The plan every hook follows, worked out once here instead of at
-        # every gradient: parameter index -> (its bucket, its position there).
+        specs = [TensorSpec(self.params[i].numel(), self.bucket_dtype(i).itemsize, self.bucket_dtype(i),
+                            self.device) for i in order]
+        groups = assign_buckets(specs, *self.caps, per_bucket_caps=self.per_bucket_caps)
+        self.buckets = [self._make_bucket(k, [order[j] for j in group], specs[group[0]].dtype, len(groups))
+                        for k, group in enumerate(groups)]
+        # The plan every hook follows, worked out once here instead of at every
+        # gradient: parameter index -> (its bucket, its position there).
+        self._indices = [[self._index[p] for p in bucket.params] for bucket in self.buckets]
         self._plan: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
-        self._indices: list[list[int]] = []  # per bucket, its parameters' indices
-        for bucket in self.buckets:
-            self._indices.append([self._index[p] for p in bucket.params])
-            for position, i in enumerate(self._indices[-1]):
+        for bucket, indices in zip(self.buckets, self._indices):
+            for position, i in enumerate(indices):
                 self._plan[i] = (bucket, position)
         self._next_to_launch = 0
-        # Parameters whose .grad becomes their slot (bucket views, same dtype).
-        self._as_view = [self._grad_is_slot_view(i, self._plan[i][0].dtype) for i in range(len(self.params))]
-        for i, p in enumerate(self.params):  # gradients kept across a rebuild move into their new slots
-            if p.grad is not None and self._as_view[i]:
-                p.grad = self._slot(i).copy_(p.grad)
 
-    def _slot(self, index: int) -> torch.Tensor:
-        bucket, position = self._plan[index]
-        if bucket.buffer is None:  # a storage that lends buffers: the bucket's first use this backward
-            bucket.acquire()
-        return bucket.views[position]
+    def _make_bucket(self, k: int, indices: list[int], dtype: torch.dtype, count: int, extra_numel: int = 0) -> Bucket:
+        """Bucket ``k`` of ``count``, for these parameter indices."""
+        return Bucket(k, [self.params[i] for i in indices], [self.names[i] for i in indices], dtype, self.storage,
+                      extra_numel)
 
-    def _bucket_spec(self, p: nn.Parameter) -> TensorSpec:
-        dtype = self.options.reduce_dtype or p.dtype
-        return TensorSpec(p.numel(), dtype.itemsize, dtype, p.device)
+    def bucket_dtype(self, index: int) -> torch.dtype:
+        """What ``params[index]``'s gradient is reduced in: its own dtype (``reduce_dtype`` is a layer)."""
+        return self.params[index].dtype
 
-    def _grad_is_slot_view(self, index: int, bucket_dtype: torch.dtype) -> bool:
-        """Should ``params[index].grad`` *be* its bucket slot? Only with bucket
-        views, a dense gradient, and a bucket in the parameter's own dtype."""
-        return (self.options.gradient_as_bucket_view and bucket_dtype == self.params[index].dtype
-                and index not in self._sparse_dim)
+    # ------------------------------------------------------- at every forward
+    def prepare_for_forward(self, sync: bool, buffers_due: bool) -> int | None:
+        """Before the module's forward: will its backward communicate? Returns the rank whose buffers
+        everyone takes now, or None for no broadcast (``buffers_due``: the last forward synchronized)."""
+        self.sync_this_backward = sync
+        self.forward_inside_backward = sync and torch._C._current_graph_task_id() != -1
+        return 0 if buffers_due else None
 
-    # -------------------------------------------------- the path of a gradient
-    def on_grad_ready(self, index: int, param: nn.Parameter) -> None:
-        """Post-accumulate hook of ``params[index]``: its ``.grad`` is final for this backward.
+    def prepare_for_backward(self, output: Any) -> None:
+        """After a synchronized forward, with its output (where unused parameters are searched for)."""
 
-        Runs once per parameter per step, so where to go is looked up, not
-        worked out (``_plan``, built with the buckets), and a gradient that
-        is not its bucket's last costs a few attribute reads and a counter:
-        copies and scaling wait for the bucket to be complete
-        (:meth:`_fill_bucket`), with one exception below; records are kept
-        only when asked for (a tracer, an arrival log).
-        """
+    # ------------------------------------------------ the path of a gradient
+    def _autograd_hook(self, index: int, param: nn.Parameter) -> None:
+        """Post-accumulate hook of ``params[index]``: its ``.grad`` is final for this backward."""
         if not self.sync_this_backward:
-            return
-        if not self.backward_started:
-            self._begin_backward()
-        if (current := _graph_task_id()) != self._pass_now:  # usually the same pass as the last hook
-            self._call_at_end_of(current)
-        if self._static_graph and not self._last_expected_hook(index):
-            return  # more of this parameter's gradient is still to come
-        if self._recording:  # the first backward (learned order), or asked for from above
-            self.arrival_log.append((index, time.perf_counter()))
-        if self._tracing:
-            self.observer.gradient_ready(self.names[index], param.grad)
-        bucket, position = self._plan[index]
-        if self._as_view[index] and (grad := param.grad) is not None and not grad.is_sparse:
-            if bucket.buffer is None:  # a storage that lends buffers: the bucket's first use this backward
-                bucket.acquire()
-            if grad is not (slot := bucket.views[position]):
-                # gradient_as_bucket_view after zero_grad(set_to_none=True):
-                # autograd made a fresh .grad. Into its slot now, so its memory
-                # goes back at once, not when the whole bucket is complete (as
-                # torch's reducer; batching these copies per bucket measured no
-                # faster, and held up to a bucket of gradients twice).
-                param.grad = slot.copy_(grad)
-        if bucket.mark_ready_at(position):
-            self._bucket_complete(bucket)
+            return  # inside no_sync(): the gradient just accumulates
+        if not self._end_of_pass_queued:  # the first hook of this backward (or of a pass: _on_pass_end)
+            if not self.backward_started:
+                self.start_backward()
+            _engine.queue_callback(self._on_pass_end)
+            self._end_of_pass_queued = True
+        self.on_grad_ready(index, param)
 
-    def _begin_backward(self) -> None:
+    def start_backward(self) -> None:
         self.backward_started = True
-        self.observer.backward_started()
-        self._watched_passes = set()
-        self._pass_now = None
-        self._locally_used = [True] * len(self.params)
-        self._hooks_seen = [0] * len(self.params)
-        self.arrival_log = []  # only this backward's order counts (an earlier one may have failed)
-        for p in self.unused:  # no gradient will come for these: count them now
-            self._mark_ready(self._index[p])
+        if _profiling():  # a torch.profiler is recording: name the launches and the wait for it
+            self.add_layer(ProfilerRanges)
 
-    def _call_at_end_of(self, current: int) -> None:
-        # An activation checkpoint with use_reentrant=True runs a second,
-        # nested backward pass inside the first, and its hooks fire in there.
-        # So we ask to be called at the end of *every* pass a gradient came
-        # from (not only the first one's), and decide then.
-        self._pass_now = current
-        if current not in self._watched_passes:
-            self._watched_passes.add(current)
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_pass_end)
-
-    def _last_expected_hook(self, index: int) -> bool:
-        self._hooks_seen[index] += 1
-        if self._hooks_expected is None:
-            return False  # static_graph's first backward: count only, reduce everything at its end
-        if self._hooks_seen[index] > self._hooks_expected[index]:
-            raise RuntimeError(
-                f"MiniDDP(static_graph=True): Your training graph has changed in this iteration: parameter "
-                f"{self.names[index]!r} got gradient {self._hooks_seen[index]} time(s), where the first "
-                f"iteration gave it {self._hooks_expected[index]} (e.g. a parameter unused in the first "
-                "iteration is used now). This is not compatible with static_graph set to True: construct "
-                "MiniDDP(..., find_unused_parameters=True) without static_graph for a graph that changes.")
-        return self._hooks_seen[index] == self._hooks_expected[index]
-
-    def _mark_ready(self, index: int) -> None:
+    def on_grad_ready(self, index: int, param: nn.Parameter) -> None:
+        """Count the gradient in its bucket; the copy waits until the bucket is complete."""
         bucket, position = self._plan[index]
         if bucket.mark_ready_at(position):
-            self._bucket_complete(bucket)
+            self.bucket_ready(bucket)
 
-    def _bucket_complete(self, bucket: Bucket) -> None:
-        self.observer.bucket_complete()
-        self._fill_bucket(bucket)
-        self._launch_ready_buckets()
-
-    def _fill_bucket(self, bucket: Bucket) -> None:
-        """Every gradient of a complete bucket into its slot, scaled by 1/N.
-
-        Average = sum of (g / N): dividing before the sum keeps low precision
-        from overflowing, and multiplying by 1/N is what torch's reducer does
-        (so results are bit-equal to its). A comm hook does its own averaging.
-        Done once per bucket, when its last gradient is in (it could not leave
-        earlier anyway), so the work can be batched: :meth:`Bucket.copy_in`.
-        """
-        scale = 1.0 if self.comm_hook is not None else 1.0 / self.divisor
-        bucket.acquire()
-        copies, slots, copied = [], [], []
-        for index, param, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
-            grad = param.grad
-            if grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
-                pass
-            elif grad is None:  # unused here (but maybe used on another rank): contributes zero
-                self._locally_used[index] = False
-                slot.zero_()
-            elif grad.is_sparse:  # densified: every row travels, touched or not
-                self._sparse_dim[index] = grad.sparse_dim()
-                slot.zero_().add_(grad)
-            else:  # a copy (a cast, with reduce_dtype)
-                copies.append(param)
-                slots.append(slot)
-                copied.append(index)
-        bucket.copy_in([p.grad for p in copies], slots, scale)
-        if bucket.extra_numel:  # the last bucket, with room for the passenger
-            if self.carry_passenger:
-                self.passenger.pack(bucket.tail)
-            else:
-                bucket.tail.zero_()
-        if self.options.gradient_as_bucket_view:
-            for index, param, slot in zip(copied, copies, slots):  # only now: .grad held the gradient until the copy
-                if self._as_view[index]:  # e.g. after zero_grad(set_to_none=True)
-                    param.grad = slot
-
-    def _launch_ready_buckets(self) -> None:
-        # Strict bucket order: a ready bucket waits for the ones before it, so
-        # every rank issues the same all-reduces in the same order.
-        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].ready:
-            bucket = self.buckets[self._next_to_launch]
-            launched = time.perf_counter()
-            with profiler_range(f"minddp.launch_bucket_{bucket.index}"):
-                bucket.launch(self._communicate)
-            self.observer.bucket_launched(bucket.index, bucket.buffer.nbytes, launched, bucket.future)
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """Its gradients into the bucket, then launch every complete bucket, strictly in bucket order:
+        a bucket complete early waits for the ones before it, so every rank issues the same
+        all-reduces in the same order."""
+        self.fill_bucket(bucket)
+        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
+            self.buckets[self._next_to_launch].launch(self.communicate)
             self._next_to_launch += 1
-        if not self._storage.keep_buffers:
-            self._reclaim_finished_buckets()
 
-    def _reclaim_finished_buckets(self) -> None:
-        """Buffers lent by the storage go back as soon as their result is taken (not at the end of backward)."""
-        for bucket in self.buckets[: self._next_to_launch]:
-            if bucket.index not in self._offered and bucket.future is not None and bucket.future.done():
-                bucket.wait()
-                self._hand_over(bucket)
+    def fill_bucket(self, bucket: Bucket) -> None:
+        """Every gradient of a complete bucket into its slot, times 1/N: one batched copy per bucket."""
+        grads = []
+        for param in bucket.params:
+            grads.append(param.grad)
+        bucket.copy_in(grads, bucket.views, self.scale)
 
-    def _hand_over(self, bucket: Bucket) -> bool:
-        """Offer a reduced bucket to the ``bucket_reduced_hook`` (once per backward); True if taken
-        (then its buffer may go back; declined, ``.grad`` is written from it at the end of backward)."""
-        if bucket.index in self._offered:
-            return bucket.index in self._reclaimed
-        self._offered.add(bucket.index)
-        if self.bucket_reduced_hook is None or not self.bucket_reduced_hook(GradBucket(bucket, len(self.buckets))):
-            return False
-        self._reclaimed.add(bucket.index)
-        if not self._storage.keep_buffers:
-            bucket.release()
-        return True
+    def communicate(self, bucket: Bucket) -> torch.futures.Future:
+        """Start summing the bucket over the ranks; a future of the summed buffer."""
+        if self.world_size == 1:  # nothing to add: the buffer is the average already
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer)
+            return done
+        return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
 
-    def _communicate(self, bucket: Bucket) -> torch.futures.Future:
-        if self.comm_hook is None:
-            if self.world_size == 1:  # nothing to add up: the buffer is the average already
-                done = torch.futures.Future()
-                done.set_result(bucket.buffer)
-                return done
-            return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
-        state, hook = self.comm_hook
-        future = hook(state, GradBucket(bucket, len(self.buckets)))
-        if not isinstance(future, torch._C.Future):  # torch.futures.Future and what collectives return
-            raise RuntimeError(f"MiniDDP's comm hook {getattr(hook, '__name__', hook)!r}: callback must return a "
-                            f"torch.futures.Future object, but got {type(future).__name__}")
-        return future
+    # ------------------------------------------------------ end of backward
+    def _on_pass_end(self) -> None:
+        """Autograd finished a pass that delivered gradients: is the backward over?
 
-    def _on_backward_pass_end(self) -> None:
-        """Autograd finished a pass that delivered gradients: is the backward over?"""
-        if not self.backward_started:
-            return  # an earlier pass's callback already finished this backward
-        if self._next_to_launch == len(self.buckets):
-            self._finish_backward()  # every gradient is in, whichever pass this was
-        elif torch._C._current_autograd_node() is None or self.forward_inside_backward:
-            self._finish_backward()  # the outermost pass ended (or this forward's only pass): what is missing stays missing
-        # else: a nested (reentrant checkpoint) pass ended inside a node of the
-        # outer pass, which goes on and will deliver the remaining gradients.
+        Usually yes. But a reentrant activation checkpoint runs a nested
+        backward pass inside a node of the outer one, and its hooks may fire
+        first: when that pass ends with buckets still to come, the outer pass
+        goes on, and the next hook queues this callback again, there. A pass
+        that is outermost (no autograd node running), or the only pass of a
+        forward that itself ran inside a backward, ends the backward.
+        """
+        if (self._next_to_launch == len(self.buckets) or self.forward_inside_backward
+                or torch._C._current_autograd_node() is None):
+            self.finish_backward()
+        else:
+            self._end_of_pass_queued = False
 
-    def _finish_backward(self) -> None:
-        """End of backward: account for missing gradients, wait for every bucket, write ``.grad``."""
-        self.backward_started = False
-        self._account_for_missing_gradients()
-        with profiler_range("minddp.wait_buckets"):
-            for bucket in self.buckets:
-                if bucket.index not in self._offered:
-                    bucket.wait()
-        if self._passenger_fits and self.carry_passenger:
-            self.passenger.receive(self.buckets[-1].tail)
-            self.passenger_arrived = True
-        self.globally_used = self._globally_used()
-        self._write_averages_into_grads(self.globally_used)
-        self.observer.backward_done()
+    def finish_backward(self) -> None:
+        """Every bucket launched? Then wait for each, write ``.grad``, and be ready for the next backward."""
+        self.backward_started = self._end_of_pass_queued = False
+        if self._next_to_launch < len(self.buckets):
+            raise self._missing_gradients_error()
+        for bucket in self.buckets:
+            self.write_grads(bucket)
+            bucket.reset()
+        self._next_to_launch = 0
         self.backwards_done += 1
-        self._reset_buckets()
         for callback in list(self.backward_done_callbacks):  # a callback may remove itself
             callback()
 
-    def _account_for_missing_gradients(self) -> None:
-        if self.options.static_graph and self._hooks_expected is None:
-            # static_graph's first backward: now we know how many hooks each
-            # parameter gets; parameters that got none count as zero, always.
-            self._hooks_expected = list(self._hooks_seen)
-            self.unused = [p for p, n in zip(self.params, self._hooks_expected) if n == 0]
-            self._mark_all_unready()
-        if self.options.find_unused_parameters:
-            # Reached by the graph walk but no gradient came (an output not in
-            # the loss): zero as well, in bucket order like every other launch.
-            self._mark_all_unready()
-        if self._next_to_launch == len(self.buckets):
-            return  # every bucket complete and launched: nothing is missing
-        missing = self.unready_names()
-        if missing and self._static_graph:
-            self._reset_buckets()
-            raise RuntimeError(
-                "MiniDDP(static_graph=True): Expected to have finished reduction in the prior iteration "
-                "before starting a new one. This error indicates that your training graph has changed in "
-                "this iteration, e.g., one parameter is used in first iteration, but then got unused in the "
-                "second iteration. this is not compatible with static_graph set to True.\n"
-                f"Parameters which did not receive grad: {missing}")
-        if missing:
-            self._reset_buckets()
-            raise RuntimeError(
-                f"MiniDDP: parameters {missing} received no gradient in this backward, so their "
-                "buckets could not be all-reduced and no .grad was averaged. If a forward may "
-                "leave some parameters unused (or some outputs out of the loss), construct "
-                "MiniDDP(..., find_unused_parameters=True)."
-            )
+    def write_grads(self, bucket: Bucket) -> None:
+        """Wait for the bucket's sum and copy each average into its parameter's ``.grad``."""
+        bucket.wait()
+        grads = []
+        for param in bucket.params:
+            grads.append(param.grad)
+        torch._foreach_copy_(grads, bucket.views)
 
-    def _mark_all_unready(self) -> None:
-        for bucket in self.buckets:
-            for p in bucket.unready_params():
-                self._mark_ready(self._index[p])
-
-    def _write_averages_into_grads(self, globally_used: list[bool] | None) -> None:
-        for bucket in self.buckets:
-            if self._hand_over(bucket):
-                continue
-            grads, slots = [], []  # dense same-dtype copies: one call per bucket (see _fill_bucket)
-            for index, p, slot in zip(self._indices[bucket.index], bucket.params, bucket.views):
-                if globally_used is not None and not globally_used[index]:
-                    continue  # unused on every rank: .grad stays as it was (None stays None)
-                if p.grad is slot:
-                    continue  # gradient_as_bucket_view: the average is already in .grad
-                if index in self._sparse_dim:
-                    p.grad = slot.to(p.dtype).to_sparse(self._sparse_dim[index])
-                elif self._as_view[index]:
-                    p.grad = slot
-                elif p.grad is None:
-                    p.grad = slot.to(p.dtype, copy=True)
-                elif p.grad.dtype == slot.dtype:
-                    grads.append(p.grad)
-                    slots.append(slot)
-                else:
-                    p.grad.copy_(slot)
-            if grads:
-                torch._foreach_copy_(grads, slots)
-
-    def _globally_used(self) -> list[bool] | None:
-        """Which parameters got a gradient on some rank (the others keep their ``.grad``, None stays None)."""
-        if self._static_graph:
-            if self._static_used is None:  # learned once, by the first backward; the graph does not change
-                self._static_used = self._used_on_any_rank([n > 0 for n in self._hooks_expected or self._hooks_seen])
-            return self._static_used
-        if not self.options.find_unused_parameters:
-            return None  # every parameter produced a gradient, or we raised above
-        if self.options.skip_all_reduce_unused_params and self.globally_used is not None:
-            return self.globally_used  # promised: the same parameters unused on every rank, every step
-        return self._used_on_any_rank(self._locally_used)
-
-    def _used_on_any_rank(self, used_here: list[bool]) -> list[bool]:
-        used = torch.tensor(used_here, dtype=torch.int32, device=self.device)
-        dist.all_reduce(used, group=self.process_group)
-        return [bool(u) for u in used.tolist()]
+    def _missing_gradients_error(self) -> RuntimeError:
+        missing = self.abandon_unfinished_backward()
+        return RuntimeError(
+            f"MiniDDP: parameters {missing} received no gradient in this backward, so their "
+            "buckets could not be all-reduced and no .grad was averaged. If a forward may "
+            "leave some parameters unused (or some outputs out of the loss), construct "
+            "MiniDDP(..., find_unused_parameters=True)."
+        )
 
     def unready_names(self) -> list[str]:
         return [name for b in self.buckets for name in b.unready_names()]
 
-    def _reset_buckets(self) -> None:
-        self._offered, self._reclaimed = set(), set()
-        for bucket in self.buckets:
-            bucket.reset()
-        self._next_to_launch = 0
-        self.backward_started = False
-
     def abandon_unfinished_backward(self) -> list[str]:
         """Forget a backward that began and never ended; the names that got no gradient."""
         missing = self.unready_names()
-        self._reset_buckets()
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_to_launch = 0
+        self.backward_started = self._end_of_pass_queued = False
         return missing
 
-    # ---------------------------------------------------------- uneven inputs
-    def shadow_backward(self) -> None:
-        """A joined rank's stand-in for a backward: the same collectives, contributing zeros."""
-        for bucket in self.buckets:
-            bucket.acquire()
-            bucket.buffer.zero_()
-            bucket.launch_unconditionally(self._communicate)
-            bucket.wait()
-            bucket.reset()
-            if not self._storage.keep_buffers:
-                bucket.release()
-        if self.options.find_unused_parameters or (self._static_graph and self._static_used is None):
-            self._locally_used = [False] * len(self.params)
-            self._hooks_seen = [0] * len(self.params)
-            self.globally_used = self._globally_used()
-        self.arrival_log = []  # nothing arrived here; the step still counts, as on the other ranks
-        for callback in list(self.backward_done_callbacks):
-            callback()
+    # --------------------------------------------------------------- layers
+    @property
+    def layers(self) -> list[type[Layer]]:
+        """The features stacked on the plain path, bottom first."""
+        return list(self._layers)
+
+    def add_layer(self, layer: type[Layer], **settings: Any) -> None:
+        """Stack ``layer`` (a class of :mod:`minddp.features`) on this reducer, with its ``settings``.
+
+        From now on its steps run first and reach the plain ones through
+        ``super()``; where it sits among the others is its ``height``.
+        """
+        if layer in self._layers:
+            return
+        self.__class__ = _stacked(tuple(sorted(self._layers + (layer,), key=lambda k: k.height)))
+        layer.attach(self, **settings)
+
+    def remove_layer(self, layer: type[Layer]) -> None:
+        if layer not in self._layers:
+            return
+        self.__class__ = _stacked(tuple(k for k in self._layers if k is not layer))
+        layer.detach(self)
+
+@functools.lru_cache(maxsize=None)
+def _stacked(layers: tuple[type[Layer], ...]) -> type[Reducer]:
+    """The class of a reducer with these layers (lowest first): the highest first in the method
+    order, the plain path last. One class per set of layers."""
+    if not layers:
+        return Reducer
+    name = "+".join(["Reducer"] + [layer.__name__ for layer in layers])
+    return type(name, tuple(reversed(layers)) + (Reducer,), {"_layers": layers, "__module__": __name__})

@@ -18,13 +18,24 @@ from torch.utils._pytree import tree_map_only
 
 __all__ = [
     "module_device", "on_device", "move_to_device", "broadcast_coalesced", "sync_buffers", "params_reached_from",
-    "global_rank",
+    "global_rank", "process_group_of",
 ]
 
 BUFFER_POLICIES = ("broadcast", "with_gradients", "average", "off")
 
 # torch's DDP broadcasts in chunks of 250 MiB: few collectives, bounded extra memory.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+
+
+def process_group_of(process_group: dist.ProcessGroup | None, device_mesh: Any = None) -> dist.ProcessGroup:
+    """The ranks to average over: ``process_group``, or a one-dimensional ``device_mesh``'s, or the world."""
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    return process_group if process_group is not None else dist.group.WORLD
 
 
 def global_rank(group: dist.ProcessGroup, group_rank: int = 0) -> int:

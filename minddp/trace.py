@@ -1,10 +1,12 @@
 """Seeing overlap: when gradients arrived and when their buckets travelled.
 
-MiniDDP's gradient path reports to one :class:`StepObserver`, a call per
-event (backward began, gradient ready, bucket launched, backward done); the
-observer keeps the records. Two levels:
+When asked for (``MiniDDP(..., timeline=True)`` or ``trace=True``), a layer
+on the reducer (:mod:`minddp.features.observed`) reports each event of a
+step to one :class:`StepObserver` (backward began, gradient ready, bucket
+launched, backward done), which keeps the records; otherwise none of this
+runs. Two levels:
 
-* :class:`StepTimeline` is always on. It keeps four kinds of timestamps of
+* :class:`StepTimeline` (``timeline=True``). It keeps four kinds of timestamps of
   the last synchronized backward (first hook, last hook, each launch, end),
   one clock read per hook, which is how the tests prove that communication
   starts before backward ends.
@@ -25,7 +27,7 @@ every all-reduce as a zero-length bar, hidden. There the tracer uses
 :class:`DeviceClock`: a CUDA event recorded on the current stream at each
 hook, at each launch, and in the all-reduce's completion callback (which
 torch runs on a stream that waits for the collective), so the bars show when
-the GPU did the work. The always-on :class:`StepTimeline` stays on the CPU
+the GPU did the work. The :class:`StepTimeline` stays on the CPU
 clock: one event per hook would cost too much to keep on every step. Across
 machines (and, for device times, across ranks) clocks do not line up:
 compare tracks within a rank there.
@@ -231,7 +233,7 @@ class StepObserver:
     """Everything MiniDDP records about its steps, behind one call per event.
 
     The gradient path stays free of instrumentation: it tells the observer
-    what happened, and the observer keeps the always-on :class:`StepTimeline`
+    what happened, and the observer keeps the :class:`StepTimeline`
     (one CPU clock read per event) and, only when tracing, the :class:`Tracer`
     (stamps of its own clock: CUDA events for a module on a GPU).
     """

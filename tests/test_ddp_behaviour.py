@@ -28,7 +28,7 @@ class Deep(nn.Module):
 
 
 def _timeline(rank, world_size):
-    model = MiniDDP(Deep(), bucket_cap_mb=0.3)  # ~one layer per bucket
+    model = MiniDDP(Deep(), bucket_cap_mb=0.3, timeline=True)  # ~one layer per bucket
     x = torch.randn(64, 256)
     for _ in range(3):
         model(x).square().mean().backward()

@@ -15,9 +15,10 @@ LESSONS_README = ROOT / "lessons" / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, LESSONS_README, *DOCS]
 # Pages other people are writing at the same time; a link to one of them may wait for it.
-PAGES_WRITTEN_ELSEWHERE = {"reading_the_code.md", "real_links.md", "simulator_checked.md"}
+PAGES_WRITTEN_ELSEWHERE = {"real_links.md"}
 # Pages whose first lines must say what is on them (the others' pages included once they exist).
-OWN_PAGES = ["features.md", "against_torch.md", "memory.md", "launching.md", "simulator.md", "testing.md", "glossary.md"]
+OWN_PAGES = ["features.md", "against_torch.md", "memory.md", "launching.md", "simulator.md", "testing.md", "glossary.md",
+             "reading_the_code.md", "simulator_checked.md"]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 LOOK_BACK = 40  # lines before a table where the command that made it may stand (same section)
 COMMAND = re.compile(r"`(?:python3?|bash|PYTHONPATH=|minddp-train|pytest|sbatch|mpirun|torchrun|NPROC=|NNODES=|NP=)[^`]*`|```(?:bash|sh)")

@@ -130,6 +130,9 @@ def test_the_gradient_path_knows_no_policy_above_it():
     # minddp.simulate) until the planner moved out.
     graph = import_graph()
     above = ("minddp.bucket_planner", "minddp.simulate", "minddp.zero", "minddp.fsdp")
-    for module in ("minddp.reducer", "minddp.reducer_hooks", "minddp.buckets", "minddp.bucket_assignment"):
+    path = ("minddp.reducer", "minddp.reducer_hooks", "minddp.buckets", "minddp.bucket_assignment")
+    layers = tuple(m for m in graph if m.startswith("minddp.features"))  # the layers beside the path, too
+    assert "minddp.features.unused_parameters" in layers
+    for module in path + layers:
         wrong = sorted(m for m in _imports_transitively(graph, module) if m.startswith(above))
         assert not wrong, f"{module} depends on the policies above it: {wrong}"

@@ -13,5 +13,5 @@ mistaken variants and the notes they take for timelines)::
 
     diff lessons/wrappers/hook_ddp.py lessons/wrappers/async_ddp.py
 
-Lesson 08's ``minddp.MiniDDP`` is ``FlatDDP``, packaged.
+Lesson 08's ``minddp.MiniDDP`` is ``FlatDDP`` grown up (lesson 08 prints the diff).
 """

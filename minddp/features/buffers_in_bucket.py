@@ -38,14 +38,16 @@ from typing import Callable
 
 import torch
 
-__all__ = ["BuffersInLastBucket", "CARRIER_DTYPES"]
+from minddp.features import Layer
+
+__all__ = ["BuffersInLastBucket", "CarryBuffers", "CARRIER_DTYPES"]
 
 # Bucket dtypes that hold every int16 exactly (bf16 and fp16 do not: 8 and 11 bits of mantissa).
 CARRIER_DTYPES = (torch.float32, torch.float64)
 
 
 class BuffersInLastBucket:
-    """The reducer's passenger: ``numel`` extra elements at the end of the last bucket.
+    """What rides in the last bucket: ``numel`` extra elements after its gradients.
 
     :meth:`pack` fills them before the bucket is sent (rank 0: its buffers'
     bytes; every other rank: zeros), :meth:`receive` keeps the sum (rank 0's
@@ -121,6 +123,50 @@ class BuffersInLastBucket:
             "this forward, outside the wrapped forward; the other ranks get the values sent with the "
             "gradients, not the new ones (torch's DDP would broadcast the new ones). Use "
             "buffer_sync='broadcast' if buffers are changed between steps.", stacklevel=4)
+
+
+class CarryBuffers(Layer):
+    """The layer: room for a :class:`BuffersInLastBucket` in the last bucket, packed as it is sent,
+    kept as it arrives, and delivered before the next forward instead of a broadcast."""
+
+    height = 11
+
+    def attach(self, passenger: BuffersInLastBucket) -> None:
+        self.passenger = passenger
+        self.passenger_arrived = False  # did the last backward bring it? (delivered at the next forward)
+        self.carry_passenger = False  # set at each forward: does this backward carry it?
+        self._build_buckets(self.bucket_order)
+
+    def detach(self) -> None:
+        self._build_buckets(self.bucket_order)  # the last bucket without the room
+
+    def _make_bucket(self, k, indices, dtype, count, extra_numel=0):
+        if k == count - 1 and self.passenger.fits(dtype):
+            extra_numel = self.passenger.numel
+        return super()._make_bucket(k, indices, dtype, count, extra_numel)
+
+    def prepare_for_forward(self, sync: bool, buffers_due: bool) -> int | None:
+        source = super().prepare_for_forward(sync, buffers_due)
+        # rank 0's buffers came with the last backward's gradients: written now, where torch's
+        # broadcast would write them (deliver() says False if they can no longer be: a broadcast then)
+        delivered = buffers_due and self.passenger_arrived and self.passenger.deliver()
+        self.passenger_arrived = False
+        self.carry_passenger = sync
+        return None if delivered else source
+
+    def fill_bucket(self, bucket) -> None:
+        super().fill_bucket(bucket)  # (which scales the whole buffer: the tail is written after)
+        if bucket.extra_numel:
+            if self.carry_passenger:
+                self.passenger.pack(bucket.tail)
+            else:
+                bucket.tail.zero_()
+
+    def write_grads(self, bucket) -> None:
+        super().write_grads(bucket)
+        if bucket.extra_numel and self.carry_passenger:
+            self.passenger.receive(bucket.tail)
+            self.passenger_arrived = True
 
 
 def _layout(buffers: list[torch.Tensor]) -> list[tuple]:

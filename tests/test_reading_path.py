@@ -1,0 +1,93 @@
+"""The plain path stays short enough to read: what one default MiniDDP step runs.
+
+Measured as ``/work/shared/tools/reading_path.py`` (and ``docs/reading_the_code.md``)
+measures it: 2 ranks, a 2-layer MLP in ``MiniDDP(model)`` with default
+arguments, SGD; after 3 warm-up steps (the first backward learns the bucket
+order and rebuilds), one more step under ``sys.setprofile`` on rank 0 (CPU
+hooks run in the thread that called backward). Every minddp function called
+counts once (a comprehension or generator expression is a function too),
+and every file one came from counts with all its lines.
+
+Targets (issue 35): at most 20 functions, in at most 3 files, of at most
+900 lines together; and none of them is instrumentation or join
+bookkeeping, which run only when asked for.
+"""
+
+import collections
+import os
+import sys
+
+import torch
+
+import minddp
+from minddp import MiniDDP
+
+MAX_FUNCTIONS, MAX_FILES, MAX_LINES = 20, 3, 900
+PLAIN_FILES = {"minddp/ddp.py", "minddp/reducer.py", "minddp/buckets.py"}
+
+
+def _reading_path(rank, world_size, **kwargs):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(minddp.__file__)))
+    package = os.path.join(root, "minddp") + os.sep
+    torch.manual_seed(0)
+    model = MiniDDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 32), torch.randn(16, 4)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    seen = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            seen[(os.path.relpath(frame.f_code.co_filename, root), frame.f_code.co_name)] += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    files = sorted({f for f, _ in seen})
+    lines = sum(sum(1 for _ in open(os.path.join(root, f))) for f in files)
+    return sorted(seen), files, lines
+
+
+def _describe(functions, files, lines) -> str:
+    return (f"{len(functions)} functions in {len(files)} files of {lines} lines: {files}\n  "
+            + "\n  ".join(f"{f}:{name}" for f, name in functions))
+
+
+def test_a_plain_step_reads_in_at_most_20_functions_3_files_900_lines(ranks):
+    functions, files, lines = ranks(2).run(_reading_path)[0]
+    report = _describe(functions, files, lines)
+    assert len(functions) <= MAX_FUNCTIONS, report
+    assert len(files) <= MAX_FILES, report
+    assert lines <= MAX_LINES, report
+    assert set(files) <= PLAIN_FILES, report
+
+
+def test_instrumentation_and_join_bookkeeping_run_only_when_asked_for(ranks):
+    functions, files, _ = ranks(2).run(_reading_path)[0]
+    assert not {"minddp/trace.py", "minddp/join.py"} & set(files), _describe(functions, files, 0)
+    assert not [f for f in files if f.startswith("minddp/features/")], _describe(functions, files, 0)
+    # Not vacuous: asked for, the timeline does run on that step (and is a layer of its own).
+    functions, files, _ = ranks(2).run(_reading_path, timeline=True)[0]
+    assert {"minddp/trace.py", "minddp/features/observed.py"} <= set(files), _describe(functions, files, 0)
+
+
+def _print_reading_path(rank, world_size):
+    torch.set_num_threads(1)
+    functions, files, lines = _reading_path(rank, world_size)
+    if rank == 0:
+        print(_describe(functions, files, lines))
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python tests/test_reading_path.py: the listing behind the numbers
+    from minddp.launch import spawn
+
+    spawn(_print_reading_path, 2, backend="gloo")
