@@ -31,7 +31,7 @@ finally calls ``rebuild``. :class:`~minddp.ddp.MiniDDP` sets it up when
    waits for, so the probe says, from the CPU time this process spent
    during its largest all-reduces against their wall time: an all-reduce
    that keeps the CPU busy needs the cores backward needs (Gloo over
-   loopback, 2 ranks on 2 cores: 0.2 to 0.7 of its time, also at a load of
+   loopback, 2 ranks on 2 cores: 0.17 to 0.7 of its time, also at a load of
    12); one that mostly waits leaves them to backward (a real link between
    network namespaces at 1 Gbit/s: under 0.1; a simulated link, sleeping:
    under 0.1). A machine so loaded that a loopback all-reduce gets less
@@ -84,8 +84,8 @@ PROBE_SMALL_BYTES = 64 * 1024
 PROBE_REPEATS = 5
 # An all-reduce that keeps this process's CPU busy for less than this share of
 # its time mostly waits, and leaves the cores to backward (measured on 2 shared
-# cores, 2 ranks, load 10-12: Gloo on loopback 0.2 to 0.7; on a 1 Gbit/s link
-# between network namespaces 0.04 to 0.08; a simulated link, sleeping: under 0.1).
+# cores, 2 ranks, load 10-12: Gloo on loopback 0.17 to 0.7; on a 1 Gbit/s link
+# between network namespaces 0.04 to 0.11; a simulated link, sleeping: under 0.1).
 WAITING_CPU_SHARE = 0.15
 
 
