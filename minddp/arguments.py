@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from minddp.sync import BUFFER_POLICIES
 
-__all__ = ["check_arguments"]
+__all__ = ["check_arguments", "warn_broadcast_buffers_deprecated"]
 
 
 def check_arguments(buffer_sync: str, check_sync_every: int, bucket_cap_mb: Any, bucket_cap_mb_list: Any,
@@ -29,3 +30,15 @@ def check_arguments(buffer_sync: str, check_sync_every: int, bucket_cap_mb: Any,
                          f"{bucket_cap_mb_list!r}")
     if reduce_dtype is not None and not reduce_dtype.is_floating_point:
         raise ValueError(f"reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
+
+
+def warn_broadcast_buffers_deprecated(forward_sync_buffers_given: bool) -> None:
+    """torch 2.13 deprecated ``broadcast_buffers`` for ``forward_sync_buffers``; MiniDDP warns as torch does."""
+    if forward_sync_buffers_given:
+        message = ("MiniDDP: both broadcast_buffers and forward_sync_buffers were given; broadcast_buffers is "
+                   "deprecated (as in torch's DDP) and ignored")
+    else:
+        message = ("MiniDDP: broadcast_buffers is deprecated (as in torch's DDP); use forward_sync_buffers. "
+                   "Unlike broadcast_buffers=False, forward_sync_buffers=False still copies rank 0's buffers "
+                   "at construction: keep broadcast_buffers=False if each rank's buffers must stay its own")
+    warnings.warn(message, FutureWarning, stacklevel=3)

@@ -26,7 +26,7 @@ from torch import nn
 
 from minddp.bucket_order import LearnedBucketOrder
 from minddp.bucket_planner import AutoBuckets
-from minddp.arguments import check_arguments
+from minddp.arguments import check_arguments, warn_broadcast_buffers_deprecated
 from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket, CarryBuffers
@@ -131,6 +131,8 @@ class MiniDDP(nn.Module):
         # torch 2.14's buffer rule: forward_sync_buffers says whether buffers are synchronized at
         # forward (and after a join); they are at construction too, unless the older
         # broadcast_buffers=False alone asked for neither.
+        if broadcast_buffers is not None:
+            warn_broadcast_buffers_deprecated(forward_sync_buffers is not None)
         if forward_sync_buffers is not None:
             self.forward_sync_buffers, init_sync_buffers = forward_sync_buffers, True
         else:
@@ -162,7 +164,7 @@ class MiniDDP(nn.Module):
         # 1. Same model everywhere, then rank 0's values everywhere (on the
         #    module's GPU, whichever is current: see minddp.sync.on_device).
         with on_device(self.device):
-            check_same_parameters(module, self.process_group)
+            check_same_parameters(module, self.process_group, self.parameters_to_ignore)
             states = self._module_parameters() + (self._module_buffers() if init_sync_buffers else [])
             broadcast_coalesced(states, self.process_group)
 

@@ -76,19 +76,21 @@ def check_replicas_in_sync(module: nn.Module, group: dist.ProcessGroup | None = 
     )
 
 
-def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
-    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
+def _describe(module: nn.Module, ignored: set[str]) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()
+            if name not in ignored]
 
 
-def check_same_parameters(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Raise on *every* rank if the ranks' parameters differ in count, name, shape, dtype or requires_grad.
+def check_same_parameters(module: nn.Module, group: dist.ProcessGroup, ignored: set[str] = frozenset()) -> None:
+    """Raise on *every* rank if the ranks' parameters differ in count, name, shape, dtype or requires_grad
+    (those named in ``ignored``, which MiniDDP leaves to the user, may differ).
 
     Different models would build different buckets and issue mismatched
     collectives: a hang, or silently mixed gradients. Every rank gathers every
     other rank's description, so all reach the same verdict and raise the same
     error together instead of some of them waiting forever.
     """
-    mine = _describe(module)
+    mine = _describe(module, ignored)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]

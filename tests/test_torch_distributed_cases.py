@@ -393,3 +393,63 @@ def test_parameters_and_buffers_left_to_the_user_are_neither_averaged_nor_broadc
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} on rank {rank}: {m}")
     assert not torch.equal(*per_rank["minddp"]["private.weight"])  # each rank kept its own
     assert torch.equal(*per_rank["minddp"]["shared.weight"])
+
+
+class RankShaped(nn.Module):
+    """A private layer whose shape depends on the rank (a library keeps it in sync itself, or not at all)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.shared, self.private = nn.Linear(8, 8), nn.Linear(8, 1 + rank)
+        self.register_buffer("private_buffer", torch.zeros(1 + rank))
+
+    def forward(self, x):
+        return self.shared(x), self.private(x)
+
+
+def _ignore_rank_shaped(rank, world_size, wrapper_name):
+    module = RankShaped(rank)
+    WRAPPERS[wrapper_name]._set_params_and_buffers_to_ignore_for_model(module, ["private.weight", "private.bias",
+                                                                                "private_buffer"])
+    model = WRAPPERS[wrapper_name](module)
+    shared, private = model(torch.randn(2, 8))
+    (shared.sum() + private.sum()).backward()
+    return _gather(module.shared.weight.grad)[1].equal(_gather(module.shared.weight.grad)[0])
+
+
+def test_parameters_left_to_the_user_may_differ_in_shape_between_ranks(ranks):
+    for name in WRAPPERS:
+        assert ranks(2).run(_ignore_rank_shaped, name) == [True, True], name
+
+
+def _construct_with(rank, world_size, wrapper_name, kwargs):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        WRAPPERS[wrapper_name](TwoLayers(), **kwargs)
+    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+@pytest.mark.parametrize("kwargs", [{"broadcast_buffers": True}, {"broadcast_buffers": False},
+                                    {"broadcast_buffers": False, "forward_sync_buffers": True}],
+                         ids=["True", "False", "and_forward_sync_buffers"])
+def test_broadcast_buffers_is_deprecated_as_in_torch(ranks, kwargs):
+    for name in WRAPPERS:
+        warned = ranks(2).run(_construct_with, name, kwargs)[0]
+        assert any("broadcast_buffers" in w for w in warned), (name, warned)
+    assert ranks(2).run(_construct_with, "minddp", {"forward_sync_buffers": False})[0] == []
+
+
+def _profiled_search(rank, world_size, wrapper_name):
+    model = WRAPPERS[wrapper_name](WithUnused(), find_unused_parameters=True)
+    for _ in range(3):  # steps before the profiler starts, as in torch's own test
+        model(torch.randn(2, 8)).sum().backward()
+    with torch.profiler.profile() as profile:
+        model(torch.randn(2, 8)).sum().backward()
+    return sum(event.name.endswith("search_unused_parameters") for event in profile.events())
+
+
+def test_the_unused_parameter_search_is_named_in_torchs_profiler(ranks):
+    for name in WRAPPERS:
+        assert ranks(2).run(_profiled_search, name) == [1, 1], name

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from minddp.features import Layer
 from minddp.features.gradient_cases import GradientCases
 from minddp.sync import params_reached_from
@@ -35,7 +37,8 @@ class UnusedParameters(Layer):
         self.unused = []  # no gradient will come for these in this backward (the graph walk)
 
     def prepare_for_backward(self, output: Any) -> None:
-        reached = params_reached_from(output)
+        with torch.autograd.profiler.record_function("minddp.search_unused_parameters"):  # torch's name for it
+            reached = params_reached_from(output)
         self.unused = [p for p in self.params if id(p) not in reached]
         super().prepare_for_backward(output)
 
