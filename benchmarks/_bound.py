@@ -18,8 +18,10 @@ model computes:
   compute thread on 2 cores, that thread takes its turn on the same cores as
   backward, so no DDP can hide any of it;
 * ``max`` (bound = max(local, flat)): every rank has a core beyond its
-  compute threads, or the collectives run on a GPU's own streams (NCCL): at
-  best the whole all-reduce hides under backward.
+  compute threads, or the collectives run on a GPU's own streams (NCCL), or
+  the ranks talk over a real, rate-limited link (``compare.py --link``), where
+  the all-reduce mostly waits on the wire and leaves the cores to backward:
+  at best the whole all-reduce hides under backward.
 
 Both are paired by round (the bound of round *i* from that round's
 ``local`` and ``allreduce_flat`` blocks) as the wrapper overhead is, and
@@ -40,14 +42,15 @@ FLAT = "allreduce_flat"  # the name of the flat all-reduce among the timed steps
 RULES = {"sum": "local + allreduce_flat", "max": "max(local, allreduce_flat)"}
 
 
-def bound_rule(device: str, world_size: int, threads_per_rank: int, cpu_count: int | None = None) -> str:
+def bound_rule(device: str, world_size: int, threads_per_rank: int, cpu_count: int | None = None,
+               link: str = "loopback") -> str:
     """``"max"`` where communication can overlap compute, else ``"sum"`` (see the module doc).
 
     On CPU every rank needs a core beyond its ``threads_per_rank`` compute
     threads for Gloo's; ``world_size`` ranks are assumed on this one machine,
     as ``compare.py`` starts them.
     """
-    if device == "cuda":
+    if device == "cuda" or link != "loopback":
         return "max"
     cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     return "max" if cores >= world_size * (threads_per_rank + 1) else "sum"

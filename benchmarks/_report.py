@@ -50,7 +50,8 @@ def header(cfg: dict) -> str:
             f"backend={cfg['backend']} device={cfg['device']} world_size={cfg['world_size']} "
             f"threads/rank={cfg['threads_per_rank']}; {cfg['runs']} run(s) in fresh processes, each "
             f"{cfg['repeats']} rounds of {cfg['steps'] // cfg['repeats']} steps per implementation after "
-            f"{cfg['warmup']} warm-up steps; comm hook: {hook[cfg['comm_hook']]}",
+            f"{cfg['warmup']} warm-up steps; comm hook: {hook[cfg['comm_hook']]}; "
+            f"link: {cfg.get('link', 'loopback')}",
             "  local      every rank: forward + backward + SGD step, no communication",
             "  allreduce  all_reduce of the gradient bytes alone, DDP-like buckets (1 MiB first, then cap)",
             "  ideal      max(local, allreduce): perfect overlap",
@@ -159,6 +160,10 @@ def memory_table(rows: list[dict], views: list[str], method: str) -> str:
 def all_tables(cfg: dict, rows: list[dict]) -> str:
     views = cfg["bucket_views"]
     parts = [header(cfg), table(rows, views)]
+    if "copy" in views and all("predicted_ms" in r for r in rows):
+        import _prediction
+
+        parts.append(_prediction.table(cfg, rows))
     if _has_bound(rows):
         parts.append(bound_table(rows, views))
     if cfg["overhead"]:

@@ -50,7 +50,7 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
             for run in range(cfg["runs"]):
                 # The learned-order and trace extras once, in the first run.
                 run_cfg = {**cfg, "run": run, "extras": run == 0}
-                spawn(timing_main, cfg["world_size"], run_cfg, timed_path, backend=cfg["backend"])
+                spawn(timing_main, cfg["world_size"], run_cfg, timed_path, backend=cfg["backend"], link=cfg.get("link"))
                 with open(timed_path) as f:
                     timed = json.load(f)  # {"rows": [...], "learned_order": [...]}
                 runs.append(timed["rows"])
@@ -58,7 +58,7 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
             # Fresh processes for memory, with the allocator setting that
             # makes RSS follow live tensors (_memory.py says why).
             os.environ.update(_memory.ALLOCATOR_ENV)
-            spawn(memory_main, cfg["world_size"], cfg, mem_path, backend=cfg["backend"])
+            spawn(memory_main, cfg["world_size"], cfg, mem_path, backend=cfg["backend"], link=cfg.get("link"))
         except (RankFailed, mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             print(f"error: a rank failed:\n{e}", file=sys.stderr)
             return None

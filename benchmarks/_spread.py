@@ -56,6 +56,10 @@ def run_figures(blocks: dict[str, list[float]], views: list[str], bound_rule: st
         out.update(_bound.bound_figures(blocks, bound_rule, wrappers))
     if AUTO in blocks:
         out["ratio_auto"] = med[f"{AUTO}_ms"] / med["torch_copy_ms"]
+    if "local" in blocks and "allreduce" in blocks:  # per run, so that it comes with its spread over runs
+        wrappers = [f"{impl}_{v}" for v in views for impl in ("torch", "minddp")] + ([AUTO] if AUTO in blocks else [])
+        for w in wrappers:
+            out[f"hidden_fraction_{w}"] = hidden_fraction(med["local_ms"], med["allreduce_ms"], med[f"{w}_ms"])
     for v in views:
         out[f"ratio_{v}"] = med[f"minddp_{v}_ms"] / med[f"torch_{v}_ms"]
         if f"torch_{v}{NOCOMM}" not in blocks:
@@ -66,7 +70,7 @@ def run_figures(blocks: dict[str, list[float]], views: list[str], bound_rule: st
     return out
 
 
-SPREAD_PREFIXES = ("ratio_", "overhead_", "bound_", "over_bound_")  # the figures reported with _min and _max
+SPREAD_PREFIXES = ("ratio_", "overhead_", "bound_", "over_bound_", "hidden_fraction_")  # the figures reported with _min and _max
 
 
 def make_row(cfg: dict, per_run: list[dict], max_param_diff: float, peak_mb: dict[str, float]) -> dict:
@@ -93,13 +97,13 @@ def make_row(cfg: dict, per_run: list[dict], max_param_diff: float, peak_mb: dic
             row[key.replace("_ms", "_fraction")] = row[key] / row["bound_ms"]
     for v in cfg["bucket_views"]:
         for impl in ("torch", "minddp"):
-            row[f"hidden_fraction_{impl}_{v}"] = hidden_fraction(local, ar, row[f"{impl}_{v}_ms"])
+            row.setdefault(f"hidden_fraction_{impl}_{v}", hidden_fraction(local, ar, row[f"{impl}_{v}_ms"]))
             row[f"peak_mem_{impl}_{v}_mb"] = peak_mb[f"{impl}_{v}"]
             if f"overhead_{impl}_{v}_ms" in row:
                 row[f"overhead_{impl}_{v}_fraction"] = row[f"overhead_{impl}_{v}_ms"] / local
     row["max_param_diff"] = max_param_diff
     if f"{AUTO}_ms" in row:
-        row[f"hidden_fraction_{AUTO}"] = hidden_fraction(local, ar, row[f"{AUTO}_ms"])
+        row.setdefault(f"hidden_fraction_{AUTO}", hidden_fraction(local, ar, row[f"{AUTO}_ms"]))
         row[f"peak_mem_{AUTO}_mb"] = peak_mb[AUTO]
     row["per_run"] = {k: [r[k] for r in per_run] for k in keys if k.startswith(SPREAD_PREFIXES)}
     return row
@@ -117,6 +121,8 @@ def make_rows(cfg: dict, runs: list[list[dict]], memory: list[dict]) -> list[dic
             if "naive" not in blocks:  # measured at the model's first cap only
                 blocks["naive"] = next(e["block_ms"]["naive"] for e in entries if e["model"] == entry["model"])
             figures = run_figures(blocks, cfg["bucket_views"], cfg["bound_rule"])
+            if "predicted_ms" in entry:  # the simulator's step for this cap (_prediction.py)
+                figures["predicted_ms"] = entry["predicted_ms"]
             if "auto_buckets" in entry:  # how many buckets bucket_cap_mb="auto" chose in this run
                 figures["auto_buckets"] = entry["auto_buckets"]
                 auto_diff = max(auto_diff or 0.0, entry["max_param_diff_auto"])

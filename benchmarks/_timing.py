@@ -58,7 +58,9 @@ why, in ``_memory.py``). The ``--learned-order`` measurement and the
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import statistics
 import sys
@@ -75,6 +77,7 @@ import _bound
 import _memory
 import _models
 import _overlap
+import _prediction
 from _wrappers import AUTO, NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
 
 LR = 0.01
@@ -194,6 +197,8 @@ class Runner:
         names = list(steps)
         times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(cfg["repeats"]):
+            _say(self.rank, f"run {cfg.get('run', 0) + 1}/{cfg.get('runs', 1)}, {self.name}, cap {self.cap_mb:g} MB: "
+                            f"round {r + 1}/{cfg['repeats']}")  # fmt: skip
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 times[name].append(self.time_block(steps[name], k))
         t = torch.tensor([times[n] for n in names], dtype=torch.float64, device=self.comm_device)
@@ -213,7 +218,11 @@ class Runner:
             steps["naive"] = self.stepper(naive_model, self.naive_sync(naive_model))
         for name in wrapper_names(self.cfg):
             steps[name] = self.stepper(self.wrapped(name))
-        blocks = self.block_times(steps)
+        # bucket_cap_mb="auto" prints its decision (rank 0) in every run of every row: kept, and
+        # shown once per model by timing_main instead.
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            blocks = self.block_times(steps)
+        decisions = [line for line in printed.getvalue().splitlines() if "bucket_cap_mb='auto'" in line]
         diffs = []
         for name in (n for n in steps if n.startswith("torch_")):
             twin = steps["minddp_" + name[len("torch_") :]]
@@ -228,7 +237,8 @@ class Runner:
         dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
         out = {"block_ms": blocks, "max_param_diff": diff_t[0].item()}
         if AUTO in steps:
-            out.update(max_param_diff_auto=diff_t[1].item(), auto_buckets=len(steps[AUTO].module.bucket_names))
+            out.update(max_param_diff_auto=diff_t[1].item(), auto_buckets=len(steps[AUTO].module.bucket_names),
+                       auto_decision=decisions[-1] if decisions else "")
         del steps
         _memory.release()
         return out
@@ -278,10 +288,21 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
     out, seen = [], set()
+    solos = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    inputs: dict = {}  # model -> the simulator's inputs (rank 0; None on the others)
     for name, cap in _cases(cfg):
+        if name not in inputs and device.type == "cpu":
+            _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: {name}: the simulator's inputs (compute profile, link) ...")
+            inputs[name] = _prediction.measure_inputs(Runner(cfg, name, cap, rank, world_size, device), solos[rank])
         _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: timing {name}, bucket cap {cap:g} MB ...")
         result = Runner(cfg, name, cap, rank, world_size, device).measure(with_naive=name not in seen)
+        if name not in seen and cfg["run"] == 0 and result.get("auto_decision"):
+            _say(rank, f"{name}: {result['auto_decision']}")
         seen.add(name)
+        if inputs.get(name) is not None:
+            local_ms = statistics.median(result["block_ms"]["local"])
+            result["predicted_ms"] = _prediction.predicted_step(inputs[name], cap, local_ms, world_size,
+                                                                overlap=cfg["bound_rule"] == "max")
         out.append({"model": name, "bucket_cap_mb": cap, **result})
 
     def make_runner(name: str, cap: float) -> Runner:
@@ -301,14 +322,20 @@ def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     allocator setting of ``_memory.ALLOCATOR_ENV`` (see ``_memory.py``)."""
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
-    out, seen = [], set()
     _say(rank, "peak memory ...")
+    with contextlib.redirect_stdout(io.StringIO()):  # bucket_cap_mb="auto"'s decision: shown by timing_main
+        out = _peak_memory_rows(cfg, rank, world_size, device)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"memory": out, "method": _memory.method(device)}, f)
+
+
+def _peak_memory_rows(cfg: dict, rank: int, world_size: int, device: torch.device) -> list[dict]:
+    out, seen = [], set()
     for name, cap in _cases(cfg):
         runner = Runner(cfg, name, cap, rank, world_size, device)
         if name not in seen:  # unmeasured: first-use costs (code pages, lazy init) land here
             runner.peak_memory(n_steps=2)
             seen.add(name)
         out.append({"model": name, "bucket_cap_mb": cap, "peak_mb": runner.peak_memory()})
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"memory": out, "method": _memory.method(device)}, f)
+    return out

@@ -7,6 +7,16 @@
     python benchmarks/compare.py --backend nccl --device cuda --world-size 1
     python benchmarks/compare.py --models mlp --trace overlap.json --plot compare.png
     python benchmarks/compare.py --learned-order
+    python benchmarks/compare.py --link 1gbit          # ranks on real links shaped to 1 Gbit/s (root)
+
+``--link RATE`` (``loopback`` is the default): every rank in a network
+namespace of its own, joined to the others by links shaped to that rate
+(``minddp/links.py``; needs root and iproute2), so that communication waits
+on a wire instead of sharing the cores with backward. Then the bucket caps
+default to a sweep of 1, 5 and 25 MB, and a further table sets beside each
+measured step the simulator's (``_prediction.py``) and each wrapper's hidden
+fraction with its spread. While it runs, one progress line per round, and
+``bucket_cap_mb="auto"``'s decision once per model.
 
 The whole timing runs ``--runs`` times, each in fresh rank processes; every
 figure below is first taken within a run, then reported as the median over
@@ -101,6 +111,7 @@ import _runs  # noqa: E402
 import _spread  # noqa: E402
 from _models import ALL_MODELS, DEFAULT_MODELS  # noqa: E402
 from _wrappers import like_for_like_hook  # noqa: E402
+from minddp import links  # noqa: E402
 from minddp.bucket_planner import MEASURED_BACKWARDS  # noqa: E402
 
 # The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
@@ -123,6 +134,19 @@ def _floats(text: str) -> list[float]:
     return values
 
 
+LINK_SWEEP_MB = [1.0, 5.0, 25.0]  # --link without --bucket-sweep: the U of bucket sizes on the wire
+
+
+def _link(text: str) -> str:
+    """``loopback`` or a rate for :mod:`minddp.links` (normalised: ``1Gbit`` -> ``1gbit``)."""
+    if text == "loopback":
+        return text
+    try:
+        return links.format_rate(links.parse_rate(text))
+    except links.LinkError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or loopback") from None
+
+
 def _model_list(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
@@ -139,6 +163,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda for nccl, else cpu")
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--link", type=_link, default="loopback", metavar="RATE",
+                   help="loopback (every rank on this machine's one network stack), or a rate such as 100mbit, "
+                   "1gbit, 10gbit: every rank in a network namespace of its own, joined by links shaped to that "
+                   f"rate (minddp/links.py; needs root and iproute2); then the bucket sweep defaults to "
+                   f"{','.join(f'{c:g}' for c in LINK_SWEEP_MB)} MB")  # fmt: skip
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--bucket-sweep", type=_floats, default=None, metavar="1,5,25,100",
                    help="measure every one of these bucket caps (MB) instead of --bucket-cap-mb alone")  # fmt: skip
@@ -184,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.warmup = 2 if args.quick else WARMUP
     if args.device is None:
         args.device = "cuda" if args.backend == "nccl" else "cpu"
+    if args.link != "loopback" and args.bucket_sweep is None:
+        args.bucket_sweep = list(LINK_SWEEP_MB)
     for name in ("runs", "steps", "repeats", "world_size", "threads_per_rank"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -207,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_environment(args: argparse.Namespace) -> list[str]:
     """Adjust what the machine cannot do; return the notes to print."""
     notes = []
+    if args.link != "loopback" and links.missing():
+        print(f"error: --link {args.link}: {links.missing()}", file=sys.stderr)
+        sys.exit(2)
     if args.plot and not _report.have_matplotlib():
         print(f"error: {_report.PLOT_INSTALL_HINT}", file=sys.stderr)
         sys.exit(2)
@@ -252,7 +286,8 @@ def config(args: argparse.Namespace) -> dict:
         "bucket_views": ["copy", "view"] if args.bucket_view == "both" else [args.bucket_view],
         "overhead": not args.no_overhead,
         "auto": auto,
-        "bound_rule": _bound.bound_rule(args.device, args.world_size, args.threads_per_rank),
+        "link": args.link,
+        "bound_rule": _bound.bound_rule(args.device, args.world_size, args.threads_per_rank, link=args.link),
         "quick": args.quick,
         "learned_order_cap_mb": args.learned_order,  # None: not measured
         "trace_files": _runs.trace_files(args.trace, args.models) if args.trace else {},

@@ -3,6 +3,8 @@
     python benchmarks/fsdp_peers.py                       # N = 1, 2, 4 memory; time at N = 2
     python benchmarks/fsdp_peers.py --rounds 9 --json docs/fsdp_peers.json --text docs/fsdp_peers.txt
     python benchmarks/fsdp_peers.py --quick               # a smaller GPT, 1 round: a smoke test
+    python benchmarks/fsdp_peers.py --world-sizes 2 --link 1gbit --setups torch-ddp,stage2,stage3,fsdp2
+                                                          # the timing over 1 Gbit/s links (root)
 
 ``minddp.models.GPT`` (8 blocks, 0.95 M parameters, head tied to the token
 embedding), AdamW in fp32, 4 sequences of 64 tokens per rank, Gloo on CPU,
@@ -33,6 +35,12 @@ order that rotates each round; per step, wall time and this process's CPU
 time (``time.process_time``: its threads, Gloo's included), the slowest rank,
 median over rounds with [min, max].
 
+With ``--link RATE`` the timing's ranks each run in a network namespace of
+their own, joined by links shaped to that rate (:mod:`minddp.links`): the
+all-gathers and reduce-scatters cross a real, rate-limited link, and wall
+time shows whether prefetch hides them. Memory is measured as without it
+(the link changes no tensor).
+
 **Parameters**: after the steps, every setup's full parameters against
 torch's DDP's (max absolute difference; same weights, same batches).
 """
@@ -55,6 +63,7 @@ import torch.distributed as dist  # noqa: E402
 from _fsdp_setups import SETUPS, build, gpt_config, have_stage3, train_step, units  # noqa: E402
 from _live_bytes import LiveBytes  # noqa: E402
 from _outputs import emit, ranks_json  # noqa: E402
+from minddp import links  # noqa: E402
 
 MiB = 2**20
 
@@ -148,7 +157,7 @@ def measure(world_size: int, args: dict) -> dict:
         one = ranks_json(memory_main, world_size, {**args, "setup": name})
         result["memory"][name], result["param_diff"][name] = one["memory"], one["param_diff"]
     if world_size == args["time_world"]:
-        result.update(ranks_json(time_main, world_size, args))
+        result.update(ranks_json(time_main, world_size, args, args.get("link")))
     return result
 
 
@@ -185,7 +194,8 @@ def report(results: list[dict], cfg, args: dict) -> str:
             t = res["time"]
             ref_cpu = statistics.median(t["torch-ddp"]["cpu_ms"])
             fsdp2_cpu = statistics.median(t["fsdp2"]["cpu_ms"]) if "fsdp2" in t else float("nan")
-            lines += [f"time at N = {n}: {args['rounds']} rounds x {args['steps']} steps, median [min, max] over "
+            lines += [f"time at N = {n}{' over links shaped to ' + args['link'] if args.get('link') else ''}: "
+                      f"{args['rounds']} rounds x {args['steps']} steps, median [min, max] over "
                       "rounds, slowest rank", "| setup | wall ms/step | CPU ms/step | CPU / torch DDP | CPU / FSDP2 "
                       "| max param diff vs torch DDP |", "|---|---:|---:|---:|---:|---:|"]
             for name, v in t.items():
@@ -205,9 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps per round")
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--quick", action="store_true", help="a 2-block GPT, N = 2, 1 round of 1 step")
+    p.add_argument("--link", default="loopback", metavar="RATE",
+                   help=f"loopback, or {links.ACCEPTED}: the timing's ranks on shaped links (needs root)")
     p.add_argument("--json")
     p.add_argument("--text")
     a = p.parse_args(argv)
+    if a.link != "loopback":
+        try:
+            a.link = links.format_rate(links.parse_rate(a.link))
+        except links.LinkError as e:
+            p.error(f"--link: {e}, or loopback")
+        if links.missing():
+            p.error(f"--link {a.link}: {links.missing()}")
     setups = [s for s in a.setups.split(",") if s]
     unknown = set(setups) - set(SETUPS)
     if unknown or "torch-ddp" not in setups:
@@ -216,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print("stage 3: minddp.fsdp is not in this checkout; left out", file=sys.stderr)
         setups.remove("stage3")
     args = {"setups": setups, "quick": a.quick, "rounds": 1 if a.quick else a.rounds, "steps": 1 if a.quick else a.steps,
-            "time_world": 2 if a.quick else a.time_world}
+            "time_world": 2 if a.quick else a.time_world, "link": None if a.link == "loopback" else a.link}
     worlds = [2] if a.quick else [int(w) for w in a.world_sizes.split(",")]
     load_before = os.getloadavg()[0]
     results = [measure(n, args) for n in worlds]

@@ -2,6 +2,7 @@
 
     python benchmarks/validate_simulator.py                      # world 2, Gloo, mlp/cnn/ae, caps 1,5,25,100
     python benchmarks/validate_simulator.py --quick --json v.json
+    python benchmarks/validate_simulator.py --link 1gbit --world-size 4   # over shaped links (root)
 
 One spawned job of ``--world-size`` Gloo ranks (one intra-op thread each) does,
 in this order:
@@ -14,6 +15,10 @@ in this order:
    cores busy, as in the real run); rank 0's trace gives the profile;
 3. **the measurement**: full ``MiniDDP`` steps at world size 2 for each bucket
    cap, each block's time the slowest rank's, the median over rounds.
+
+With ``--link RATE`` every rank runs in a network namespace of its own,
+joined to the others by links shaped to that rate (:mod:`minddp.links`):
+the fit, the profile and the steps all cross the real, rate-limited link.
 
 The three are taken in rounds (each round: every all-reduce size, then per
 model a traced block alone and a block per cap), so that a machine whose
@@ -43,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 
 from _outputs import emit, ranks_json  # noqa: E402
 from _timing import Runner  # noqa: E402  (the benchmark's models, batches and step: same as compare.py)
+from minddp import links  # noqa: E402
 from minddp.network import fit_link  # noqa: E402
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step  # noqa: E402
 
@@ -132,10 +138,10 @@ def predict(raw: dict, world_size: int) -> dict:
     return {"fit": fit, "rows": rows}
 
 
-def table(result: dict, world_size: int, rounds: int) -> str:
+def table(result: dict, world_size: int, rounds: int, link: str = "loopback") -> str:
     fit = result["fit"]
     lines = [
-        f"world size {world_size}, Gloo, CPU, 1 thread per rank; medians over {rounds} rounds",
+        f"world size {world_size}, Gloo, CPU, 1 thread per rank, link: {link}; medians over {rounds} rounds",
         f"network fitted to all-reduce alone: alpha = {fit['alpha_us']:.1f} us per ring step, "
         f"bandwidth = {fit['bandwidth_MBps']:.0f} MB/s",
         "  all-reduce alone, median ms: "
@@ -157,6 +163,8 @@ def table(result: dict, world_size: int, rounds: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--link", default="loopback", metavar="RATE",
+                   help=f"loopback, or {links.ACCEPTED}: ranks in network namespaces joined by shaped links (root)")
     p.add_argument("--models", default="mlp,cnn,ae")
     p.add_argument("--bucket-mb", default="1,5,25,100")
     p.add_argument("--rounds", type=int, default=9, help="timed rounds (median over them)")
@@ -168,9 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     args = {"models": a.models.split(","), "caps": [float(c) for c in a.bucket_mb.split(",")],
             "rounds": 3 if a.quick else a.rounds, "steps_per_block": 2 if a.quick else a.steps_per_block,
             "trace_steps": 3 if a.quick else 8}
-    raw = ranks_json(rank_main, a.world_size, args)
+    link = None
+    if a.link != "loopback":
+        try:
+            link = links.format_rate(links.parse_rate(a.link))
+        except links.LinkError as e:
+            p.error(f"--link: {e}, or loopback")
+        if links.missing():
+            p.error(f"--link {link}: {links.missing()}")
+    raw = ranks_json(rank_main, a.world_size, args, link)
     result = predict(raw, a.world_size)
-    emit(table(result, a.world_size, args["rounds"]), a.text, a.json, {"args": args, **result})
+    args["link"] = link or "loopback"
+    emit(table(result, a.world_size, args["rounds"], args["link"]), a.text, a.json, {"args": args, **result})
     return 0
 
 

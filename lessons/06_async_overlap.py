@@ -218,4 +218,4 @@ def options(parser) -> None:
 
 if __name__ == "__main__":
     args = parse_args(__doc__, extra=options, min_world_size=2)
-    run(main, args.world_size, args)
+    run(main, args.world_size, args, link=args.link)

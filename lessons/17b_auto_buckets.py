@@ -60,10 +60,11 @@ import math
 
 import torch.distributed as dist
 
-from _common import add_link_option, is_exact, parse_args, print0, print_results, run, train_and_compare
+from _common import REAL, add_link_option, is_exact, is_real, parse_args, print0, print_results, run, train_and_compare
 from minddp import MiniDDP
 from minddp.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB
+from minddp.links import parse_rate
 from minddp.network import Link, get_link
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
 from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
@@ -95,10 +96,12 @@ def stated_profile(backward_ms: float = STATED_BACKWARD_MS) -> ComputeProfile:
                                             for i, n in enumerate(sizes)])
 
 
-def wrap(link: Link, cap):
+def wrap(link: Link, cap, real: bool = False):
+    """MiniDDP with ``cap``, its buckets through a simulated ``link`` (``real``: plain Gloo on the real link)."""
     def make(model):
         ddp = MiniDDP(model, bucket_cap_mb=cap)
-        ddp.register_comm_hook(SimulatedLink(link), simulated_allreduce_hook)
+        if not real:
+            ddp.register_comm_hook(SimulatedLink(link), simulated_allreduce_hook)
         return ddp
 
     return make
@@ -130,16 +133,19 @@ def show_part_1(links: dict[str, Link], world_size: int) -> dict[str, BucketChoi
 
 def main(rank: int, world_size: int, args) -> None:
     links = dict(LINKS)
-    if args.link != "none" and args.link not in links:
+    if is_real(args.link):  # the ranks stand in network namespaces joined by links shaped to this rate
+        links[args.link] = Link(args.link, alpha_s=0.0, bandwidth_Bps=parse_rate(args.link[len(REAL):]) / 8,
+                                source="a real link shaped by tc: its rate, no added latency")
+    elif args.link != "none" and args.link not in links:
         links[args.link] = get_link(args.link)
     picks = show_part_1(links, world_size)
 
     print0("\npart 2: MiniDDP(bucket_cap_mb='auto') on the same links, measuring for itself:")
     results, rows = [], []
     for name, link in links.items():
-        default = train_and_compare(f"{name}: default", wrap(link, DEFAULT_PLAN[0]),
+        default = train_and_compare(f"{name}: default", wrap(link, DEFAULT_PLAN[0], is_real(name)),
                                     rank, world_size, width=WIDTH, depth=DEPTH, per_rank=PER_RANK, steps=STEPS)[0]
-        auto, ddp_auto = train_and_compare(f"{name}: auto", wrap(link, "auto"), rank, world_size,
+        auto, ddp_auto = train_and_compare(f"{name}: auto", wrap(link, "auto", is_real(name)), rank, world_size,
                                            width=WIDTH, depth=DEPTH, per_rank=PER_RANK, steps=STEPS)
         results += [default, auto]
         everyone = [None] * world_size
@@ -183,4 +189,4 @@ def main(rank: int, world_size: int, args) -> None:
 
 if __name__ == "__main__":
     args = parse_args(__doc__, min_world_size=2, extra=lambda p: add_link_option(p, default="none"))
-    run(main, args.world_size, args)
+    run(main, args.world_size, args, link=args.link)

@@ -25,10 +25,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from minddp import links
 from minddp.launch import spawn
-from minddp.network import ring_bytes_sent_per_rank
-from minddp.network import PRESETS
+from minddp.network import PRESETS, Link, ring_bytes_sent_per_rank
 from minddp.simulated_link import SimulatedLink
+
+REAL = "real:"  # --link real:1gbit: real links between the ranks (minddp/links.py), not a simulated one
 
 
 def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 1) -> argparse.Namespace:
@@ -58,13 +60,43 @@ def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 
 
 
 def add_link_option(parser: argparse.ArgumentParser, default: str = "laptop") -> None:
-    """``--link NAME``: a simulated network from ``minddp.network.PRESETS``, or ``none``."""
-    parser.add_argument("--link", default=default, choices=[*PRESETS, "none"],
-                        help="simulated network for the all-reduces (default %(default)s; none: plain Gloo)")
+    """``--link NAME``: a simulated network from ``minddp.network.PRESETS``, ``none``, or ``real:RATE``."""
+    parser.add_argument("--link", default=default, type=_link_name, metavar="{" + ",".join([*PRESETS, "none"]) + ",real:RATE}",
+                        help="simulated network for the all-reduces (default %(default)s; none: plain Gloo; "
+                        "real:1gbit: each rank in a network namespace of its own, joined by links shaped to that "
+                        "rate, plain Gloo over them; needs root)")  # fmt: skip
+
+
+def _link_name(text: str) -> str:
+    if text in PRESETS or text == "none":
+        return text
+    if not text.startswith(REAL):
+        raise argparse.ArgumentTypeError(f"unknown link {text!r}: choose from {', '.join(PRESETS)}, none, or real:RATE")
+    try:
+        rate = links.format_rate(links.parse_rate(text[len(REAL):]))
+    except links.LinkError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
+    if links.missing():
+        raise argparse.ArgumentTypeError(f"{text}: {links.missing()}")
+    return REAL + rate
+
+
+def is_real(name: str) -> bool:
+    return name.startswith(REAL)
+
+
+def wire_model(name: str) -> SimulatedLink | None:
+    """For ``real:RATE``: a simulated link with the real one's numbers (its rate, no added latency),
+    to *predict* with, never to send through; None otherwise."""
+    if not is_real(name):
+        return None
+    rate = links.parse_rate(name[len(REAL):])
+    return SimulatedLink(Link(name, alpha_s=0.0, bandwidth_Bps=rate / 8, source="a real link shaped by tc"))
 
 
 def make_link(name: str) -> SimulatedLink | None:
-    return None if name == "none" else SimulatedLink(name)
+    """The simulated link a wrapper sends its buckets through; None for plain Gloo (``none``, ``real:RATE``)."""
+    return None if name == "none" or is_real(name) else SimulatedLink(name)
 
 
 def _entry(rank: int, world_size: int, fn, args: tuple) -> None:
@@ -74,12 +106,14 @@ def _entry(rank: int, world_size: int, fn, args: tuple) -> None:
     fn(rank, world_size, *args)
 
 
-def run(fn, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks."""
+def run(fn, world_size: int, *args, link: str = "none") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; with ``link="real:RATE"`` each
+    in a network namespace of its own, joined to the others by links shaped to that rate."""
     # Forked ranks inherit the imported torch instead of importing it again,
     # which halves a lesson's start-up. Linux only: macOS forks badly once
     # system frameworks are loaded, so there each rank starts afresh.
-    spawn(_entry, world_size, fn, args, backend="gloo", start_method="fork" if sys.platform == "linux" else "spawn")
+    spawn(_entry, world_size, fn, args, backend="gloo", start_method="fork" if sys.platform == "linux" else "spawn",
+          link=link[len(REAL):] if is_real(link) else None)
 
 
 def print_ranks(text: str) -> None:

@@ -26,14 +26,17 @@ finally calls ``rebuild``. :class:`~minddp.ddp.MiniDDP` sets it up when
    as such), the fastest of a few tries each (load only adds time), fitted
    with :func:`minddp.network.fit_link`;
 3. **overlap**: can an all-reduce run while backward computes? On a GPU,
-   yes (the device's streams do both). On CPU tensors, Gloo's all-reduce
-   sums and copies on a CPU thread of this process: it overlaps with
-   backward only if each rank has a core to spare for it. A comm hook's
-   communication may instead mostly wait (a simulated link sleeps, a remote
-   service answers): for it, the probe says, from the CPU time this process
-   spent during the probe's all-reduces against their wall time. (Not for
-   Gloo's own: on a loaded machine its wall time stretches while its CPU
-   time does not, and the share would say "waiting" when it is starved.)
+   yes (the device's streams do both), and on a CPU with a core to spare
+   per rank for Gloo's thread. Otherwise it depends on what the all-reduce
+   waits for, so the probe says, from the CPU time this process spent
+   during its largest all-reduces against their wall time: an all-reduce
+   that keeps the CPU busy needs the cores backward needs (Gloo over
+   loopback, 2 ranks on 2 cores: 0.17 to 0.7 of its time, also at a load of
+   12); one that mostly waits leaves them to backward (a real link between
+   network namespaces at 1 Gbit/s: under 0.1; a simulated link, sleeping:
+   under 0.1). A machine so loaded that a loopback all-reduce gets less
+   than :data:`WAITING_CPU_SHARE` of a core would be read as waiting: the
+   price of a probe that costs no extra collectives;
 4. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
    :func:`minddp.simulate.simulate_step`; the smallest predicted step wins.
 
@@ -80,9 +83,10 @@ PROBE_SMALL_BYTES = 64 * 1024
 # under load read a 0.05 ms link as several ms, and chose too few buckets).
 PROBE_REPEATS = 5
 # An all-reduce that keeps this process's CPU busy for less than this share of
-# its time mostly waits, and leaves the cores to backward (Gloo on loopback,
-# measured on 2 cores: 0.35 to 0.6; a simulated link, sleeping: under 0.1).
-WAITING_CPU_SHARE = 0.25
+# its time mostly waits, and leaves the cores to backward (measured on 2 shared
+# cores, 2 ranks, load 10-12: Gloo on loopback 0.17 to 0.7; on a 1 Gbit/s link
+# between network namespaces 0.04 to 0.11; a simulated link, sleeping: under 0.1).
+WAITING_CPU_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class BucketChoice:
     default_buckets: int
     link: Link
     overlap: bool
+    cpu_share: float | None = None  # how busy this process's CPU was during the link probe's all-reduces
 
     def describe(self) -> str:
         """The one line MiniDDP prints when it rebuilds its buckets."""
@@ -107,10 +112,12 @@ class BucketChoice:
             f"{self.default_buckets} bucket(s)); measured link alpha {self.link.alpha_s * 1e3:.3f} ms, "
             f"{self.link.bandwidth_Bps / 1e9:.3g} GB/s; communication "
             f"{'overlaps' if self.overlap else 'does not overlap'} compute here"
+            + ("" if self.cpu_share is None else f" (the CPU was busy {self.cpu_share:.0%} of an all-reduce)")
         )
 
 
-def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: bool) -> BucketChoice:
+def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: bool,
+                cpu_share: float | None = None) -> BucketChoice:
     """The candidate bucket plan with the smallest predicted step (fewer buckets on a tie)."""
     total_mb = profile.gradient_bytes / MiB
     candidates = [(DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)]
@@ -124,7 +131,7 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: b
         results.append((round(step.step_ms, 9), len(step.buckets), order, cap, first))
     default = results[0]
     best = min(results)
-    return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, overlap)
+    return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, overlap, cpu_share)
 
 
 # ----------------------------------------------------------- measuring it
@@ -172,8 +179,7 @@ class AutoBuckets:
         dtype = reducer.options.reduce_dtype or reducer.params[0].dtype
         choice, why = None, ""
         try:  # only rank 0 can fail here, after every probe collective: the broadcast below still matches
-            choice = self.decide(reducer.communicate_buffer, reducer.world_size, reducer.device, dtype, is_rank0,
-                                 comm_hook=reducer.comm_hook is not None)
+            choice = self.decide(reducer.communicate_buffer, reducer.world_size, reducer.device, dtype, is_rank0)
         except ValueError as error:
             why = str(error)
         caps = [choice.cap_mb, choice.first_cap_mb] if choice else [reducer.options.bucket_cap_mb,
@@ -215,11 +221,8 @@ class AutoBuckets:
         return ComputeProfile(outside, sorted(gradients, key=lambda g: g.ready_ms), 0.0)
 
     def decide(self, communicate: Callable[[torch.Tensor], torch.futures.Future], world_size: int,
-               device: torch.device, dtype: torch.dtype, is_rank0: bool, comm_hook: bool) -> BucketChoice | None:
-        """Probe the link and the overlap (every rank: collectives), choose (rank 0 only).
-
-        ``comm_hook``: the buckets go through a comm hook, not the process group's own all-reduce.
-        """
+               device: torch.device, dtype: torch.dtype, is_rank0: bool) -> BucketChoice | None:
+        """Probe the link and the overlap (every rank: collectives), choose (rank 0 only)."""
         self.decided = True
         total = max(sum(self.nbytes), 2 * PROBE_SMALL_BYTES)
         sizes = [PROBE_SMALL_BYTES, total]
@@ -227,12 +230,12 @@ class AutoBuckets:
         buffers = [torch.zeros(n // element, dtype=dtype, device=device) for n in sizes]
         timings = [[_timed(communicate, b) for _ in range(PROBE_REPEATS)] for b in buffers]
         seconds = [min(wall for wall, _ in t) for t in timings]
-        cpu_share = sum(cpu for t in timings for _, cpu in t) / sum(wall for t in timings for wall, _ in t)
-        overlap = communication_overlaps(device, world_size, comm_hook, cpu_share)
+        cpu_share = statistics.median(cpu / wall for wall, cpu in timings[-1])  # the largest all-reduces
+        overlap = communication_overlaps(device, world_size, cpu_share)
         if not is_rank0:
             return None
         link = fit_latency_bandwidth([float(b.nbytes) for b in buffers], seconds, world_size)
-        self.choice = choose_plan(self.profile(), link, world_size, overlap)
+        self.choice = choose_plan(self.profile(), link, world_size, overlap, cpu_share)
         return self.choice
 
 
@@ -266,11 +269,12 @@ def _timed(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: 
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def communication_overlaps(device: torch.device, world_size: int, comm_hook: bool, cpu_share: float) -> bool:
-    """Step 3 of the module doc: can the buckets' communication run while backward computes?"""
+def communication_overlaps(device: torch.device, world_size: int, cpu_share: float) -> bool:
+    """Step 3 of the module doc: can the buckets' communication run while backward computes?
+    ``cpu_share``: the CPU time this process spent during its largest probe all-reduces / their wall time."""
     if device.type != "cpu" or spare_core_per_rank(world_size):
         return True
-    return comm_hook and cpu_share < WAITING_CPU_SHARE
+    return cpu_share < WAITING_CPU_SHARE
 
 
 def spare_core_per_rank(world_size: int) -> bool:

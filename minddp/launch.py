@@ -40,6 +40,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from minddp import links
 from minddp.processes import GRACE_S, LocalRanks, report
 
 __all__ = [
@@ -322,12 +323,16 @@ class RankFailed(RuntimeError):
     """A rank of :func:`spawn` raised; the message holds the first failure's traceback."""
 
 
-def _spawn_rank(rank: int, conn, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple) -> None:
+def _spawn_rank(
+    rank: int, conn, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple, seats: list | None = None
+) -> None:
     # LocalRanks cleared the launcher's variables; what torchrun would say for one machine, for code that reads it (pick a GPU by LOCAL_RANK).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    if seats is not None:  # a real link: this rank's own network namespace, address and interface
+        links.enter(seats[rank])
     with distributed(backend, rank=rank, world_size=world_size):
         try:
             fn(rank, world_size, *args)
@@ -348,7 +353,14 @@ def _spawn_rank(rank: int, conn, fn: Callable, world_size: int, port: int, backe
     os._exit(0)
 
 
-def spawn(fn: Callable, world_size: int, *args, backend: str | None = None, start_method: str = "spawn") -> None:
+def spawn(
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str | None = None,
+    start_method: str = "spawn",
+    link: str | None = None,
+) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes,
     each inside an initialised process group on a free port.
 
@@ -359,8 +371,22 @@ def spawn(fn: Callable, world_size: int, *args, backend: str | None = None, star
     (defined at module level), as for any spawn. ``start_method="fork"``
     starts the ranks from a copy of this process, its imports included
     (seconds faster; only safe on Linux and before CUDA is initialised).
+
+    ``link="1gbit"`` (any rate :func:`minddp.links.parse_rate` accepts):
+    each rank runs in a network namespace of its own, joined to the others
+    by links shaped to that rate (:mod:`minddp.links`), so that Gloo's
+    traffic crosses a real, rate-limited network instead of loopback. The
+    namespaces are removed when the ranks end, however they end. Needs root.
     """
-    ranks = LocalRanks(world_size, _spawn_rank, (fn, world_size, find_free_port(), backend, args), method=start_method)
+    if link is None or link == "loopback":
+        return _run_ranks(fn, world_size, args, backend, start_method, seats=None)
+    with links.shaped_network(world_size, link) as net:
+        return _run_ranks(fn, world_size, args, backend, start_method, [net.seat(r) for r in range(world_size)])
+
+
+def _run_ranks(fn: Callable, world_size: int, args: tuple, backend: str | None, start_method: str, seats) -> None:
+    spawn_args = (fn, world_size, find_free_port(), backend, args, seats)
+    ranks = LocalRanks(world_size, _spawn_rank, spawn_args, method=start_method)
     try:
         reports, stuck = ranks.collect()
     finally:

@@ -39,7 +39,10 @@ import time
 import unittest
 from pathlib import Path
 
+import torch_suites_classify as classify
+import torch_suites_distributed as distributed
 import torch_suites_patches as patches
+import torch_suites_select as select
 
 SUITE_FILES = ("test_c10d_common.py", "test_c10d_gloo.py", "test_zero_redundancy_optimizer.py")
 ALL_TESTS_FILES = ("test_zero_redundancy_optimizer",)  # every test of these files is selected
@@ -85,7 +88,7 @@ def collect(modules: list, pattern: str | None = None) -> list[unittest.TestCase
                 continue
             for test in loader.loadTestsFromTestCase(cls):
                 name = test.id()
-                if is_selected(module.__name__, cls.__name__, test._testMethodName) and (not pattern or pattern in name):
+                if is_selected(module.__name__, cls.__name__, test._testMethodName) and select.matches(name, pattern):
                     tests.append(test)
     return tests
 
@@ -104,11 +107,12 @@ def first_error_line(text: str) -> str:
     return (own or causes)[0][:200]
 
 
-def shims_used(shim_log: Path, test_id: str) -> list[str]:
-    if not shim_log.exists():
+def logged(log: Path, test_id: str) -> list[str]:
+    """What a log of ``test id<TAB>entry`` lines (shims used, names missing) holds for one test."""
+    if not log.exists():
         return []
-    lines = (line.split("\t") for line in shim_log.read_text().splitlines())
-    return sorted({shim for test, shim in lines if test == test_id})
+    lines = (line.split("\t") for line in log.read_text().splitlines())
+    return sorted({entry for test, entry in lines if test == test_id})
 
 
 def run_one(test: unittest.TestCase, shim_log: Path) -> dict:
@@ -117,7 +121,7 @@ def run_one(test: unittest.TestCase, shim_log: Path) -> dict:
     os.environ[patches.CURRENT_TEST_ENV] = test.id()
     test.run(result)
     outcome: dict = {"test": test.id(), "seconds": round(time.monotonic() - start, 1),
-                     "shims": shims_used(shim_log, test.id())}
+                     "shims": logged(shim_log, test.id())}
     method = getattr(test, test._testMethodName, None)
     outcome["on_cpu"] = bool(getattr(method, "retargeted_to_cpu", False))
     if result.skipped:
@@ -130,6 +134,13 @@ def run_one(test: unittest.TestCase, shim_log: Path) -> dict:
     return outcome
 
 
+def _write(out, outcome: dict) -> None:
+    out.write(json.dumps(outcome) + "\n")
+    out.flush()
+    print(f"[{outcome['impl']}] {outcome['result']:4} {outcome['seconds']:6.1f}s {outcome['test']} {outcome['error']}",
+          flush=True)
+
+
 def run_worker(impl: str, suite_dir: Path, pattern: str | None, jsonl: Path) -> None:
     """Run the selected tests for one implementation in this process, appending results to ``jsonl``."""
     os.environ[SUITE_DIR_ENV] = str(suite_dir)
@@ -139,11 +150,24 @@ def run_worker(impl: str, suite_dir: Path, pattern: str | None, jsonl: Path) -> 
     tests = collect(import_suites(suite_modules(suite_dir)), pattern)
     with jsonl.open("a") as out:
         for test in tests:
-            outcome = dict(run_one(test, shim_log), impl=impl)
-            out.write(json.dumps(outcome) + "\n")
-            out.flush()
-            print(f"[{impl}] {outcome['result']:4} {outcome['seconds']:6.1f}s {test.id()} {outcome['error']}",
-                  flush=True)
+            _write(out, dict(run_one(test, shim_log), impl=impl))
+
+
+def run_distributed_worker(impl: str, pattern: str | None, jsonl: Path) -> None:
+    """``distributed_test.py``'s selected tests for one implementation, the class under test chosen per test."""
+    missing_log = jsonl.with_suffix(f".{os.getpid()}.missing")
+    os.environ[distributed.MISSING_LOG_ENV] = str(missing_log)
+    patches.install(impl, swap_classes=False)
+    module = distributed.import_suite()
+    tests, reaches = distributed.collect(module, pattern)
+    with jsonl.open("a") as out:
+        for test in tests:
+            reach = reaches[test._testMethodName]
+            got = distributed.use_classes(module, impl, reach.targets)
+            outcome = dict(run_one(test, missing_log), impl=impl, classes=got, gpu_decorated=reach.gpu_decorated,
+                           private_in_code=sorted(reach.private_names))
+            outcome["missing"] = outcome.pop("shims")
+            _write(out, outcome)
 
 
 def load(jsonl: Path) -> dict[str, dict]:
@@ -180,39 +204,96 @@ def summary(prefix: str, control: dict[str, dict], tested: dict[str, dict]) -> s
     return f"{prefix.rstrip('.') + ': ' if prefix else ''}{'; '.join(said)}."
 
 
+def report(control: dict[str, dict], tested: dict[str, dict], made_by: str = "") -> str:
+    """The files' table for their tests, then ``distributed_test.py``'s classification, for what the runs hold."""
+    def of_distributed(rows: dict[str, dict], wanted: bool) -> dict[str, dict]:
+        return {name: row for name, row in rows.items() if name.startswith(distributed.TEST_ID_PREFIX + ".") == wanted}
+
+    parts = []
+    if of_distributed(control, False) or of_distributed(tested, False):
+        parts.append(table(of_distributed(control, False), of_distributed(tested, False)))
+    if of_distributed(control, True) or of_distributed(tested, True):
+        parts.append(classify.report(of_distributed(control, True), of_distributed(tested, True), made_by))
+    return "\n\n".join(parts)
+
+
+def write_into(document: Path, text: str) -> None:
+    """Replace what lies between ``document``'s two result markers with ``text``."""
+    begin, end = "<!-- torch_suites --report: begin -->", "<!-- torch_suites --report: end -->"
+    content = document.read_text()
+    if begin not in content or end not in content:
+        raise SystemExit(f"{document} has no '{begin}' ... '{end}' section to fill")
+    head, rest = content.split(begin, 1)
+    document.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
+
+
+def list_tests(suite: str, suite_dir: Path | None, pattern: str | None) -> list[str]:
+    if suite == "files":
+        patches.install("torch")
+        return [test.id() for test in collect(import_suites(suite_modules(suite_dir)), pattern)]
+    patches.install("torch", swap_classes=False)
+    return [test.id() for test in distributed.collect(distributed.import_suite(), pattern)[0]]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("suite_dir", nargs="?", type=Path, help="folder holding torch's test files")
+    parser.add_argument("suite_dir", nargs="?", type=Path, help="folder holding torch's smaller test files")
+    parser.add_argument("--suite", choices=("files", "distributed", "all"),
+                        help="the files in suite_dir, distributed_test.py (from the wheel), or both; "
+                             "default: all with suite_dir, else distributed")
     parser.add_argument("--impl", choices=(*patches.IMPLS, "both"), default="both")
-    parser.add_argument("-k", dest="pattern", help="only tests whose id contains this")
+    parser.add_argument("-k", dest="pattern", help="only tests whose id contains this (a,b: either; a$: ends with a)")
+    parser.add_argument("--failed", type=Path, metavar="JSONL", help="only the tests that failed in this run's results")
     parser.add_argument("--list", action="store_true", help="print the selected tests and stop")
     parser.add_argument("--jsonl", type=Path, help="append results here (one run: --impl torch or minddp)")
     parser.add_argument("--report", nargs=2, type=Path, metavar=("TORCH_JSONL", "MINDDP_JSONL"))
+    parser.add_argument("--into", type=Path, metavar="DOC", help="with --report: write it into DOC's marked section")
     args = parser.parse_args(argv)
     if args.report:
-        print(table(load(args.report[0]), load(args.report[1])))
+        command = "python scripts/torch_suites.py " + " ".join(argv or sys.argv[1:])
+        text = report(load(args.report[0]), load(args.report[1]), f"Made by `{command}`:" if args.into else "")
+        if args.into:
+            write_into(args.into, text)
+        else:
+            print(text)
         return
-    if args.suite_dir is None:
-        parser.error("suite_dir is required (or --report)")
+    if args.failed:
+        failed = [row["test"] for row in load(args.failed).values() if row["result"] == "FAIL"]
+        args.pattern = ",".join("." + name.rsplit(".", 1)[-1] + "$" for name in failed) or "no test failed"
+    suite = args.suite or ("all" if args.suite_dir else "distributed")
+    if suite != "distributed" and args.suite_dir is None:
+        parser.error(f"--suite {suite} needs suite_dir, the folder holding torch's smaller test files")
+    suites = ("files", "distributed") if suite == "all" else (suite,)
     if args.list:
-        patches.install("torch")
-        tests = collect(import_suites(suite_modules(args.suite_dir)), args.pattern)
-        print("\n".join(test.id() for test in tests) + f"\n{len(tests)} tests")
+        for one in suites:  # one process each: the patches are process-wide
+            if len(suites) > 1:
+                subprocess.run([sys.executable, __file__, str(args.suite_dir), "--suite", one, "--list"], check=False)
+            else:
+                names = list_tests(one, args.suite_dir, args.pattern)
+                print("\n".join(names) + f"\n{len(names)} tests")
         return
     if args.impl != "both":
-        run_worker(args.impl, args.suite_dir.resolve(), args.pattern, args.jsonl or Path(f"{args.impl}.jsonl"))
+        if len(suites) > 1:
+            parser.error("one implementation runs one suite: give --suite files or --suite distributed")
+        jsonl = args.jsonl or Path(f"{args.impl}.jsonl")
+        if suite == "files":
+            run_worker(args.impl, args.suite_dir.resolve(), args.pattern, jsonl)
+        else:
+            run_distributed_worker(args.impl, args.pattern, jsonl)
         return
     out = Path(tempfile.mkdtemp(prefix="torch_suites_"))
-    for impl in patches.IMPLS:  # one process each: the patches are process-wide
-        command = [sys.executable, __file__, str(args.suite_dir), "--impl", impl, "--jsonl", str(out / f"{impl}.jsonl")]
-        subprocess.run(command + (["-k", args.pattern] if args.pattern else []), check=False)
-    print(table(load(out / "torch.jsonl"), load(out / "minddp.jsonl")))
+    for one in suites:
+        for impl in patches.IMPLS:  # one process each: the patches are process-wide
+            command = [sys.executable, __file__, *([str(args.suite_dir)] if args.suite_dir else []), "--suite", one,
+                       "--impl", impl, "--jsonl", str(out / f"{impl}.jsonl")]
+            subprocess.run(command + (["-k", args.pattern] if args.pattern else []), check=False)
+    print(f"results in {out}")
+    print(report(load(out / "torch.jsonl"), load(out / "minddp.jsonl")))
 
 
-if os.environ.get(patches.IMPL_ENV):  # a rank spawned by a test: the same patches and files as its parent
+if os.environ.get(patches.IMPL_ENV) and os.environ.get(SUITE_DIR_ENV):  # a rank spawned by a files test
     patches.install(os.environ[patches.IMPL_ENV])
-    if os.environ.get(SUITE_DIR_ENV):
-        import_suites(suite_modules(Path(os.environ[SUITE_DIR_ENV])))
+    import_suites(suite_modules(Path(os.environ[SUITE_DIR_ENV])))
 
 if __name__ == "__main__":
     main()

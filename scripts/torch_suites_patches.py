@@ -17,8 +17,9 @@ Two kinds of change, both installed before a test file is imported (its
    depend on the device. Such a test runs here with every accelerator device
    it names mapped to the CPU: an integer device or ``"cuda:N"`` given to a
    tensor factory, ``Tensor.to`` or ``Module.to`` means ``"cpu"``;
-   ``torch.accelerator.set_device_index`` does nothing; the suites'
-   ``gpus_for_rank`` gives each rank one device, its rank (then mapped to the
+   ``torch.accelerator.set_device_index``, ``torch.cuda.set_device`` and
+   ``torch.cuda.synchronize`` do nothing, ``torch.cuda.current_device()`` is 0; the suites' ``gpus_for_rank`` (``init_multigpu_helper`` in
+   ``distributed_test.py``) gives each rank one device, its rank (then mapped to the
    CPU) and their ``device_type`` is ``"cpu"``; and DDP's ``device_ids`` /
    ``output_device`` are dropped for a module on the CPU (torch refuses them
    there). Tests that need *more than one* device per rank
@@ -92,8 +93,27 @@ class CpuDevices(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _no_device_index(_index: Any) -> None:
-    """``torch.accelerator.set_device_index`` for a test moved to the CPU: nothing to select."""
+def _does_nothing(name: str) -> Callable:
+    """``name`` (selecting or waiting for an accelerator device) in a test moved to the CPU: nothing to do.
+
+    A new function for each name: ``torch.compile`` keeps one rule per torch function object
+    and refuses the same object under two names.
+    """
+
+    def nothing(*_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    nothing.__name__ = nothing.__qualname__ = name
+    return nothing
+
+
+# The device calls a GPU-only test makes outside tensor functions, and what they do on the CPU.
+DEVICE_CALLS_ON_CPU = (
+    (torch.accelerator, "set_device_index", _does_nothing("set_device_index")),
+    (torch.cuda, "set_device", _does_nothing("set_device")),
+    (torch.cuda, "synchronize", _does_nothing("synchronize")),
+    (torch.cuda, "current_device", lambda: 0),  # device 0, which CpuDevices makes the CPU
+)
 
 
 def on_cpu(test: Callable) -> Callable:
@@ -101,13 +121,15 @@ def on_cpu(test: Callable) -> Callable:
 
     @functools.wraps(test)
     def run_on_cpu(*args, **kwargs):
-        saved = torch.accelerator.set_device_index
-        torch.accelerator.set_device_index = _no_device_index
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in DEVICE_CALLS_ON_CPU]
+        for owner, name, replacement in DEVICE_CALLS_ON_CPU:
+            setattr(owner, name, replacement)
         try:
             with CpuDevices():
                 return test(*args, **kwargs)
         finally:
-            torch.accelerator.set_device_index = saved
+            for owner, name, original in saved:
+                setattr(owner, name, original)
 
     run_on_cpu.retargeted_to_cpu = True
     return run_on_cpu
@@ -159,6 +181,13 @@ def _start_ranks_by_fork() -> None:
     MultiProcessTestCase._spawn_processes = _spawn_processes
 
 
+def findable(cls: type, module_name: str, qualname: str) -> type:
+    """``cls``, made findable by pickle as ``module_name.qualname`` (``torch.save`` of a whole model)."""
+    cls.__module__, cls.__qualname__ = module_name, qualname
+    setattr(sys.modules[module_name], qualname, cls)
+    return cls
+
+
 def _on_cpu(module: torch.nn.Module) -> bool:
     tensors = list(module.parameters()) + list(module.buffers())
     return all(t.device.type == "cpu" for t in tensors)
@@ -173,8 +202,8 @@ def cpu_ddp(ddp_class: type) -> type:
                 device_ids, output_device = None, None
             super().__init__(module, device_ids, output_device, *args, **kwargs)
 
-    CpuRetargetedDDP.__name__ = CpuRetargetedDDP.__qualname__ = ddp_class.__name__
-    return CpuRetargetedDDP
+    CpuRetargetedDDP.__name__ = ddp_class.__name__
+    return findable(CpuRetargetedDDP, __name__, f"Cpu{ddp_class.__qualname__}")
 
 
 def _record_shim(name: str) -> None:
@@ -192,8 +221,8 @@ def with_ddp_shims(ddp_class: type) -> type:
             _record_shim("_get_ddp_logging_data")
             return {"static_graph": int(self.static_graph), "is_multi_device_module": 0}
 
-    WithShims.__name__ = WithShims.__qualname__ = ddp_class.__name__
-    return WithShims
+    WithShims.__name__ = ddp_class.__name__
+    return findable(WithShims, __name__, f"Shimmed{ddp_class.__qualname__}")
 
 
 def with_zero_shims(zero_class: type) -> type:
@@ -205,8 +234,8 @@ def with_zero_shims(zero_class: type) -> type:
             _record_shim("_all_params")
             return [p for group in self.param_groups for p in group["params"]]
 
-    WithShims.__name__ = WithShims.__qualname__ = zero_class.__name__
-    return WithShims
+    WithShims.__name__ = zero_class.__name__
+    return findable(WithShims, __name__, f"Shimmed{zero_class.__qualname__}")
 
 
 def _swap_classes(impl: str) -> None:
@@ -231,8 +260,11 @@ def _swap_classes(impl: str) -> None:
 _installed: str | None = None
 
 
-def install(impl: str) -> None:
-    """Install every patch for ``impl`` in this process (once), and tell spawned ranks to do the same."""
+def install(impl: str, swap_classes: bool = True) -> None:
+    """Install every patch for ``impl`` in this process (once), and tell spawned ranks to do the same.
+
+    ``swap_classes=False``: the caller puts the classes under test in place itself, test by test.
+    """
     global _installed
     if impl not in IMPLS:
         raise ValueError(f"{IMPL_ENV} must be one of {IMPLS}, got {impl!r}")
@@ -243,7 +275,8 @@ def install(impl: str) -> None:
     os.environ[IMPL_ENV] = impl
     os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")  # a hang fails after 2 minutes
     _retarget_decorators()
-    _swap_classes(impl)
+    if swap_classes:
+        _swap_classes(impl)
     if sys.platform == "linux":
         _start_ranks_by_fork()
     _installed = impl

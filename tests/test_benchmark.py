@@ -29,13 +29,14 @@ WRAPPERS = [f"{impl}_{view}" for impl in ("torch", "minddp") for view in ("copy"
 SPREAD = [f"ratio_{v}" for v in ("copy", "view", "auto")] + [f"overhead_{w}_ms" for w in WRAPPERS]
 SPREAD += [f"overhead_gap_{v}_ms" for v in ("copy", "view")]
 SPREAD += ["bound_ms"] + [f"over_bound_{w}_ms" for w in [*WRAPPERS, "minddp_auto"]]
-AUTO_FIELDS = {"minddp_auto_ms", "hidden_fraction_minddp_auto", "peak_mem_minddp_auto_mb", "auto_buckets",
+SPREAD += [f"hidden_fraction_{w}" for w in [*WRAPPERS, "minddp_auto"]]
+AUTO_FIELDS = {"minddp_auto_ms", "peak_mem_minddp_auto_mb", "auto_buckets",
                "max_param_diff_auto"}  # MiniDDP(bucket_cap_mb="auto") against torch_copy
 RESULT_FIELDS = {
     "model", "backend", "device", "world_size", "bucket_cap_mb", "runs",
     "local_ms", "allreduce_ms", "ideal_ms", "naive_ms", "max_param_diff", "per_run",
     *(f"{w}_ms" for w in WRAPPERS), *(f"{w}_nocomm_ms" for w in WRAPPERS),
-    *(f"hidden_fraction_{w}" for w in WRAPPERS), *(f"peak_mem_{w}_mb" for w in WRAPPERS),
+    *(f"peak_mem_{w}_mb" for w in WRAPPERS), "predicted_ms",
     *(f"overhead_{w}_fraction" for w in WRAPPERS), "allreduce_flat_ms", "bound_rule",
     *(f"over_bound_{w}_fraction" for w in [*WRAPPERS, "minddp_auto"]),
     *SPREAD, *(f"{k}_min" for k in SPREAD), *(f"{k}_max" for k in SPREAD), *AUTO_FIELDS,
@@ -63,7 +64,11 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     )
     assert proc.returncode == 0, f"compare.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
     assert "| model" in proc.stdout and "Wrapper overhead" in proc.stdout  # the tables were printed
-    assert "ratio auto" in proc.stdout and "MiniDDP bucket_cap_mb='auto'" in proc.stdout  # the column, and why
+    assert "ratio auto" in proc.stdout  # the column
+    # why: the planner's decision once per model (not once per run and row), and a progress line per round
+    assert proc.stderr.count("MiniDDP bucket_cap_mb='auto'") == len(MODELS), proc.stderr
+    assert proc.stderr.count("gpt, cap 25 MB: round ") == RUNS * 2, proc.stderr
+    assert "simulated" in proc.stdout and "sim error torch" in proc.stdout  # the simulator beside each step
     assert "| bound (" in proc.stdout and "ms over bound" in proc.stdout  # the floor, and every wrapper's distance
 
     data = json.loads(out.read_text())
@@ -250,3 +255,34 @@ def test_read_steps_groups_bars_by_the_step_they_were_launched_in():
     assert (first.launched_before_last_hook(), first.finished_before_last_hook()) == (1, 1)
     assert "2 buckets, 1 launched and 1 finished before the last gradient hook" in first.summary()
     assert "then 0.6 ms waiting" in first.summary()
+
+
+def test_link_option_parses_a_rate_or_loopback_and_sweeps_the_caps_on_a_link(capsys):
+    import compare
+
+    args = compare.parse_args(["--link", "1Gbit"])
+    assert args.link == "1gbit" and args.bucket_sweep == [1.0, 5.0, 25.0]
+    assert compare.parse_args(["--link", "10gbit", "--bucket-sweep", "2"]).bucket_sweep == [2.0]
+    assert compare.parse_args([]).link == "loopback" and compare.parse_args([]).bucket_sweep is None
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--link", "1gbt"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "'1gbt' does not parse" in err and "100mbit" in err and "10gbit" in err and "loopback" in err
+    # on a link the all-reduce waits on the wire: the bound is the max, whatever the cores
+    assert _bound.bound_rule("cpu", 2, 1, cpu_count=2, link="1gbit") == "max"
+
+
+def test_hidden_fraction_comes_with_its_spread_over_runs_and_the_prediction_is_carried():
+    cfg = {"backend": "gloo", "device": "cpu", "world_size": 2, "bucket_views": ["copy"], "bound_rule": "max"}
+
+    def run(step: float) -> list[dict]:
+        blocks = {"local": [10.0], "allreduce": [20.0], "naive": [30.0], "torch_copy": [step], "minddp_copy": [25.0]}
+        return [{"model": "m", "bucket_cap_mb": 1.0, "block_ms": blocks, "max_param_diff": 0.0, "predicted_ms": step}]
+
+    memory = [{"model": "m", "bucket_cap_mb": 1.0, "peak_mb": {"torch_copy": 1.0, "minddp_copy": 1.0}}]
+    (row,) = _spread.make_rows(cfg, [run(30.0), run(20.0), run(26.0)], memory)
+    assert row["per_run"]["hidden_fraction_torch_copy"] == pytest.approx([0.0, 0.5, 0.2])  # (10 + 20 - t) / 20
+    assert (row["hidden_fraction_torch_copy"], row["hidden_fraction_torch_copy_min"],
+            row["hidden_fraction_torch_copy_max"]) == pytest.approx((0.2, 0.0, 0.5))  # fmt: skip
+    assert row["hidden_fraction_minddp_copy"] == pytest.approx(0.25)
+    assert row["predicted_ms"] == 26.0

@@ -132,3 +132,196 @@ def test_tests_needing_an_accelerator_backend_skip_without_one():
         pass
 
     assert getattr(test, "__unittest_skip__", False) is (not torch.accelerator.is_available())
+
+
+# ---------------------------------------------------------------- distributed_test.py: selection by reach
+import torch_suites_classify as classify  # noqa: E402
+import torch_suites_distributed as distributed  # noqa: E402
+import torch_suites_select as select  # noqa: E402
+
+FAKE_BASE = textwrap.dedent('''
+    from torch.nn.parallel import DistributedDataParallel
+
+    def make_bn_model():
+        return nn.SyncBatchNorm(2)
+
+    class DistributedTest:
+        class _DistTestBase:
+            def _wrap(self, model):
+                return self._really_wrap(model)
+
+            def _really_wrap(self, model):
+                ddp = DistributedDataParallel(model)
+                ddp._get_ddp_logging_data()
+                return ddp
+
+            def test_through_two_helpers(self):
+                self._barrier()
+                self._wrap(None)
+
+            @skip_if_lt_x_gpu(2)
+            def test_through_a_top_level_function(self):
+                make_bn_model()
+
+            def test_collective_only(self):
+                dist.all_reduce(torch.ones(1))
+
+            def test_sampler(self):
+                torch.utils.data.distributed.DistributedSampler(range(4))
+''')
+
+
+def test_a_test_is_selected_when_its_code_or_a_helper_of_it_names_a_class_under_test():
+    reaches = select.reach_of_tests(FAKE_BASE, "_DistTestBase")
+    assert select.selected(reaches) == ["test_through_two_helpers", "test_through_a_top_level_function", "test_sampler"]
+    assert reaches["test_through_two_helpers"].targets == {"DistributedDataParallel"}
+    assert reaches["test_through_a_top_level_function"].targets == {"SyncBatchNorm"}
+    assert reaches["test_sampler"].targets == {"DistributedSampler"}
+    assert not reaches["test_collective_only"].targets
+
+
+def test_reach_also_gives_private_names_not_of_self_and_the_gpu_mark():
+    reaches = select.reach_of_tests(FAKE_BASE, "_DistTestBase")
+    assert reaches["test_through_two_helpers"].private_names == {"_get_ddp_logging_data"}  # not self._barrier
+    assert [name for name, r in reaches.items() if r.gpu_decorated] == ["test_through_a_top_level_function"]
+
+
+def test_k_takes_several_parts_and_an_exact_end():
+    assert select.matches("m.C.test_a", None) and select.matches("m.C.test_a", "nope,test_")
+    assert select.matches("m.C.test_a", ".test_a$") and not select.matches("m.C.test_a_b", ".test_a$")
+    assert not select.matches("m.C.test_a", "other")
+
+
+# ---------------------------------------------------------------- classification
+PRIVATE = frozenset({"_get_ddp_logging_data", "_get_local_used_map"})
+
+
+def row(result, error="", **extra):
+    return {"test": "distributed_test.C.test_x", "result": result, "error": error, **extra}
+
+
+def kind(torch_row, minddp_row, documented=None):
+    return classify.classify(torch_row, minddp_row, documented or {}, PRIVATE)
+
+
+def test_kinds_when_torch_does_not_pass():
+    assert kind(row("pass"), row("pass"))[0] == "pass both"
+    assert kind(row("FAIL", "ValueError: GPU only"), row("FAIL"))[0] == "fail both"
+    assert kind(row("FAIL", "ValueError: GPU only"), row("pass")) == ("minddp only", "torch: ValueError: GPU only")
+    assert kind(row("skip", "Need 4 GPUs"), row("skip", "Need 4 GPUs")) == ("skip", "Need 4 GPUs")
+    assert kind(row("pass"), None)[0] == "not run"
+
+
+def test_a_failure_on_a_missing_torch_private_name_is_named_by_either_witness():
+    traceback = "AttributeError: 'Reducer' object has no attribute '_get_local_used_map'"
+    by_traceback = row("FAIL", traceback, traceback=traceback)
+    assert kind(row("pass"), by_traceback) == ("torch-private", "_get_local_used_map")
+    recorded = row("FAIL", "AssertionError: x", missing=["MiniDDP._get_ddp_logging_data"],
+                   private_in_code=["_get_ddp_logging_data"])
+    assert kind(row("pass"), recorded) == ("torch-private", "_get_ddp_logging_data")
+
+
+def test_a_private_name_only_probed_by_a_library_is_not_the_cause():
+    probed = row("FAIL", "AssertionError: grads differ", missing=["MiniDDP._get_ddp_logging_data"])
+    assert kind(row("pass"), probed) == ("defect", "AssertionError: grads differ")
+    not_torchs = row("FAIL", "AttributeError: no attribute '_mine'", traceback="has no attribute '_mine'")
+    assert kind(row("pass"), not_torchs)[0] == "defect"
+
+
+def test_a_documented_difference_counts_only_with_the_error_it_documents():
+    documented = {"test_x": ("RuntimeError: MiniDDP: parameters", "earlier error, documented")}
+    assert kind(row("pass"), row("FAIL", "RuntimeError: MiniDDP: parameters [w]"), documented) == \
+        ("documented", "earlier error, documented")
+    assert kind(row("pass"), row("FAIL", "AssertionError: other"), documented)[0] == "defect"
+
+
+def test_report_counts_public_behaviour_tests_and_lists_every_failure():
+    def rows(*results):
+        return {f"distributed_test.C.test_{i}": dict(row(r, "E"), test=f"distributed_test.C.test_{i}")
+                for i, r in enumerate(results)}
+
+    control = rows("pass", "pass", "pass", "FAIL", "skip")
+    tested = rows("pass", "FAIL", "FAIL", "pass", "skip")
+    tested["distributed_test.C.test_2"].update(traceback="has no attribute '_get_ddp_logging_data'")
+    text = classify.report(control, tested)
+    assert "| distributed_test.py | 3 / 1 / 1 | 2 / 2 / 1 |" in text
+    assert "Public-behaviour tests torch passes: 2; minddp passes 1 of them." in text
+    assert "| test_1 | defect | E |" in text and "| test_2 | torch-private | _get_ddp_logging_data |" in text
+    assert "- `_get_ddp_logging_data`: 1" in text
+
+
+# ---------------------------------------------------------------- the class under test, per test
+def test_recording_class_logs_the_private_names_it_lacks_and_changes_nothing_else(tmp_path, monkeypatch):
+    log = tmp_path / "missing.log"
+    monkeypatch.setenv(distributed.MISSING_LOG_ENV, str(log))
+    monkeypatch.setenv(patches.CURRENT_TEST_ENV, "t1")
+    Watched = distributed.recording(torch.nn.Linear)
+    layer = Watched(2, 2)
+    assert layer.weight.shape == (2, 2) and isinstance(layer, torch.nn.Linear)
+    with pytest.raises(AttributeError):
+        layer._torch_private()
+    with pytest.raises(AttributeError):
+        Watched._set_params_and_buffers_to_ignore_for_model(layer, [])
+    with pytest.raises(AttributeError):
+        layer.public_missing
+    assert log.read_text().splitlines() == ["t1\tLinear._torch_private", "t1\tLinear._set_params_and_buffers_to_ignore_for_model"]
+
+
+def test_only_the_classes_a_test_reaches_are_minddps(monkeypatch):
+    import minddp
+    import torch.nn.parallel
+    import torch.utils.data
+
+    for owner, name in ((torch.nn.parallel, "DistributedDataParallel"), (torch.nn, "SyncBatchNorm"),
+                        (torch.utils.data, "DistributedSampler")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+    suite = type("FakeSuite", (), {"DistributedSampler": None, "DistributedDataParallel": None})
+    got = distributed.use_classes(suite, "minddp", {"DistributedSampler"})
+    assert got == {"DistributedDataParallel": "torch", "SyncBatchNorm": "torch", "DistributedSampler": "minddp"}
+    assert issubclass(suite.DistributedSampler, minddp.DistributedSampler)
+    assert issubclass(suite.DistributedDataParallel, torch.nn.parallel.distributed.DistributedDataParallel)
+    assert torch.nn.SyncBatchNorm is torch.nn.modules.SyncBatchNorm
+    assert set(distributed.use_classes(suite, "torch", set(select.TARGETS)).values()) == {"torch"}
+
+
+def test_cuda_device_calls_do_nothing_in_a_test_moved_to_the_cpu():
+    before = torch.cuda.synchronize, torch.cuda.current_device
+
+    @patches.on_cpu
+    def test():
+        torch.cuda.synchronize(device=1)
+        return torch.ones(1, device=torch.cuda.current_device()).device.type
+
+    assert test() == "cpu" and (torch.cuda.synchronize, torch.cuda.current_device) == before
+
+
+def test_report_goes_between_the_documents_markers(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- torch_suites --report: begin -->\nold\n<!-- torch_suites --report: end -->\nafter\n")
+    torch_suites.write_into(doc, "| new |")
+    assert doc.read_text() == ("intro\n<!-- torch_suites --report: begin -->\n| new |\n"
+                               "<!-- torch_suites --report: end -->\nafter\n")
+    with pytest.raises(SystemExit, match="no"):
+        torch_suites.write_into(_empty(tmp_path), "x")
+
+
+def test_a_report_for_a_document_names_its_command_before_each_table():
+    rows = {"distributed_test.C.test_a": row("pass")}
+    text = classify.report(rows, rows, "Made by `python x`:")
+    lines = text.splitlines()
+    tables = [i for i, line in enumerate(lines) if line.startswith("| ") and not lines[i - 1].startswith("|")]
+    assert len(tables) == 3 and all(lines[i - 2:i] == ["Made by `python x`:", ""] for i in tables)
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.md"
+    path.write_text("nothing marked\n")
+    return path
+
+
+def test_an_attribute_torch_sets_on_its_ddp_without_documenting_it_counts_as_torch_private():
+    undocumented = classify.undocumented_ddp_attributes()
+    assert "bucket_bytes_cap_list" in undocumented and "module" not in undocumented
+    missing = row("FAIL", "AttributeError: x", traceback="'MiniDDP' object has no attribute 'bucket_bytes_cap_list'")
+    assert classify.classify(row("pass"), missing, {}, undocumented) == \
+        ("torch-private", "bucket_bytes_cap_list (undocumented attribute)")
