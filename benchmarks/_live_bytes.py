@@ -107,6 +107,13 @@ class LiveBytes(TorchDispatchMode):
             if torch.is_tensor(t):
                 self._see(t)
 
+    def mark_state(self, *tensors) -> None:
+        """Count these tensors' storages as model state (buffers a peer communicates through its own
+        transport, which no ``c10d`` operation sees: DeepSpeed's reduce buckets on CPU)."""
+        for t in tree_leaves(tensors):
+            if torch.is_tensor(t):
+                self._mark(t)
+
     def watch_parameters(self, model: torch.nn.Module) -> None:
         """Learn each module's parameters as it runs (after sharding wrappers gathered them), and their gradients."""
         hooked: set[int] = set()

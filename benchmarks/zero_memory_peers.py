@@ -1,9 +1,21 @@
 """Stage 2's gradient memory at its peak, beside DeepSpeed's stage 2, in one run.
 
     python benchmarks/zero_memory_peers.py                       # N = 2 and 4, CPU, Gloo
-    PYTHONPATH=/work/deps/deepspeed python benchmarks/zero_memory_peers.py   # with DeepSpeed 0.19.8
+    PYTHONPATH=.:/work/deps/deepspeed DS_ACCELERATOR=cpu python benchmarks/zero_memory_peers.py  # with DeepSpeed 0.19.8
 
-One spawned job per (setup, world size), on ``minddp.models.GPT`` grown to
+Two tables. The first (``--table defaults``, issue 39): stage 2 at minddp's
+defaults (``MiniDDP(model)``, 25 MB buckets) on ``minddp.models.GPT()`` and
+the 10.9 M GPT below, beside DeepSpeed's stage 2 with its reduce bucket the
+size of the model (and, once, at its default 5e8 elements), every setup in
+rank processes of its own under :class:`_live_bytes.LiveBytes` from before
+the model exists: the peak of model state and of every storage in the third
+of five steps, the parts held after its backward, what is alive between
+steps, and whether the parameters equal the first row's after five steps.
+A row "copied at launch" sets the pool's ``slots_at_hook`` off: each
+``.grad`` copied into its bucket when the bucket is complete. (Its code:
+``benchmarks/_zero_defaults.py``.)
+
+The second (``--table tuned``): one spawned job per (setup, world size), on ``minddp.models.GPT`` grown to
 ~10.8 M parameters (n_embd 384, 6 blocks), AdamW, 4 MB buckets (DeepSpeed:
 ``reduce_bucket_size`` of 1 M elements, contiguous gradients, no clipping,
 ``overlap_comm`` off, and on in a second row). Three steps; the third is
@@ -47,6 +59,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minddp.launch import spawn  # noqa: E402
+from _zero_defaults import DEFAULT_SETUPS, defaults_table  # noqa: E402
 
 SETUPS = ("minddp DDP, bucket views", "minddp stage 2", "minddp stage 2, views", "minddp stage 2, no overlap",
           "DeepSpeed stage 2, no overlap", "DeepSpeed stage 2, overlap")
@@ -126,6 +139,10 @@ def rank_main(rank: int, world_size: int, setup: str, out_dir: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--table", choices=("defaults", "tuned", "both"), default="both",
+                        help="defaults: stage 2 at minddp's defaults beside DeepSpeed (GPT() and 10.9 M); "
+                             "tuned: the 10.9 M GPT with 4 MB buckets, every mode")
+    parser.add_argument("--only", default="", help="measure only the setups whose name contains this")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each setup this many times and print its lowest peak (+ how much higher the "
                              "highest was): a peak that depends on timing is taken at its best")
@@ -138,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"DeepSpeed not available ({type(error).__name__}: {error}); measuring minddp alone")
         setups = [s for s in setups if not s.startswith("DeepSpeed")]
     world_sizes = [int(n) for n in args.world_sizes.split(",")]
+    if args.table in ("defaults", "both"):
+        with_deepspeed = any(s.startswith("DeepSpeed") for s in setups)
+        defaults_table(world_sizes, [s for s in DEFAULT_SETUPS if (with_deepspeed or not s.startswith("DeepSpeed"))
+                                     and args.only in s])
+    setups = [s for s in setups if args.only in s]
+    if args.table == "defaults":
+        return 0
     print(f"GPT(n_embd=384, n_layer=6), AdamW fp32, {CAP_MB:g} MB buckets; MiB per rank (max over ranks), "
           "peak during the third backward")
     spread = 7 if args.repeats > 1 else 0

@@ -1,20 +1,27 @@
-"""Stage 2's bucket buffers: a few, lent to the buckets in flight, instead of one per bucket for good.
+"""Stage 2's bucket buffers: lent to the buckets in flight during backward, none kept between steps.
 
 MiniDDP keeps one flat buffer per bucket for the whole run: a second copy of
 every gradient (torch's DDP does the same). Stage 2 needs none of it once a
 bucket has been reduce-scattered: its average lives, 1/N of it, in the
 optimizer's shard. So stage 2 gives the reducer this storage
 (``Reducer.use_bucket_storage``, :class:`~minddp.buckets.BucketStorage`'s
-hook point): a bucket takes a buffer when its first gradient needs a slot,
-and gives it back as soon as its reduce-scatter arrived and the optimizer
-took the piece, during backward. Only the buckets in flight hold one: a few
-buckets' worth of memory, not the model's.
+hook point): a bucket takes a buffer at its first gradient (each gradient
+goes into its slot at its hook, and autograd's ``.grad`` is let go at once:
+with ``slots_at_hook``, stage 2 stacks MiniDDP's bucket-views layer,
+:mod:`minddp.features.bucket_views`) and gives it back as soon as its reduce-scatter arrived
+and the optimizer took the piece, during backward. Only the buckets in
+flight hold one: a few buckets' worth of memory, not the model's.
 
-Every buffer is as large as the largest bucket seen (rounded up to a
-multiple of N), so any free one fits any bucket and the pool stops growing
-after the first backward; a smaller one is dropped when a larger is needed.
-The room past a bucket's gradients is where the reduce-scatter's zero
-padding goes (:meth:`BucketPool.padded`): no padded copy of the bucket.
+A buffer is allocated the size of the bucket that needs it (rounded up to
+a multiple of N: the room past the gradients is where the reduce-scatter's
+zero padding goes, :meth:`BucketPool.padded`, no padded copy), never the
+largest bucket's size for all. A buffer given back is lent again, in the
+same backward, to a later bucket it holds: freeing it and allocating anew
+could have both alive at once, as Gloo's thread lets go of a finished
+collective's tensors a moment late. One too small for the bucket that needs
+a buffer next is let go, and at the end of backward :meth:`BucketPool.let_go`
+drops whatever is left: between steps the pool holds nothing. (DeepSpeed
+allocates its reduce buckets every backward too.)
 """
 
 from __future__ import annotations
@@ -30,12 +37,12 @@ class BucketPool(BucketStorage):
     """Lends flat buffers to MiniDDP's buckets and takes them back (``keep_buffers = False``)."""
 
     keep_buffers = False
+    slots_at_hook = True  # each gradient copied into its bucket at its hook (False: when the bucket is complete)
 
     def __init__(self, multiple_of: int):
         self.multiple_of = multiple_of
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent buffer -> the whole pool buffer
-        self._largest: dict[tuple, int] = {}  # (dtype, device) -> elements of every buffer of that kind
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -47,24 +54,21 @@ class BucketPool(BucketStorage):
         return sum(b.nbytes for b in self.buffers)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        kind = (dtype, device)
         need = -(-numel // self.multiple_of) * self.multiple_of
-        if need > self._largest.get(kind, 0):  # a larger bucket: free buffers of this kind are too small now
-            self._largest[kind] = need
-            self._free = [b for b in self._free if (b.dtype, b.device) != kind]
-        size = self._largest[kind]
-        found = next((b for b in self._free if (b.dtype, b.device) == kind and b.numel() == size), None)
+        fits = [b for b in self._free if b.numel() >= need and (b.dtype, b.device) == (dtype, device)]
+        found = min(fits, key=torch.Tensor.numel) if fits else None
+        self._free = []  # what does not hold this bucket is not kept for a later one
         if found is None:
-            found = torch.empty(size, dtype=dtype, device=device)
-        else:
-            self._free.remove(found)
+            found = torch.empty(need, dtype=dtype, device=device)
         self._lent[found.data_ptr()] = found
         return found[:numel]
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        whole = self._lent.pop(buffer.data_ptr())
-        if whole.numel() == self._largest[(whole.dtype, whole.device)]:
-            self._free.append(whole)  # else it was outgrown while lent: let it go
+        self._free.append(self._lent.pop(buffer.data_ptr()))
+
+    def let_go(self) -> None:
+        """Drop the free buffers (the end of a backward: no bucket needs one before the next)."""
+        self._free = []
 
     def padded(self, buffer: torch.Tensor, length: int) -> torch.Tensor | None:
         """``buffer`` (lent by this pool) extended to ``length`` elements with zeros; None if no room."""

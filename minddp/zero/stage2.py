@@ -21,11 +21,16 @@ communication with backward stays. Three narrow contacts with MiniDDP:
   the optimizer took the bucket, the reducer does not write ``.grad``, and
   the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
 * the reducer's bucket storage: buffers lent by a small pool
-  (:mod:`minddp.zero.bucket_pool`), given back as soon as a bucket's piece
-  has arrived, during backward. At most ``BUCKET_BUFFERS`` buckets hold
-  one at a time (``overlap_comm=False``: one), so the peak is the shard
-  gradients (4 psi / N bytes in fp32) plus a few buckets, not a second copy
-  of the model's gradients (measured: ``tests/test_zero_stage2_memory.py``,
+  (:mod:`minddp.zero.bucket_pool`), each the size of its bucket, taken at
+  the bucket's first gradient (every gradient is copied into its slot at
+  its hook and autograd's ``.grad`` let go, as DeepSpeed does), given back
+  as soon as a bucket's piece has arrived, during backward, and none kept
+  past the end of backward. At most ``BUCKET_BUFFERS`` buckets hold one at
+  a time (``overlap_comm=False``: one), so the peak is the shard gradients
+  (4 psi / N bytes in fp32) plus two buckets and one gradient, not a second
+  copy of the model's gradients, and between steps nothing is left but the
+  parameters, the optimizer state and its master shard (measured:
+  ``tests/test_zero_stage2_memory.py``, ``tests/test_zero_stage2_defaults.py``,
   ``benchmarks/zero_memory_peers.py``).
 
 The first backward is special when MiniDDP learns its bucket order
@@ -43,6 +48,8 @@ import torch
 import torch.distributed as dist
 
 from minddp.comm_hooks import GradBucket
+from minddp.features.bucket_views import BucketViews
+from minddp.features.gradient_cases import sparse_embedding_weights
 from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise
@@ -100,7 +107,7 @@ def attach(zero, ddp) -> None:
     zero._pool_in_use = False
     if not _provisional(zero):
         use_pool(zero)
-    reducer.backward_done_callbacks.append(lambda: _note_used(zero))
+    reducer.backward_done_callbacks.append(lambda: _end_of_backward(zero))
 
 
 def use_pool(zero) -> None:
@@ -118,6 +125,9 @@ def use_pool(zero) -> None:
         for p in bucket.params:
             p.grad = None
     reducer.use_bucket_storage(zero.bucket_pool)
+    if zero.bucket_pool.slots_at_hook:  # each gradient into its bucket at its hook: MiniDDP's bucket views
+        sparse = sparse_embedding_weights(zero.ddp.module)
+        reducer.add_layer(BucketViews, sparse=frozenset(i for i, p in enumerate(reducer.params) if id(p) in sparse))
     zero._pool_in_use = True
 
 
@@ -162,8 +172,9 @@ def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
         zero._scattered.add(index)
 
     future = WorkFuture(work, buffer, arrived)
-    zero._in_flight.append(future)
-    if not zero.overlap_comm:  # one buffer in all: the next bucket fills it once this one has arrived
+    if zero.overlap_comm:
+        zero._in_flight.append(future)
+    else:  # one buffer in all: the next bucket fills it once this one has arrived (nothing else holds it)
         future.wait()
     return future
 
@@ -235,12 +246,20 @@ def _took(zero, bucket: GradBucket) -> bool:
     return True
 
 
-def _note_used(zero) -> None:
-    """End of a backward: which taken parameters had a gradient on some rank (known only now; a bucket
-    may have been taken during backward). Those are stepped; one with no gradient anywhere is not."""
+def _end_of_backward(zero) -> None:
+    """End of a backward: note which parameters are stepped, and keep nothing bucket-sized until the next.
+
+    Which taken parameters had a gradient on some rank is known only now (a
+    bucket may have been taken during backward): those are stepped, one with
+    no gradient anywhere is not. Every bucket has arrived: the finished
+    reduce-scatters (which hold their buffers and received pieces) and the
+    pool's free buffers are let go.
+    """
     used = zero.ddp.reducer.globally_used  # None: every parameter had a gradient
     zero._used_in_round.update(id(p) for p in zero._taken if used is None or used[zero._reducer_index[id(p)]])
     zero._taken = []
+    zero._in_flight.clear()
+    zero.bucket_pool.let_go()
 
 
 def check_buckets_unchanged(zero) -> None:
