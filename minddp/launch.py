@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from minddp import links
+import minddp.links as links
 from minddp.processes import GRACE_S, LocalRanks, report
 
 __all__ = [

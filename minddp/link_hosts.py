@@ -15,7 +15,7 @@ import secrets
 import subprocess
 import sys
 
-from minddp import links
+import minddp.links as links
 
 HOSTS_PREFIX = links.PREFIX + "h"
 

@@ -17,10 +17,12 @@ import collections
 import os
 import sys
 
+import pytest
 import torch
 
 import minddp
 from minddp import MiniDDP
+from minddp.testing import RankPool
 
 MAX_FUNCTIONS, MAX_FILES, MAX_LINES = 20, 3, 900
 PLAIN_FILES = {"minddp/ddp.py", "minddp/reducer.py", "minddp/buckets.py"}
@@ -57,13 +59,21 @@ def _reading_path(rank, world_size, **kwargs):
     return sorted(seen), files, lines
 
 
+@pytest.fixture(scope="module")
+def fresh_ranks():
+    """Ranks of their own, as a user's script starts: the suite's shared ranks may have run
+    ``minddp.fsdp``, whose optimizer check stays installed in that process for good."""
+    with RankPool(2) as pool:
+        yield pool
+
+
 def _describe(functions, files, lines) -> str:
     return (f"{len(functions)} functions in {len(files)} files of {lines} lines: {files}\n  "
             + "\n  ".join(f"{f}:{name}" for f, name in functions))
 
 
-def test_a_plain_step_reads_in_at_most_20_functions_3_files_900_lines(ranks):
-    functions, files, lines = ranks(2).run(_reading_path)[0]
+def test_a_plain_step_reads_in_at_most_20_functions_3_files_900_lines(fresh_ranks):
+    functions, files, lines = fresh_ranks.run(_reading_path)[0]
     report = _describe(functions, files, lines)
     assert len(functions) <= MAX_FUNCTIONS, report
     assert len(files) <= MAX_FILES, report
@@ -71,12 +81,12 @@ def test_a_plain_step_reads_in_at_most_20_functions_3_files_900_lines(ranks):
     assert set(files) <= PLAIN_FILES, report
 
 
-def test_instrumentation_and_join_bookkeeping_run_only_when_asked_for(ranks):
-    functions, files, _ = ranks(2).run(_reading_path)[0]
+def test_instrumentation_and_join_bookkeeping_run_only_when_asked_for(fresh_ranks):
+    functions, files, _ = fresh_ranks.run(_reading_path)[0]
     assert not {"minddp/trace.py", "minddp/join.py"} & set(files), _describe(functions, files, 0)
     assert not [f for f in files if f.startswith("minddp/features/")], _describe(functions, files, 0)
     # Not vacuous: asked for, the timeline does run on that step (and is a layer of its own).
-    functions, files, _ = ranks(2).run(_reading_path, timeline=True)[0]
+    functions, files, _ = fresh_ranks.run(_reading_path, timeline=True)[0]
     assert {"minddp/trace.py", "minddp/features/observed.py"} <= set(files), _describe(functions, files, 0)
 
 
