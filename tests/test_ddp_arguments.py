@@ -19,6 +19,9 @@ from minddp import MiniDDP
 
 # What MiniDDP adds after torch's arguments (keyword-only).
 MINIDDP_ONLY = ["reduce_dtype", "buffer_sync", "check_sync_every", "timeline", "trace", "learn_bucket_order"]
+# torch's arguments newer than the oldest torch minddp supports, with the release that added each: on an
+# older torch, MiniDDP takes them after torch's own.
+ADDED_AFTER_THE_FLOOR = {"lazy_bucket_allocation": "2.15"}
 
 
 def _parameters(cls) -> list[inspect.Parameter]:
@@ -31,9 +34,10 @@ def test_every_torch_argument_is_minddps_in_torchs_order():
     assert [p.name for p in ours[: len(theirs)]] == theirs, (
         f"torch {torch.__version__}'s DDP arguments, in order: {theirs}; MiniDDP's: {[p.name for p in ours]}")
     extra = ours[len(theirs):]
-    assert all(p.kind is p.KEYWORD_ONLY for p in extra), "MiniDDP's own arguments come after torch's, by keyword"
-    # Only a newer MiniDDP than the installed torch may have more of torch's (a torch at the floor lacks some).
-    assert set(p.name for p in extra) - set(MINIDDP_ONLY) <= {"lazy_bucket_allocation"}
+    newer = [p.name for p in extra if p.kind is not p.KEYWORD_ONLY]
+    assert all(name in ADDED_AFTER_THE_FLOOR and torch.__version__ < ADDED_AFTER_THE_FLOOR[name] for name in newer), (
+        f"MiniDDP takes {newer} that torch {torch.__version__} does not have and is not known to have added later")
+    assert [p.name for p in extra if p.kind is p.KEYWORD_ONLY] == MINIDDP_ONLY, "MiniDDP's own come last, by keyword"
 
 
 def test_torch_defaults_are_minddps():
