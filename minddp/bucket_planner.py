@@ -11,7 +11,7 @@ most of the all-reduce happens while backward is still running.
 MiniDDP already owns the pieces to decide this, so ``"auto"`` strings them
 together once, early in training. :class:`AutoBuckets` is a policy that
 drives the reducer from outside, through its narrow interface (the reducer
-knows nothing of "auto"): it asks for the arrival log, is called back at
+knows nothing of "auto"): it adds an arrival log to its observers, is called back at
 the end of every backward, sends its probes with ``communicate_buffer`` and
 finally calls ``rebuild``. :class:`~minddp.ddp.MiniDDP` sets it up when
 ``bucket_cap_mb="auto"``.
@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
+from minddp.bucket_order import ArrivalLog
 from minddp.network import Link, fit_link
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step
@@ -158,7 +159,8 @@ class AutoBuckets:
         self.decided = False
         self.choice: BucketChoice | None = None  # rank 0's, once decided
 
-        reducer.watch_arrivals(self)
+        self.arrivals = ArrivalLog()
+        reducer.add_observer(self.arrivals)
         reducer.planned_rebuild = "MiniDDP(bucket_cap_mb='auto') rebuilds its buckets after its first measured steps"
         reducer.backward_done_callbacks.append(self._after_backward)
 
@@ -169,9 +171,9 @@ class AutoBuckets:
     def _after_backward(self) -> None:
         """The reducer's callback: record this backward; once enough are in, decide and rebuild."""
         reducer = self.reducer
-        if not self.backward_done(reducer.arrival_log, time.perf_counter()):
+        if not self.backward_done(self.arrivals.log, time.perf_counter()):
             return
-        reducer.watch_arrivals(self, on=False)
+        reducer.remove_observer(self.arrivals)
         reducer.backward_done_callbacks.remove(self._after_backward)
         group = reducer.process_group
         rank0 = global_rank(group, 0)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Bucket", "BucketStorage", "BuffersPerBackward"]
+__all__ = ["Bucket", "BucketStorage"]
 
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
@@ -58,7 +58,7 @@ def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
 
 class BucketStorage:
     """Where bucket buffers come from: one per bucket, kept for the whole run (torch's way). ZeRO
-    stage 2 lends them from a pool instead (:mod:`minddp.features.lent_buckets`)."""
+    stage 2 and ``lazy_bucket_allocation`` lend them instead (:mod:`minddp.features.lent_buckets`)."""
 
     keep_buffers = True
     release_after_backward = False  # give a buffer back once its averages are in .grad
@@ -68,14 +68,6 @@ class BucketStorage:
 
     def give_back(self, buffer: torch.Tensor) -> None:
         pass
-
-
-class BuffersPerBackward(BucketStorage):
-    """``lazy_bucket_allocation=True``: a bucket's buffer is allocated when its gradients are copied
-    in and freed once the averages are back in ``.grad``, so none is held between steps."""
-
-    keep_buffers = False
-    release_after_backward = True
 
 
 class Bucket:
@@ -91,16 +83,18 @@ class Bucket:
     ``dtype``: what the gradients are reduced in (default: the parameters').
     ``extra_numel``: room after the gradients (``tail``) for what rides along
     (:mod:`minddp.features.buffers_in_bucket`). ``storage``: where the buffer
-    comes from; the default one allocates it here, once.
+    comes from; the default one allocates it here, once. ``indices``: the
+    parameters' indices in the reducer's list (default: 0, 1, ...).
     """
 
     def __init__(
         self, index: int, params: list[torch.nn.Parameter], names: list[str], dtype: torch.dtype | None = None,
-        storage: BucketStorage | None = None, extra_numel: int = 0,
+        storage: BucketStorage | None = None, extra_numel: int = 0, indices: list[int] | None = None,
     ):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index, self.params, self.names = index, params, names
+        self.indices = list(range(len(params))) if indices is None else indices
         self.extra_numel = extra_numel
         self.numel = sum(p.numel() for p in params) + extra_numel
         self.dtype = dtype or params[0].dtype
@@ -229,9 +223,9 @@ class Bucket:
     def launched(self) -> bool:
         return self.future is not None or self.done
 
-    def unready_params(self) -> list[torch.nn.Parameter]:
-        return [p for p, r in zip(self.params, self._ready) if not r]
-
     def unready_names(self) -> list[str]:
         return [n for n, r in zip(self.names, self._ready) if not r]
+
+    def unready_indices(self) -> list[int]:
+        return [i for i, r in zip(self.indices, self._ready) if not r]
 

@@ -5,10 +5,13 @@ everywhere, rank 0's weights everywhere, a reducer with one hook per
 parameter) and at every forward (does its backward synchronize? rank 0's
 buffers). The averaging itself, the path of a gradient from autograd's hook
 through the buckets to ``.grad``, is :class:`minddp.reducer.Reducer`: read
-it next, then :mod:`minddp.buckets`. Every feature beyond that plain path
-is a layer on the reducer, one file each in :mod:`minddp.features`, chosen
-here at construction (``_stack_features``) or when asked for later
-(``register_comm_hook``, ``join``, ``follow``).
+it next, then :mod:`minddp.buckets`. Every option beyond that plain path is
+a *part*, chosen here once, at construction (``_build_reducer``): the
+reducer's (when a parameter is ready, how gradients get into buckets and
+back, how a bucket travels, who watches) and the forward's (buffers,
+replica checks). ``register_comm_hook``, ``join`` and ``follow`` swap or add
+one later, through the reducer's methods. Each part's file is in
+:mod:`minddp.features`; ``docs/reading_the_code.md`` has the table.
 
 References: Li et al., "PyTorch Distributed: Experiences on Accelerating Data
 Parallel Training", VLDB 2020; torch/nn/parallel/distributed.py and
@@ -24,28 +27,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.bucket_order import LearnedBucketOrder
-from minddp.bucket_planner import AutoBuckets
-from minddp.buckets import BuffersPerBackward
 from minddp.arguments import (check_arguments, refuse_unsupported, warn_broadcast_buffers_deprecated,
                               warn_check_reduction_deprecated)
+from minddp.bucket_order import LearnedBucketOrder
 from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
 from minddp.features.bucket_views import BucketViews
-from minddp.features.buffers_in_bucket import BuffersInLastBucket, CarryBuffers
+from minddp.features.buffers_in_bucket import BuffersInLastBucket
 from minddp.features.comm_hook import CommHook
-from minddp.features.follow import Follow, FollowedGradient
+from minddp.features.follow import FollowedGradient, follow
 from minddp.features.gradient_cases import GradientCases, sparse_embedding_weights
-from minddp.features.observed import Observed, ObservedGradients
-from minddp.features.reduce_dtype import ReduceDtype
+from minddp.features.lent_buckets import BuffersPerBackward, lend_buckets
 from minddp.features.replica_checks import ReplicaChecks
 from minddp.features.static_graph import StaticGraph
-from minddp.features.uneven_inputs import JoinedSteps, MiniDDPJoinHook
-from minddp.features.unused_parameters import UnusedParameters
+from minddp.features.uneven_inputs import MiniDDPJoinHook
+from minddp.features.unused_parameters import MissingGradients, UnusedParameters
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_same_parameters
-from minddp.sync import broadcast_coalesced, module_device, move_to_device, on_device, process_group_of, sync_buffers
-from minddp.trace import StepObserver, StepTimeline, Tracer
+from minddp.sync import BufferSync, broadcast_coalesced, module_device, move_to_device, on_device, process_group_of
+from minddp.trace import ProfilerRanges, StepObserver, StepTimeline, Tracer
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
 
@@ -202,52 +202,64 @@ class MiniDDP(nn.Module):
         self._build_reducer()
 
     def _build_reducer(self) -> None:
-        """The reducer: buckets, and one hook per parameter (minddp/reducer.py), then the features asked
-        for, each a layer on it (minddp/features/), and the policies above it."""
+        """The reducer (minddp/reducer.py) with the parts this model's arguments choose, each an object of
+        its own (minddp/features/), the policies above it, and the forward's parts."""
         named = [(name, p) for name, p in self.module.named_parameters()
                  if p.requires_grad and name not in self.parameters_to_ignore]
-        self._params = [p for _, p in named]
+        params, count = [p for _, p in named], len(named)
         auto_buckets = self.bucket_cap_mb == "auto"
         options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, self.gradient_as_bucket_view,
                                  self.find_unused_parameters, self.static_graph, self.reduce_dtype,
                                  self.learn_bucket_order, self.skip_all_reduce_unused_params,
                                  tuple(self.bucket_cap_mb_list) if self.bucket_cap_mb_list else None)
-        self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options)
+        # When is a parameter ready? At its hook (the plain part), or:
+        readiness = None
+        if self.static_graph:
+            readiness = StaticGraph(count, self.find_unused_parameters)
+        elif self.find_unused_parameters:
+            readiness = UnusedParameters(params, self.skip_all_reduce_unused_params)
+        # How does a gradient get into its bucket and back? A batched copy each way (the plain part), or:
+        sparse = frozenset(i for i, p in enumerate(params) if id(p) in sparse_embedding_weights(self.module))
+        gradients = None
+        if self.gradient_as_bucket_view:
+            gradients = BucketViews(count, never=sparse)
+        elif sparse:
+            gradients = GradientCases(count)
+        elif readiness is not None:
+            gradients = MissingGradients()
+        # Who watches? Nobody (the plain path), or the timeline and trace:
+        self._observer = None
+        if self.timeline_asked or self.trace:
+            self._observer = StepObserver(dist.get_rank(self.process_group), self.trace, self.device,
+                                          [name for name, _ in named])
+        # How do buffers agree before a forward? By broadcast (torch's way), average, or in the last bucket:
+        self.buffer_policy = passenger = None
+        if self.buffer_sync != "off" and self.world_size > 1 and self._module_buffers():
+            self.buffer_policy = BufferSync(self._module_buffers, self.process_group, self.buffer_sync)
+            if self.buffer_sync == "with_gradients":
+                self.buffer_policy = passenger = BuffersInLastBucket(
+                    self._module_buffers, self.process_group, is_source=dist.get_rank(self.process_group) == 0)
+        self.reducer = Reducer(params, [name for name, _ in named], self.process_group, options,
+                               readiness=readiness, gradients=gradients, passenger=passenger,
+                               observers=[self._observer] if self._observer else [])
         if self.lazy_bucket_allocation:
-            self.reducer.use_bucket_storage(BuffersPerBackward())
-        self._observer: StepObserver | None = None
-        self._stack_features()
+            lend_buckets(self.reducer, BuffersPerBackward())
+        # The policies above the reducer, through its interface:
         if self.learn_bucket_order:
-            LearnedBucketOrder(self.reducer)  # a policy: watches the first backward's arrivals, then rebuilds
+            LearnedBucketOrder(self.reducer)  # watches the first backward's arrivals, then rebuilds
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
+            from minddp.bucket_planner import AutoBuckets  # it brings the simulator: only when asked for
+
             self.bucket_planner = AutoBuckets(self.reducer)
+        # The forward's parts (join_hook adds the last):
+        self._replica_checks = ReplicaChecks(self.module, self.process_group, self.check_sync_every) \
+            if self.check_sync_every else None
+        self._profiler_ranges = ProfilerRanges(self.reducer)
+        self._join_hook: MiniDDPJoinHook | None = None
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
         self.join_context: Join | None = None  # set by Join inside ``with model.join():``
-        self._join_hook: MiniDDPJoinHook | None = None
-
-    def _stack_features(self) -> None:
-        """The layers this model's arguments ask for (each file in minddp/features says what it does)."""
-        reducer, rank = self.reducer, dist.get_rank(self.process_group)
-        if self.reduce_dtype is not None:
-            reducer.add_layer(ReduceDtype, dtype=self.reduce_dtype)
-        sparse = frozenset(i for i, p in enumerate(self._params) if id(p) in sparse_embedding_weights(self.module))
-        if sparse:
-            reducer.add_layer(GradientCases)
-        if self.gradient_as_bucket_view:
-            reducer.add_layer(BucketViews, sparse=sparse)
-        if self.static_graph:
-            reducer.add_layer(StaticGraph, find_unused=self.find_unused_parameters)
-        elif self.find_unused_parameters:
-            reducer.add_layer(UnusedParameters)
-        if self.buffer_sync == "with_gradients" and self.world_size > 1 and self._module_buffers():
-            reducer.add_layer(CarryBuffers, passenger=BuffersInLastBucket(self._module_buffers, is_source=rank == 0))
-        if self.check_sync_every:
-            reducer.add_layer(ReplicaChecks, module=self.module, every=self.check_sync_every)
-        if self.timeline_asked or self.trace:
-            self._observer = StepObserver(rank, self.trace, self.device)
-            reducer.add_layer(ObservedGradients if self.trace else Observed, observer=self._observer)
 
     # ------------------------------------------------- pickling and copying
     def __getstate__(self) -> dict:
@@ -259,7 +271,8 @@ class MiniDDP(nn.Module):
                 "MiniDDP can be pickled or copied only when it uses the default process group (constructed "
                 "without process_group=): a process loading it could not name the group it used")
         state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
-        for name in ("process_group", "reducer", "_observer", "bucket_planner", "join_context", "_join_hook", "_params"):
+        for name in ("process_group", "reducer", "_observer", "bucket_planner", "join_context", "_join_hook",
+                     "buffer_policy", "_replica_checks", "_profiler_ranges"):
             state.pop(name, None)
         return state
 
@@ -285,14 +298,20 @@ class MiniDDP(nn.Module):
         if self._input_device is not None:  # device_ids given: the inputs go there, as torch's DDP does
             inputs, kwargs = move_to_device((inputs, kwargs), self._input_device)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        buffers_from = self.reducer.prepare_for_forward(sync, buffers_due=self.require_forward_param_sync)
-        if buffers_from is not None and self.world_size > 1 and self.buffer_sync != "off":
-            buffers = self._module_buffers()
-            if buffers:
-                sync_buffers(buffers, self.process_group, self.buffer_sync, buffers_from)
+        buffers_from = 0 if self.require_forward_param_sync else None  # rank 0's, after a synchronized forward
+        if sync and self._join_hook is not None:  # under join(): who still trains, and whose buffers count
+            buffers_from = self._join_hook.before_forward(buffers_from)
+        if sync and self._replica_checks is not None:
+            self._replica_checks.before_forward(self.join_context)
+        if buffers_from is not None and self.buffer_policy is not None:
+            self.buffer_policy.before_forward(buffers_from)
+        for observer in self.reducer.observers:
+            observer.forward_started()
         self.require_forward_param_sync = sync
         output = self.module(*inputs, **kwargs)
         if sync:
+            if torch.autograd._profiler_enabled():  # a torch.profiler records: name the launches and the wait
+                self.reducer.add_observer(self._profiler_ranges)
             self.reducer.prepare_for_backward(output)
         return output
 
@@ -351,8 +370,14 @@ class MiniDDP(nn.Module):
         if self.reducer.backwards_done or self.reducer.backward_started:
             raise RuntimeError("register_comm_hook must be called before the first backward")
         check_comm_hook(hook)
-        self.reducer.add_layer(CommHook, state=state, hook=hook)
-        self.reducer.remove_layer(CarryBuffers)  # a hook need not be a sum: buffers go back to their broadcast
+        self.reducer.set_communication(CommHook(self.reducer, state, hook))
+        self._buffers_by_broadcast()  # a hook need not be a sum: buffers go back to their broadcast
+
+    def _buffers_by_broadcast(self) -> None:
+        """Buffers no longer ride in the last bucket (``buffer_sync="with_gradients"``): a broadcast again."""
+        if self.reducer.passenger is not None:
+            self.reducer.set_passenger(None)
+            self.buffer_policy = BufferSync(self._module_buffers, self.process_group, "broadcast")
 
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
@@ -367,15 +392,10 @@ class MiniDDP(nn.Module):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, divide_by_initial_world_size: bool = True) -> JoinHook:
-        """What this model does for a ``Join`` (minddp's or torch's) once its rank has run out of data."""
-        if self.buffer_sync == "average":
-            raise ValueError(
-                "join() needs buffer_sync='broadcast' or 'off': a rank that has run out of data "
-                "would pull the averaged buffers towards its stale ones"
-            )
-        self.reducer.remove_layer(CarryBuffers)  # inside join, every synchronized forward broadcasts
-        self.reducer.add_layer(JoinedSteps, ddp=self)
+        """What this model does for a ``Join`` (minddp's or torch's) once its rank has run out of data;
+        from then on a part of its forward too (:mod:`minddp.features.uneven_inputs`)."""
         self._join_hook = MiniDDPJoinHook(self, divide_by_initial_world_size)
+        self._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
         return self._join_hook
 
     @property
@@ -389,13 +409,7 @@ class MiniDDP(nn.Module):
     def follow(self, name: str) -> FollowedGradient:
         """Follow one parameter's gradient down the path in the next synchronized backwards
         (:mod:`minddp.features.follow`): ``print(model.follow("0.weight").report())`` after one."""
-        names = self.reducer.names
-        index = names.index(name) if name in names else names.index(name[7:]) if name[7:] in names else None
-        if index is None:
-            raise ValueError(f"MiniDDP.follow: no parameter named {name!r} with a gradient to follow; "
-                             f"the module's are {names}")
-        self.reducer.add_layer(Follow)
-        return self.reducer.follow(index)
+        return follow(self.reducer, name)
 
     # ------------------------------------------------------------- inspection
     @property

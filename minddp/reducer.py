@@ -8,23 +8,30 @@ from its ``Reducer`` (C++). The plain path, top to bottom in this file::
       autograd accumulates p.grad
         └─ _autograd_hook(i, p)           post-accumulate hook, one per parameter
              first hook of this backward: queue _on_pass_end on autograd's engine
-             on_grad_ready(i, p)          count p ready in its bucket (which one: _plan[i])
-               its bucket complete? ─> bucket_ready(bucket)
-                  fill_bucket: every p.grad * 1/N into its slot, one batched copy
-                  launch every complete bucket, strictly in bucket order:
-                  communicate(bucket) = an async all_reduce
+             readiness.is_ready(i)        plain: yes, at its hook
+               mark_ready(i)              count p ready in its bucket (which one: _plan[i])
+                 its bucket complete? ─> bucket_ready(bucket)
+                    gradients.fill_bucket: every p.grad * 1/N into its slot, one batched copy
+                    launch every complete bucket, strictly in bucket order:
+                    communication.communicate(bucket) = an async all_reduce
       the backward pass ends
         └─ _on_pass_end() ─> finish_backward()
               every bucket launched? (else an error naming the parameters without a gradient)
-              per bucket: write_grads (wait for its sum, copy it into .grad), reset
+              per bucket: wait for its sum, gradients.write_grads copies it into .grad, reset
               backward_done_callbacks
 
-Every feature beyond this path is a *layer* (:mod:`minddp.features`): a
-class that overrides some of the steps above and calls ``super()`` for the
-rest. :meth:`Reducer.add_layer` stacks one on this reducer; a feature that is
-off is not in the stack, so the plain path neither calls nor tests for it.
-What policies above may call (the arrival log, ``rebuild``, bucket storage,
-``bucket_reduced_hook``) is in :mod:`minddp.reducer_hooks`.
+Where DDP's options differ, the reducer holds a *part*, an object chosen
+once by ``MiniDDP``'s constructor: ``readiness`` (when is a parameter ready),
+``gradients`` (how a gradient gets into its bucket and back) and
+``communication`` (how a bucket travels). The plain part of each slot is
+here (:class:`EveryHookReady`, :class:`CopyGradients`, :class:`AllReduce`);
+the others are one file each in :mod:`minddp.features`. What only watches
+(the timeline, the trace, ``follow``) is an :class:`Observer` in
+``observers``: an empty list costs no call. ``passenger``: what rides in
+the last bucket (``buffer_sync="with_gradients"``), or None.
+
+The policies above (the learned bucket order, ``bucket_cap_mb="auto"``,
+ZeRO stage 2) use the methods under "the interface for policies" below.
 
 Why divide *before* summing: the sum of N half-precision gradients can
 overflow where N parts of their average cannot.
@@ -42,14 +49,11 @@ from torch import nn
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
 from minddp.buckets import Bucket, BucketStorage
-from minddp.features import Layer
-from minddp.features.observed import ProfilerRanges
-from minddp.reducer_hooks import ReducerHookPoints
 
-__all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
+__all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer", "EveryHookReady", "CopyGradients", "AllReduce",
+           "Observer"]
 
 _engine = torch.autograd.Variable._execution_engine
-_profiling = torch.autograd._profiler_enabled
 
 
 @dataclass(frozen=True)
@@ -66,78 +70,152 @@ class ReducerOptions:
     bucket_caps_mb: tuple[float, ...] | None = None  # one cap per bucket (torch's bucket_cap_mb_list)
 
 
-class Reducer(ReducerHookPoints):
-    """Averages the gradients of ``params`` over ``process_group`` during backward.
+# ------------------------------------------------------------- the plain parts
+class EveryHookReady:
+    """Readiness, plain: a parameter is ready at its hook (every parameter gets exactly one per backward)."""
 
-    (What policies above may call, ``rebuild``, ``watch_arrivals``, bucket
-    storage, ``bucket_reduced_hook``, is in :class:`~minddp.reducer_hooks.ReducerHookPoints`:
-    methods only; every attribute the path reads is set in ``__init__`` here.)
-    """
+    used_on_some_rank: list[bool] | None = None  # None: every parameter had a gradient
 
-    _layers: tuple[type[Layer], ...] = ()  # the features stacked on this class (add_layer)
+    def prepare_for_backward(self, reducer: Reducer, output: Any) -> None:
+        """After a synchronized forward, with its output."""
+
+    def is_ready(self, reducer: Reducer, index: int) -> bool:
+        return True
+
+    def backward_ending(self, reducer: Reducer) -> None:
+        """The backward pass is over; before the reducer checks that every bucket was launched."""
+
+    def shadow_backward(self, reducer: Reducer) -> None:
+        """A joined rank's stand-in for a backward: what this part communicates beyond the buckets."""
+
+
+class CopyGradients:
+    """Gradients in and out, plain: one batched copy into the complete bucket, one batched copy back."""
+
+    def buckets_built(self, reducer: Reducer) -> None:
+        """The buckets were (re)built."""
+
+    def gradient_ready(self, bucket: Bucket, position: int, param: nn.Parameter) -> None:
+        """At the hook: nothing to do yet, the copy waits until the bucket is complete."""
+
+    def fill_bucket(self, bucket: Bucket, scale: float) -> None:
+        """Every gradient of a complete bucket into its slot, times ``scale`` (1/N)."""
+        bucket.copy_in([p.grad for p in bucket.params], bucket.views, scale)
+
+    def write_grads(self, bucket: Bucket, used: list[bool] | None) -> None:
+        """The averages (the bucket has arrived) into ``.grad``."""
+        torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
+
+
+class AllReduce:
+    """Communication, plain: sum the bucket over the ranks, asynchronously (it holds gradients times 1/N)."""
+
+    divides_first = True  # the reducer scales gradients by 1/N before the sum
+    comm_hook = None  # (state, hook) for a registered comm hook (minddp.features.comm_hook)
+
+    def __init__(self, process_group: dist.ProcessGroup):
+        self.process_group = process_group
+        self.alone = dist.get_world_size(process_group) == 1
+
+    def communicate(self, bucket: Bucket) -> torch.futures.Future:
+        """Start summing the bucket over the ranks; a future of the summed buffer."""
+        if self.alone:  # nothing to add: the buffer is the average already
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer)
+            return done
+        return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
+
+
+class Observer:
+    """What only watches the path: override the events you need (``reducer.add_observer(observer)``)."""
+
+    def forward_started(self) -> None: ...
+    def forward_done(self) -> None: ...
+    def backward_started(self) -> None: ...
+    def gradient_ready(self, index: int, param: nn.Parameter) -> None: ...
+    def bucket_filled(self, bucket: Bucket, scale: float) -> None: ...
+    def bucket_launching(self, bucket: Bucket) -> None: ...
+    def bucket_launched(self, bucket: Bucket) -> None: ...  # bucket.future: its communication
+    def backward_ending(self) -> None: ...  # the end-of-backward wait begins
+    def bucket_reduced(self, bucket: Bucket) -> None: ...  # its sum is in its buffer
+    def grads_written(self, bucket: Bucket) -> None: ...
+    def backward_done(self) -> None: ...
+
+
+@dataclass
+class ScratchBucket:
+    """A stand-in bucket with no parameters, sent the way buckets travel (:meth:`Reducer.communicate_buffer`);
+    its index is past the real buckets', so no comm hook mistakes it for one."""
+
+    buffer: torch.Tensor
+    index: int
+    params: tuple = ()
+    views: tuple = ()
+
+
+class Reducer:
+    """Averages the gradients of ``params`` over ``process_group`` during backward, through its parts."""
 
     def __init__(self, params: list[nn.Parameter], names: list[str], process_group: dist.ProcessGroup,
-                 options: ReducerOptions):
+                 options: ReducerOptions, *, readiness: Any = None, gradients: Any = None, communication: Any = None,
+                 observers: tuple[Observer, ...] = (), passenger: Any = None):
         self.params, self.names, self.options = params, names, options
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.device = params[0].device
-        self.divisor = self.world_size  # the average is over this many ranks (join() may lower it)
-        self.scale = 1.0 / self.divisor  # what every gradient is multiplied by before the sum
-        self.sync_this_backward = False  # set at each forward: does its backward communicate?
-        # Also set at each synchronized forward: did it run inside a backward pass? (A reentrant
-        # checkpoint around the whole model recomputes its forward there: see _on_pass_end.)
+        self.readiness = readiness or EveryHookReady()
+        self.gradients = gradients or CopyGradients()
+        self.communication = communication or AllReduce(process_group)
+        self.observers = tuple(observers)
+        self.passenger = passenger  # what rides in the last bucket (minddp.features.buffers_in_bucket)
+        self.average_over(self.world_size)  # join() may lower it
+        self.sync_this_backward = False  # armed at the end of a synchronized forward, until its backward ends
+        # Also set then: did that forward run inside a backward pass? (A reentrant checkpoint
+        # around the whole model recomputes its forward there: see _on_pass_end.)
         self.forward_inside_backward = False
         self.backward_started = False
         self._end_of_pass_queued = False
         self.backwards_done = 0
         self.backward_done_callbacks: list[Callable[[], None]] = []
-        self.comm_hook: tuple[Any, Callable] | None = None  # (state, hook): minddp.features.comm_hook
-        self.globally_used: list[bool] | None = None  # None: every parameter had a gradient somewhere
         self.planned_rebuild: str | None = None  # why the buckets will still change (a policy's plan)
         self.storage = BucketStorage()
         self.caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
-        self._index = {p: i for i, p in enumerate(params)}
         self._build_buckets(list(reversed(range(len(params)))))  # the first guess: reverse registration
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
 
     def _build_buckets(self, order: list[int]) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
-        specs = [TensorSpec(self.params[i].numel(), self.bucket_dtype(i).itemsize, self.bucket_dtype(i),
-                            self.device) for i in order]
-        groups = assign_buckets(specs, *self.caps, per_bucket_caps=self.per_bucket_caps)
-        self.buckets = [self._make_bucket(k, [order[j] for j in group], specs[group[0]].dtype, len(groups))
+        dtypes = [self.options.reduce_dtype or p.dtype for p in self.params]  # what each gradient is reduced in
+        specs = [TensorSpec(self.params[i].numel(), dtypes[i].itemsize, dtypes[i], self.device) for i in order]
+        groups = [[order[j] for j in group] for group in assign_buckets(specs, *self.caps,
+                                                                         per_bucket_caps=self.per_bucket_caps)]
+        self.buckets = [Bucket(k, [self.params[i] for i in group], [self.names[i] for i in group], dtypes[group[0]],
+                               self.storage, self._room_in(k, len(groups), dtypes[group[0]]), indices=group)
                         for k, group in enumerate(groups)]
         # The plan every hook follows, worked out once here instead of at every
         # gradient: parameter index -> (its bucket, its position there).
-        self._indices = [[self._index[p] for p in bucket.params] for bucket in self.buckets]
         self._plan: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
-        for bucket, indices in zip(self.buckets, self._indices):
-            for position, i in enumerate(indices):
+        for bucket in self.buckets:
+            for position, i in enumerate(bucket.indices):
                 self._plan[i] = (bucket, position)
         self._next_to_launch = 0
+        self.gradients.buckets_built(self)
 
-    def _make_bucket(self, k: int, indices: list[int], dtype: torch.dtype, count: int, extra_numel: int = 0) -> Bucket:
-        """Bucket ``k`` of ``count``, for these parameter indices."""
-        return Bucket(k, [self.params[i] for i in indices], [self.names[i] for i in indices], dtype, self.storage,
-                      extra_numel)
-
-    def bucket_dtype(self, index: int) -> torch.dtype:
-        """What ``params[index]``'s gradient is reduced in: its own dtype (``reduce_dtype`` is a layer)."""
-        return self.params[index].dtype
+    def _room_in(self, k: int, count: int, dtype: torch.dtype) -> int:
+        """Room after bucket ``k``'s gradients: the passenger's, in the last bucket if it fits there."""
+        return self.passenger.numel if self.passenger and k == count - 1 and self.passenger.fits(dtype) else 0
 
     # ------------------------------------------------------- at every forward
-    def prepare_for_forward(self, sync: bool, buffers_due: bool) -> int | None:
-        """Before the module's forward: will its backward communicate? Returns the rank whose buffers
-        everyone takes now, or None for no broadcast (``buffers_due``: the last forward synchronized)."""
-        self.sync_this_backward = sync
-        self.forward_inside_backward = sync and torch._C._current_graph_task_id() != -1
-        return 0 if buffers_due else None
-
     def prepare_for_backward(self, output: Any) -> None:
-        """After a synchronized forward, with its output (where unused parameters are searched for)."""
+        """Arm the reducer: the next backward averages. Called at the end of a synchronized forward, with
+        its output (where unused parameters are searched for)."""
+        self.sync_this_backward = True
+        self.forward_inside_backward = torch._C._current_graph_task_id() != -1
+        for observer in self.observers:
+            observer.forward_done()
+        self.readiness.prepare_for_backward(self, output)
 
     # ------------------------------------------------ the path of a gradient
     def _autograd_hook(self, index: int, param: nn.Parameter) -> None:
@@ -146,18 +224,19 @@ class Reducer(ReducerHookPoints):
             return  # inside no_sync(): the gradient just accumulates
         if not self._end_of_pass_queued:  # the first hook of this backward (or of a pass: _on_pass_end)
             if not self.backward_started:
-                self.start_backward()
+                self.backward_started = True
+                for observer in self.observers:
+                    observer.backward_started()
             _engine.queue_callback(self._on_pass_end)
             self._end_of_pass_queued = True
-        self.on_grad_ready(index, param)
+        for observer in self.observers:
+            observer.gradient_ready(index, param)
+        self.gradients.gradient_ready(*self._plan[index], param)
+        if self.readiness.is_ready(self, index):
+            self.mark_ready(index)
 
-    def start_backward(self) -> None:
-        self.backward_started = True
-        if _profiling():  # a torch.profiler is recording: name the launches and the wait for it
-            self.add_layer(ProfilerRanges)
-
-    def on_grad_ready(self, index: int, param: nn.Parameter) -> None:
-        """Count the gradient in its bucket; the copy waits until the bucket is complete."""
+    def mark_ready(self, index: int) -> None:
+        """Count ``params[index]`` ready in its bucket; the copy waits until the bucket is complete."""
         bucket, position = self._plan[index]
         if bucket.mark_ready_at(position):
             self.bucket_ready(bucket)
@@ -166,25 +245,19 @@ class Reducer(ReducerHookPoints):
         """Its gradients into the bucket, then launch every complete bucket, strictly in bucket order:
         a bucket complete early waits for the ones before it, so every rank issues the same
         all-reduces in the same order."""
-        self.fill_bucket(bucket)
+        self.gradients.fill_bucket(bucket, self.scale)
+        if bucket.extra_numel:  # (fill_bucket may scale the whole buffer: the passenger goes in after)
+            self.passenger.pack(bucket.tail)
+        for observer in self.observers:
+            observer.bucket_filled(bucket, self.scale)
         while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
-            self.buckets[self._next_to_launch].launch(self.communicate)
+            complete = self.buckets[self._next_to_launch]
+            for observer in self.observers:
+                observer.bucket_launching(complete)
+            complete.launch(self.communication.communicate)
+            for observer in self.observers:
+                observer.bucket_launched(complete)
             self._next_to_launch += 1
-
-    def fill_bucket(self, bucket: Bucket) -> None:
-        """Every gradient of a complete bucket into its slot, times 1/N: one batched copy per bucket."""
-        grads = []
-        for param in bucket.params:
-            grads.append(param.grad)
-        bucket.copy_in(grads, bucket.views, self.scale)
-
-    def communicate(self, bucket: Bucket) -> torch.futures.Future:
-        """Start summing the bucket over the ranks; a future of the summed buffer."""
-        if self.world_size == 1:  # nothing to add: the buffer is the average already
-            done = torch.futures.Future()
-            done.set_result(bucket.buffer)
-            return done
-        return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
 
     # ------------------------------------------------------ end of backward
     def _on_pass_end(self) -> None:
@@ -205,24 +278,28 @@ class Reducer(ReducerHookPoints):
 
     def finish_backward(self) -> None:
         """Every bucket launched? Then wait for each, write ``.grad``, and be ready for the next backward."""
-        self.backward_started = self._end_of_pass_queued = False
+        self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
+        self.readiness.backward_ending(self)
         if self._next_to_launch < len(self.buckets):
             raise self._missing_gradients_error()
+        for observer in self.observers:
+            observer.backward_ending()
         for bucket in self.buckets:
-            self.write_grads(bucket)
+            bucket.wait()
+            for observer in self.observers:
+                observer.bucket_reduced(bucket)
+            if bucket.extra_numel:
+                self.passenger.receive(bucket.tail)
+            self.gradients.write_grads(bucket, self.readiness.used_on_some_rank)
+            for observer in self.observers:
+                observer.grads_written(bucket)
             bucket.reset()
         self._next_to_launch = 0
         self.backwards_done += 1
+        for observer in self.observers:
+            observer.backward_done()
         for callback in list(self.backward_done_callbacks):  # a callback may remove itself
             callback()
-
-    def write_grads(self, bucket: Bucket) -> None:
-        """Wait for the bucket's sum and copy each average into its parameter's ``.grad``."""
-        bucket.wait()
-        grads = []
-        for param in bucket.params:
-            grads.append(param.grad)
-        torch._foreach_copy_(grads, bucket.views)
 
     def _missing_gradients_error(self) -> RuntimeError:
         missing = self.abandon_unfinished_backward()
@@ -233,46 +310,83 @@ class Reducer(ReducerHookPoints):
             "MiniDDP(..., find_unused_parameters=True)."
         )
 
-    def unready_names(self) -> list[str]:
-        return [name for b in self.buckets for name in b.unready_names()]
-
     def abandon_unfinished_backward(self) -> list[str]:
         """Forget a backward that began and never ended; the names that got no gradient."""
-        missing = self.unready_names()
+        missing = [name for b in self.buckets for name in b.unready_names()]
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0
-        self.backward_started = self._end_of_pass_queued = False
+        self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
         return missing
 
-    # --------------------------------------------------------------- layers
+    # ------------------------------------------ the interface for policies
+    def average_over(self, ranks: int) -> None:
+        """Average over ``ranks`` ranks (the world; fewer under ``join()``): gradients are multiplied by
+        ``1/ranks`` before the sum, unless the communication averages itself (a comm hook)."""
+        self.divisor = ranks
+        self.scale = 1.0 / ranks if self.communication.divides_first else 1.0
+
+    def set_communication(self, communication: Any) -> None:
+        """How buckets travel from now on (``register_comm_hook``; ZeRO stage 2 through it)."""
+        self.communication = communication
+        self.average_over(self.divisor)
+
+    def set_gradients(self, gradients: Any) -> None:
+        """How gradients get into their buckets and back from now on (ZeRO stage 2: lent bucket views)."""
+        self.gradients = gradients
+        self.gradients.buckets_built(self)
+
+    def set_passenger(self, passenger: Any) -> None:
+        """What rides in the last bucket (None: nothing): the buckets are rebuilt with its room."""
+        self.passenger = passenger
+        self._build_buckets(self.bucket_order)
+
+    def add_observer(self, observer: Observer) -> None:
+        if observer not in self.observers:
+            self.observers += (observer,)
+
+    def remove_observer(self, observer: Observer) -> None:
+        self.observers = tuple(o for o in self.observers if o is not observer)
+
     @property
-    def layers(self) -> list[type[Layer]]:
-        """The features stacked on the plain path, bottom first."""
-        return list(self._layers)
+    def comm_hook(self) -> tuple[Any, Callable] | None:
+        """``(state, hook)`` once a comm hook is registered, else None."""
+        return self.communication.comm_hook
 
-    def add_layer(self, layer: type[Layer], **settings: Any) -> None:
-        """Stack ``layer`` (a class of :mod:`minddp.features`) on this reducer, with its ``settings``.
+    def ranks_averaged_over(self) -> int:
+        """How many ranks the average is over: the world, or fewer under ``join()``."""
+        return self.divisor
 
-        From now on its steps run first and reach the plain ones through
-        ``super()``; where it sits among the others is its ``height``.
+    def used_on_some_rank(self) -> list[bool] | None:
+        """Per parameter: had it a gradient on some rank in the last synchronized backward? None: all had."""
+        return self.readiness.used_on_some_rank
+
+    @property
+    def bucket_order(self) -> list[int]:
+        """Parameter indices in the order the buckets hold them."""
+        return [i for bucket in self.buckets for i in bucket.indices]
+
+    def rebuild(self, order: list[int], cap_bytes: int, first_cap_bytes: int | None) -> None:
+        """Bucket the parameters anew: indices in expected-arrival ``order``, these caps.
+
+        Between backwards only, and with the same arguments on every rank (the
+        caller broadcasts its decision): buckets keep the ranks' collectives matched.
         """
-        if layer in self._layers:
-            return
-        self.__class__ = _stacked(tuple(sorted(self._layers + (layer,), key=lambda k: k.height)))
-        layer.attach(self, **settings)
+        if self.backward_started:
+            raise RuntimeError("Reducer.rebuild during a backward: buckets change only between steps")
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
+        self.caps = (cap_bytes, first_cap_bytes)
+        self._build_buckets(order)
 
-    def remove_layer(self, layer: type[Layer]) -> None:
-        if layer not in self._layers:
-            return
-        self.__class__ = _stacked(tuple(k for k in self._layers if k is not layer))
-        layer.detach(self)
+    def communicate_buffer(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """Send a scratch ``buffer`` the way buckets travel (comm hook included), e.g. to time the link."""
+        return self.communication.communicate(ScratchBucket(buffer, len(self.buckets)))
 
-@functools.lru_cache(maxsize=None)
-def _stacked(layers: tuple[type[Layer], ...]) -> type[Reducer]:
-    """The class of a reducer with these layers (lowest first): the highest first in the method
-    order, the plain path last. One class per set of layers."""
-    if not layers:
-        return Reducer
-    name = "+".join(["Reducer"] + [layer.__name__ for layer in layers])
-    return type(name, tuple(reversed(layers)) + (Reducer,), {"_layers": layers, "__module__": __name__})
+    def use_bucket_storage(self, storage: BucketStorage) -> None:
+        """Take bucket buffers from ``storage`` from now on (one that lends them, ``keep_buffers`` False,
+        goes with a gradients part that acquires and releases them: :mod:`minddp.features.lent_buckets`)."""
+        for bucket in self.buckets:
+            bucket.release()
+        self.storage = storage
+        self._build_buckets(self.bucket_order)

@@ -1,23 +1,22 @@
-"""Helpers that make replicas identical: broadcasting, buffer policies, finding used parameters.
+"""Helpers that make replicas identical: broadcasting, and the buffers' policies before a forward.
 
 None of these run per gradient; they run once at construction (the first
-broadcast), once per forward (buffers), or once per forward with
-``find_unused_parameters`` (the graph walk). Checking that replicas *are*
-identical lives in :mod:`minddp.replicas`.
+broadcast) or once per forward (buffers: :class:`BufferSync`). Checking that
+replicas *are* identical lives in :mod:`minddp.replicas`; the graph walk of
+``find_unused_parameters`` in :mod:`minddp.features.unused_parameters`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 __all__ = [
-    "module_device", "on_device", "move_to_device", "broadcast_coalesced", "sync_buffers", "params_reached_from",
+    "module_device", "on_device", "move_to_device", "broadcast_coalesced", "sync_buffers", "BufferSync",
     "global_rank", "process_group_of",
 ]
 
@@ -125,7 +124,7 @@ def sync_buffers(buffers: Sequence[torch.Tensor], group: dist.ProcessGroup, poli
     * ``"off"``: nothing.
 
     (``"with_gradients"`` is ``"broadcast"`` sent in the last gradient bucket,
-    :mod:`minddp.buffers_in_bucket`; where it cannot be, it is this broadcast.)
+    :mod:`minddp.features.buffers_in_bucket`; where it cannot be, it is this broadcast.)
     """
     if policy == "off" or not buffers:
         return
@@ -139,6 +138,17 @@ def sync_buffers(buffers: Sequence[torch.Tensor], group: dist.ProcessGroup, poli
         flat = _flatten(chunk)
         dist.all_reduce(flat, group=group)
         _unflatten_into(flat.div_(world), chunk)
+
+
+class BufferSync:
+    """The forward-time part for ``buffer_sync="broadcast"`` or ``"average"``: before a forward that follows
+    a synchronized one, the module's buffers (read anew each time: a forward may re-assign one) agree."""
+
+    def __init__(self, read_buffers: Callable[[], list[torch.Tensor]], group: dist.ProcessGroup, policy: str):
+        self.read_buffers, self.group, self.policy = read_buffers, group, policy
+
+    def before_forward(self, source: int) -> None:
+        sync_buffers(self.read_buffers(), self.group, self.policy, source)
 
 
 def _flatten(chunk: list[torch.Tensor]) -> torch.Tensor:
@@ -165,47 +175,3 @@ def _chunks(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
         chunks[-1].append(t)
         sizes[key] = sizes.get(key, 0) + nbytes
     return [c for chunks in by_kind.values() for c in chunks if c]
-
-
-def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
-    """Every tensor in a forward's output: nested in lists, tuples (named too),
-    dicts (a HuggingFace ``ModelOutput`` is one) and dataclass fields, as torch's DDP looks."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors_in(item)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            yield from _tensors_in(getattr(obj, field.name))
-
-
-def params_reached_from(outputs: Any) -> set[int]:
-    """``id`` of every leaf tensor that the autograd graph of ``outputs`` reaches.
-
-    Walks ``grad_fn.next_functions`` from each output tensor; a leaf shows up
-    as an ``AccumulateGrad`` node whose ``variable`` is the parameter. A
-    parameter not reached will get no gradient in this backward, so MiniDDP
-    counts it as zero instead of waiting for it forever.
-    """
-    reached: set[int] = set()
-    seen: set = set()
-    stack = []
-    for t in _tensors_in(outputs):
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad:
-            reached.add(id(t))  # a parameter returned as is
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            reached.add(id(variable))
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return reached

@@ -1,10 +1,9 @@
 """Seeing overlap: when gradients arrived and when their buckets travelled.
 
-When asked for (``MiniDDP(..., timeline=True)`` or ``trace=True``), a layer
-on the reducer (:mod:`minddp.features.observed`) reports each event of a
-step to one :class:`StepObserver` (backward began, gradient ready, bucket
-launched, backward done), which keeps the records; otherwise none of this
-runs. Two levels:
+When asked for (``MiniDDP(..., timeline=True)`` or ``trace=True``), one
+:class:`StepObserver` is in the reducer's observers and is told each event
+of a step (backward began, gradient ready, bucket launched, backward done),
+which it keeps; otherwise none of this runs. Two levels:
 
 * :class:`StepTimeline` (``timeline=True``). It keeps four kinds of timestamps of
   the last synchronized backward (first hook, last hook, each launch, end),
@@ -45,9 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minddp.reducer import Observer
 from minddp.sync import on_device
 
-__all__ = ["StepObserver", "StepTimeline", "Tracer", "HostClock", "DeviceClock", "profiler_range"]
+__all__ = ["StepObserver", "StepTimeline", "Tracer", "HostClock", "DeviceClock", "ProfilerRanges", "profiler_range"]
 
 BACKWARD_TRACK, COMM_TRACK = 0, 1
 
@@ -229,26 +229,29 @@ class Tracer:
                 json.dump(trace, f)
 
 
-class StepObserver:
-    """Everything MiniDDP records about its steps, behind one call per event.
+class StepObserver(Observer):
+    """Everything MiniDDP records about its steps: an observer of the reducer (``timeline=True``, ``trace=True``).
 
-    The gradient path stays free of instrumentation: it tells the observer
-    what happened, and the observer keeps the :class:`StepTimeline`
-    (one CPU clock read per event) and, only when tracing, the :class:`Tracer`
+    The gradient path stays free of instrumentation: it tells its observers
+    what happened, and this one keeps the :class:`StepTimeline` (one CPU
+    clock read per event) and, only when tracing, the :class:`Tracer`
     (stamps of its own clock: CUDA events for a module on a GPU).
     """
 
-    def __init__(self, rank: int, trace: bool, device: torch.device | None = None):
+    def __init__(self, rank: int, trace: bool, device: torch.device | None = None, names: list[str] = ()):
         self.timeline = StepTimeline()
         self.tracer = Tracer(rank, device) if trace else None
+        self.names = names  # the reducer's parameter names, for the trace's gradient events
         self._backward_stamp: Any = None
+        self._forward_stamp: Any = None
+        self._launched = 0.0
 
-    def forward_started(self) -> Any:
-        return self.tracer.clock.now() if self.tracer is not None else None
+    def forward_started(self) -> None:
+        self._forward_stamp = self.tracer.clock.now() if self.tracer is not None else None
 
-    def forward_done(self, started: Any) -> None:
-        if self.tracer is not None and started is not None:
-            self.tracer.forward_done(started, self.tracer.clock.now())
+    def forward_done(self) -> None:
+        if self.tracer is not None and self._forward_stamp is not None:
+            self.tracer.forward_done(self._forward_stamp, self.tracer.clock.now())
 
     def backward_started(self) -> None:
         self.timeline.clear()
@@ -256,24 +259,62 @@ class StepObserver:
         if self.tracer is not None:
             self._backward_stamp = self.tracer.clock.now()
 
-    def gradient_ready(self, name: str, grad: torch.Tensor | None) -> None:
-        """A gradient's hook (called only when tracing: the timeline needs no per-gradient record)."""
+    def gradient_ready(self, index: int, param: torch.Tensor) -> None:
+        """A gradient's hook (recorded only when tracing: the timeline needs no per-gradient record)."""
         if self.tracer is not None:
-            self.tracer.gradient_ready(name, self.tracer.clock.now(), grad)
+            self.tracer.gradient_ready(self.names[index], self.tracer.clock.now(), param.grad)
 
-    def bucket_complete(self) -> None:
+    def bucket_filled(self, bucket: Any, scale: float) -> None:
         """A bucket's last gradient is in. The last hook of a backward completes
         a bucket, so the last of these is the timeline's last hook."""
         self.timeline.last_hook = time.perf_counter()
 
-    def bucket_launched(self, index: int, nbytes: int, launched: float, future: torch.futures.Future) -> None:
-        """``launched``: CPU time, for the timeline; the tracer stamps its own clock (the all-reduce is queued)."""
+    def bucket_launching(self, bucket: Any) -> None:
+        self._launched = time.perf_counter()
+
+    def bucket_launched(self, bucket: Any) -> None:
+        """CPU time, for the timeline; the tracer stamps its own clock (the all-reduce is queued)."""
+        launched = self._launched
         self.timeline.launches.append(launched)
         if self.tracer is not None:
             clock = self.tracer.clock
-            self.tracer.bucket_launched(index, nbytes, launched if isinstance(clock, HostClock) else clock.now(), future)
+            self.tracer.bucket_launched(bucket.index, bucket.buffer.nbytes,
+                                        launched if isinstance(clock, HostClock) else clock.now(), bucket.future)
 
     def backward_done(self) -> None:
         self.timeline.finished = time.perf_counter()
         if self.tracer is not None:
             self.tracer.backward_done(self.timeline, self._backward_stamp, self.tracer.clock.now())
+
+
+class ProfilerRanges(Observer):
+    """While a ``torch.profiler`` records: a range per bucket launch, and one around the end-of-backward wait.
+
+    ``MiniDDP``'s forward adds it when it sees a profiler recording; it takes itself off after that
+    backward (``record_function`` costs tens of microseconds even with no profiler listening)."""
+
+    def __init__(self, reducer: Any):
+        self.reducer = reducer
+        self._range: Any = None
+
+    def _enter(self, name: str) -> None:
+        self._range = torch.profiler.record_function(name)
+        self._range.__enter__()
+
+    def _exit(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+
+    def bucket_launching(self, bucket: Any) -> None:
+        self._enter(f"minddp.launch_bucket_{bucket.index}")
+
+    def bucket_launched(self, bucket: Any) -> None:
+        self._exit()
+
+    def backward_ending(self) -> None:
+        self._enter("minddp.wait_buckets")
+
+    def backward_done(self) -> None:
+        self._exit()
+        self.reducer.remove_observer(self)  # one backward; the next forward looks again

@@ -3,6 +3,9 @@
 Each test here failed on the code before the fix it names.
 """
 
+import time
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -366,10 +369,12 @@ def test_tracer_stamps_launch_and_completion_with_its_clock():
 
     observer = StepObserver(0, trace=True)
     observer.tracer.clock = _TickClock()
-    future = torch.futures.Future()
+    bucket = types.SimpleNamespace(index=0, buffer=torch.zeros(1), future=torch.futures.Future())
     observer.backward_started()  # stamp 1
-    observer.bucket_launched(0, 4, launched=123.0, future=future)  # stamp 2: not the CPU time
-    future.set_result(None)  # stamp 3, taken in the completion callback
+    before = time.perf_counter()
+    observer.bucket_launching(bucket)  # the CPU time, for the timeline
+    observer.bucket_launched(bucket)  # stamp 2: not the CPU time
+    bucket.future.set_result(None)  # stamp 3, taken in the completion callback
     (bar,) = [e for e in observer.tracer.events if e["tid"] == COMM_TRACK]
     assert (bar["ts"], bar["dur"]) == (2e6, 1e6)
-    assert observer.timeline.launches == [123.0]  # the timeline keeps CPU times
+    assert before <= observer.timeline.launches[0] <= time.perf_counter()  # the timeline keeps CPU times

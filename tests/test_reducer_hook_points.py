@@ -1,10 +1,12 @@
 """The reducer's hook points, used the way the policies above it use them.
 
 Mechanism below, policy above: the learned bucket order, ``bucket_cap_mb=
-"auto"`` and ZeRO stage 2 drive the reducer only through ``arrival_log``
-(``watch_arrivals``), ``backward_done_callbacks``, ``rebuild`` and
-``use_bucket_storage`` with ``bucket_reduced_hook``. Each test here is a
-small policy of its own, and the oracle is torch's DDP on the same shards.
+"auto"`` and ZeRO stage 2 drive the reducer only through its documented
+interface: an observer they add (``add_observer``, here an ``ArrivalLog``),
+``backward_done_callbacks``, ``rebuild``, and lent buckets
+(``use_bucket_storage`` and ``set_gradients``, by ``lend_buckets``). Each
+test here is a small policy of its own, and the oracle is torch's DDP on
+the same shards.
 """
 
 import torch
@@ -13,7 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
+from minddp.bucket_order import ArrivalLog
 from minddp.buckets import BucketStorage
+from minddp.features.lent_buckets import lend_buckets
 
 STEPS = 3
 
@@ -33,13 +37,14 @@ class OneBucketPerLayerInArrivalOrder:
 
     def __init__(self, reducer):
         self.reducer, self.backwards, self.rebuilt_with = reducer, 0, None
-        reducer.watch_arrivals(self)
+        self.arrivals = ArrivalLog()
+        reducer.add_observer(self.arrivals)
         reducer.backward_done_callbacks.append(self.after_backward)
 
     def after_backward(self):
         self.backwards += 1
         if self.backwards == 2:
-            order = list(dict.fromkeys(i for i, _ in self.reducer.arrival_log))
+            order = list(dict.fromkeys(i for i, _ in self.arrivals.log))
             self.rebuilt_with = order
             self.reducer.rebuild(order, 0, None)
 
@@ -113,15 +118,14 @@ def _lent_buffers(rank, world_size, as_view):
 
     x, y = _batch(0, rank)
     F.mse_loss(mini(x), y).backward()  # the first backward: the learned order rebuilds the buckets
-    mini.reducer.use_bucket_storage(pool)
-    mini.reducer.bucket_reduced_hook = lambda bucket: False  # declined: .grad written as usual
+    lend_buckets(mini.reducer, pool, on_reduced=lambda bucket: False)  # declined: .grad written as usual
     mini.zero_grad(set_to_none=True)
     native.zero_grad(set_to_none=True)
     F.mse_loss(mini(x), y).backward()
     F.mse_loss(native(x), y).backward()
     for p, q in zip(mini.parameters(), native.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
-    mini.reducer.bucket_reduced_hook = take
+    mini.reducer.gradients.on_reduced = take
     results = []
     for step in range(1, STEPS):
         x, y = _batch(step, rank)

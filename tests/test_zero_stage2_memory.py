@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minddp.features.comm_hook import CommHook
 from minddp import MiniDDP
 from minddp.zero import ZeroRedundancyOptimizer
 from minddp.zero.memory import GradientPeak, allocation_peak, gradient_bytes
@@ -126,7 +127,7 @@ def _reduce_scatter_transients(rank, world_size):
         transients.append(peak - kept)
         return future
 
-    model.reducer.comm_hook = (state, profiled)
+    model.reducer.set_communication(CommHook(model.reducer, state, profiled))
     g = torch.Generator().manual_seed(rank)
     for step in range(3):
         x = torch.randn(BATCH, WIDTH, generator=g)

@@ -1,42 +1,33 @@
-"""Every feature beyond the plain path, each a *layer* on :class:`minddp.reducer.Reducer`.
+"""Every option beyond the plain path, each a *part* chosen once by ``MiniDDP``'s constructor.
 
 The plain path (``minddp/ddp.py``, ``minddp/reducer.py``, ``minddp/buckets.py``)
 is what a default ``MiniDDP(model)`` step runs: hook, bucket, in-order launch,
-end-of-backward wait, ``.grad``. Everything torch's DDP does beyond that lives
-here, one file per feature, in one pattern:
+end-of-backward wait, ``.grad``. Where torch's DDP varies, the reducer holds
+one part per slot, an object with its own state, and calls it at the named
+step; the plain part of each slot lives in ``minddp/reducer.py``, the others
+here, one file per option:
 
-* a layer is a class that overrides some of the reducer's named steps
-  (``prepare_for_forward``, ``prepare_for_backward``, ``start_backward``,
-  ``on_grad_ready``, ``bucket_ready``, ``fill_bucket``, ``communicate``,
-  ``finish_backward``, ``write_grads``, ``_make_bucket``, ``bucket_dtype``)
-  and calls ``super()`` to go on down the path;
-* ``reducer.add_layer(Layer, **settings)`` stacks it (``attach`` sets up its
-  state on the reducer), ``reducer.remove_layer(Layer)`` takes it off; the
-  reducer's class is then the plain ``Reducer`` with these layers above it,
-  ordered by their ``height`` (higher runs first);
-* a feature that is off is not in the stack: the plain path neither calls
-  nor tests for it.
+* readiness, when is a parameter ready (``prepare_for_backward``,
+  ``is_ready``, ``backward_ending``, ``shadow_backward``):
+  :mod:`~minddp.features.unused_parameters`, :mod:`~minddp.features.static_graph`;
+* gradients, how a gradient gets into its bucket and back
+  (``buckets_built``, ``gradient_ready``, ``fill_bucket``, ``write_grads``):
+  ``MissingGradients`` in :mod:`~minddp.features.unused_parameters`,
+  :mod:`~minddp.features.gradient_cases`, :mod:`~minddp.features.bucket_views`,
+  :mod:`~minddp.features.lent_buckets` (around another);
+* communication, how a bucket travels (``communicate``):
+  :mod:`~minddp.features.comm_hook`;
+* what rides in the last bucket (the reducer's ``passenger``):
+  :mod:`~minddp.features.buffers_in_bucket`;
+* observers, what only watches (:class:`minddp.reducer.Observer`):
+  :mod:`~minddp.features.follow` (and ``minddp/trace.py``, ``minddp/bucket_order.py``);
+* the forward's parts (``MiniDDP.forward`` calls them):
+  :mod:`~minddp.features.replica_checks`, :mod:`~minddp.features.uneven_inputs`,
+  and the buffers' policy (:class:`minddp.sync.BufferSync`, or the passenger).
 
-A learner can skip any of these files whole. ``docs/reading_the_code.md``
-lists them with the lesson that explains each.
+A part that is not chosen is never called; nothing changes a class at run
+time. ``register_comm_hook``, ``join`` and ``follow`` swap or add one later,
+through the reducer's ``set_communication``, ``set_passenger`` and
+``add_observer``. A learner can skip any of these files whole;
+``docs/reading_the_code.md`` lists them with the option that picks each.
 """
-
-from __future__ import annotations
-
-__all__ = ["Layer"]
-
-
-class Layer:
-    """Base of the layers. Subclasses override reducer steps; ``self`` is the reducer."""
-
-    height = 0  # where it sits in the stack: a higher layer runs first, and calls down to lower ones
-
-    def attach(self, **settings) -> None:
-        """Set up this layer's state on the reducer (``self``) as it is stacked."""
-
-    def detach(self) -> None:
-        """Undo what :meth:`attach` set up that would matter once the layer is gone."""
-
-    def shadow_backward_extras(self) -> None:
-        """A joined rank's stand-in for a backward (:mod:`minddp.features.uneven_inputs`): what a
-        layer communicates beyond the buckets (the unused-parameter search does: one all-reduce)."""

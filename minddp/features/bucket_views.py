@@ -8,38 +8,37 @@ slot), or, after ``zero_grad(set_to_none=True)`` made autograd allocate a
 fresh ``.grad``, at its hook: copied into the slot at once, so its memory
 goes back at once (as torch's reducer does). Only for a dense gradient in a
 bucket of the parameter's own dtype (not with ``reduce_dtype``).
+
+A gradients part, :class:`BucketViews`: :class:`~minddp.features.gradient_cases.GradientCases`
+with its views on. ZeRO stage 2 chooses it too (its pool's buffers take
+each gradient at its hook).
 """
 
 from __future__ import annotations
 
-from minddp.features import Layer
 from minddp.features.gradient_cases import GradientCases
 
 __all__ = ["BucketViews"]
 
 
-class BucketViews(Layer):
-    height = 3
+class BucketViews(GradientCases):
+    """Gradients as views into the buckets (``never``: parameter indices whose gradients are sparse)."""
 
-    def attach(self, sparse: frozenset[int] = frozenset()) -> None:
-        self.add_layer(GradientCases)
-        self._never_views = sparse  # parameters whose gradients are sparse: never a view
-        self._build_buckets(self.bucket_order)
+    def __init__(self, count: int, never: frozenset[int] = frozenset()):
+        super().__init__(count)
+        self.never = never
 
-    def detach(self) -> None:
-        self._as_view = [False] * len(self.params)
+    def buckets_built(self, reducer) -> None:
+        plan = [(bucket, position) for bucket in reducer.buckets for position in range(len(bucket.params))]
+        for bucket, position in plan:
+            index, p = bucket.indices[position], bucket.params[position]
+            self.as_view[index] = bucket.dtype == p.dtype and index not in self.never and index not in self.sparse_dim
+            if p.grad is not None and self.as_view[index] and bucket.buffer is not None:
+                p.grad = bucket.views[position].copy_(p.grad)  # kept across a rebuild: into its new slot
 
-    def _build_buckets(self, order: list[int]) -> None:
-        super()._build_buckets(order)
-        self._as_view = [self._plan[i][0].dtype == p.dtype and i not in self._never_views and i not in self._sparse_dim
-                         for i, p in enumerate(self.params)]
-        for i, p in enumerate(self.params):  # gradients kept across a rebuild move into their new slots
-            if p.grad is not None and self._as_view[i] and self._plan[i][0].buffer is not None:
-                p.grad = self._plan[i][0].views[self._plan[i][1]].copy_(p.grad)
-
-    def on_grad_ready(self, index: int, param) -> None:
-        if self._as_view[index] and (grad := param.grad) is not None and not grad.is_sparse:
-            bucket, position = self._plan[index]
+    def gradient_ready(self, bucket, position: int, param) -> None:
+        index = bucket.indices[position]
+        if self.as_view[index] and (grad := param.grad) is not None and not grad.is_sparse:
             if bucket.buffer is None:  # a storage that lends buffers: the bucket's first use this backward
                 bucket.acquire()
             if grad is not (slot := bucket.views[position]):
@@ -48,4 +47,3 @@ class BucketViews(Layer):
                 # reducer; batching these copies per bucket measured no faster, and held up to a
                 # bucket of gradients twice).
                 param.grad = slot.copy_(grad)
-        super().on_grad_ready(index, param)

@@ -14,7 +14,12 @@ that collective unnecessary:
 So the buffers are appended to the last bucket of backward k, which is
 all-reduced anyway, kept aside when it arrives, and written into the
 buffers at the start of forward k+1, where torch's broadcast would write
-them (``MiniDDP(buffer_sync="with_gradients")``). Every rank's buffers are
+them (``MiniDDP(buffer_sync="with_gradients")``). One object,
+:class:`BuffersInLastBucket`, is both the reducer's ``passenger`` (room
+in the last bucket, packed as it is sent, kept as it arrives) and
+``MiniDDP``'s buffer policy before a forward (delivered instead of a
+broadcast). A comm hook (not necessarily a sum) and ``join()`` put the
+broadcast back. Every rank's buffers are
 then torch's at every moment, with one exception: rank 0 changing its
 buffers between a backward and the next forward by something other than
 the wrapped forward (a ``load_state_dict`` on rank 0 alone). torch would
@@ -37,10 +42,11 @@ import warnings
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from minddp.features import Layer
+from minddp.sync import BufferSync
 
-__all__ = ["BuffersInLastBucket", "CarryBuffers", "CARRIER_DTYPES"]
+__all__ = ["BuffersInLastBucket", "CARRIER_DTYPES"]
 
 # Bucket dtypes that hold every int16 exactly (bf16 and fp16 do not: 8 and 11 bits of mantissa).
 CARRIER_DTYPES = (torch.float32, torch.float64)
@@ -51,11 +57,12 @@ class BuffersInLastBucket:
 
     :meth:`pack` fills them before the bucket is sent (rank 0: its buffers'
     bytes; every other rank: zeros), :meth:`receive` keeps the sum (rank 0's
-    bytes) when the bucket has arrived, and :meth:`deliver` writes it into
-    every rank's buffers before the next forward.
+    bytes) when the bucket has arrived, and :meth:`before_forward` writes it
+    into every rank's buffers before the next forward (:meth:`deliver`), or
+    broadcasts them where it cannot.
     """
 
-    def __init__(self, read_buffers: Callable[[], list[torch.Tensor]], is_source: bool):
+    def __init__(self, read_buffers: Callable[[], list[torch.Tensor]], group: dist.ProcessGroup, is_source: bool):
         # The buffers are read again at every pack and delivery, as MiniDDP reads them before a
         # broadcast: a forward may re-assign one. Their layout is fixed here (the last bucket's
         # room is); a buffer re-shaped or re-typed since (``model.double()``) goes back to the broadcast.
@@ -68,6 +75,8 @@ class BuffersInLastBucket:
         self.numel = sum(b.numel() * b.element_size() // 2 for b in buffers) if self._whole_words else 0
         self._received: torch.Tensor | None = None
         self._versions_sent: list[int] = []
+        self.arrived = False  # did the last backward bring them? (delivered at the next forward)
+        self._broadcast = BufferSync(read_buffers, group, "broadcast")
 
     def _buffers(self) -> list[torch.Tensor]:
         return [b for b in self._read_buffers() if b.numel() > 0]
@@ -89,11 +98,20 @@ class BuffersInLastBucket:
 
     def receive(self, tail: torch.Tensor) -> None:
         """Keep the arrived bytes (the bucket's buffer may be rebuilt or reused before the next forward)."""
+        self.arrived = True
         if self.is_source:
             return  # they are its own buffers' bytes
         if self._received is None:
             self._received = torch.empty_like(tail)
         self._received.copy_(tail)
+
+    def before_forward(self, source: int) -> None:
+        """Rank 0's buffers came with the last backward's gradients: written now, where torch's broadcast
+        would write them; a broadcast where they did not come or can no longer be written."""
+        delivered = self.arrived and self.deliver()
+        self.arrived = False
+        if not delivered:
+            self._broadcast.before_forward(source)
 
     def deliver(self) -> bool:
         """Rank 0's bytes into this rank's buffers (rank 0 keeps its own, as under a broadcast).
@@ -123,50 +141,6 @@ class BuffersInLastBucket:
             "this forward, outside the wrapped forward; the other ranks get the values sent with the "
             "gradients, not the new ones (torch's DDP would broadcast the new ones). Use "
             "buffer_sync='broadcast' if buffers are changed between steps.", stacklevel=4)
-
-
-class CarryBuffers(Layer):
-    """The layer: room for a :class:`BuffersInLastBucket` in the last bucket, packed as it is sent,
-    kept as it arrives, and delivered before the next forward instead of a broadcast."""
-
-    height = 11
-
-    def attach(self, passenger: BuffersInLastBucket) -> None:
-        self.passenger = passenger
-        self.passenger_arrived = False  # did the last backward bring it? (delivered at the next forward)
-        self.carry_passenger = False  # set at each forward: does this backward carry it?
-        self._build_buckets(self.bucket_order)
-
-    def detach(self) -> None:
-        self._build_buckets(self.bucket_order)  # the last bucket without the room
-
-    def _make_bucket(self, k, indices, dtype, count, extra_numel=0):
-        if k == count - 1 and self.passenger.fits(dtype):
-            extra_numel = self.passenger.numel
-        return super()._make_bucket(k, indices, dtype, count, extra_numel)
-
-    def prepare_for_forward(self, sync: bool, buffers_due: bool) -> int | None:
-        source = super().prepare_for_forward(sync, buffers_due)
-        # rank 0's buffers came with the last backward's gradients: written now, where torch's
-        # broadcast would write them (deliver() says False if they can no longer be: a broadcast then)
-        delivered = buffers_due and self.passenger_arrived and self.passenger.deliver()
-        self.passenger_arrived = False
-        self.carry_passenger = sync
-        return None if delivered else source
-
-    def fill_bucket(self, bucket) -> None:
-        super().fill_bucket(bucket)  # (which scales the whole buffer: the tail is written after)
-        if bucket.extra_numel:
-            if self.carry_passenger:
-                self.passenger.pack(bucket.tail)
-            else:
-                bucket.tail.zero_()
-
-    def write_grads(self, bucket) -> None:
-        super().write_grads(bucket)
-        if bucket.extra_numel and self.carry_passenger:
-            self.passenger.receive(bucket.tail)
-            self.passenger_arrived = True
 
 
 def _layout(buffers: list[torch.Tensor]) -> list[tuple]:

@@ -1,13 +1,14 @@
 """Follow one gradient down the path: ``followed = model.follow("0.weight")``.
 
-Stacks a layer that notes, for that parameter only, each station of the
-plain path in the next synchronized backwards, with the time and the first
-few values: the gradient at its hook, the same values times 1/N in its slot
-of the bucket, the bucket's launch, the sum that came back into the slot
-(once the end of backward waited for it), and the ``.grad`` written from it. Every rank
-keeps its own record (``followed.report()``): the hook's values differ
-between ranks, the sum and ``.grad`` do not. ``followed.stop()`` takes the
-layer off again. Lesson 08 uses it.
+Adds an observer (:class:`Follow`, one per reducer) that notes, for that
+parameter only, each station of the plain path in the next synchronized
+backwards, with the time and the first few values: the gradient at its
+hook, the same values times 1/N in its slot of the bucket, the bucket's
+launch, the sum that came back into the slot (once the end of backward
+waited for it), and the ``.grad`` written from it. Every rank keeps its own
+record (``followed.report()``): the hook's values differ between ranks, the
+sum and ``.grad`` do not. ``followed.stop()`` takes the observer off again
+with the last followed gradient. Lesson 08 uses it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from minddp.features import Layer
+from minddp.reducer import Observer
 
-__all__ = ["Follow", "FollowedGradient"]
+__all__ = ["Follow", "FollowedGradient", "follow"]
 
 SHOWN = 3  # values shown per station
 
@@ -27,8 +28,8 @@ SHOWN = 3  # values shown per station
 class FollowedGradient:
     """The stations one parameter's gradient passed in the last synchronized backward."""
 
-    def __init__(self, reducer, index: int):
-        self.reducer, self.index, self.name = reducer, index, reducer.names[index]
+    def __init__(self, observer: "Follow", index: int):
+        self.observer, self.index, self.name = observer, index, observer.reducer.names[index]
         self.stations: list[tuple[float, str, str, list[float] | None]] = []  # (time, station, what, values)
 
     def note(self, station: str, what: str = "", values: torch.Tensor | None = None) -> None:
@@ -47,57 +48,63 @@ class FollowedGradient:
         return "\n".join(lines)
 
     def stop(self) -> None:
-        """Stop following (the layer comes off with the last followed gradient)."""
-        self.reducer._followed.pop(self.index, None)
-        if not self.reducer._followed:
-            self.reducer.remove_layer(Follow)
+        """Stop following (the observer comes off with the last followed gradient)."""
+        self.observer.followed.pop(self.index, None)
+        if not self.observer.followed:
+            self.observer.reducer.remove_observer(self.observer)
 
 
-class Follow(Layer):
-    height = 60
+def follow(reducer, name: str) -> FollowedGradient:
+    """Follow the gradient of the parameter called ``name`` (MiniDDP's name, ``module.`` first, or the module's)."""
+    names = reducer.names
+    index = names.index(name) if name in names else names.index(name[7:]) if name[7:] in names else None
+    if index is None:
+        raise ValueError(f"MiniDDP.follow: no parameter named {name!r} with a gradient to follow; "
+                         f"the module's are {names}")
+    observer = next((o for o in reducer.observers if isinstance(o, Follow)), None) or Follow(reducer)
+    reducer.add_observer(observer)
+    followed = observer.followed[index] = FollowedGradient(observer, index)
+    return followed
 
-    def attach(self) -> None:
-        self._followed: dict[int, FollowedGradient] = {}
 
-    def follow(self, index: int) -> FollowedGradient:
-        followed = self._followed[index] = FollowedGradient(self, index)
-        return followed
+class Follow(Observer):
+    """The observer behind :func:`follow`: the stations of the followed gradients."""
+
+    def __init__(self, reducer):
+        self.reducer = reducer
+        self.followed: dict[int, FollowedGradient] = {}
+        self.rank = dist.get_rank(reducer.process_group)
 
     def _here(self, bucket) -> list[tuple[FollowedGradient, int]]:
         """The followed gradients in ``bucket``, with their position in it."""
-        return [(f, self._plan[f.index][1]) for f in self._followed.values() if self._plan[f.index][0] is bucket]
+        return [(f, bucket.indices.index(f.index)) for f in self.followed.values() if f.index in bucket.indices]
 
-    def start_backward(self) -> None:
-        for followed in self._followed.values():
+    def backward_started(self) -> None:
+        for followed in self.followed.values():
             followed.stations = []
-        super().start_backward()
 
-    def on_grad_ready(self, index: int, param) -> None:
-        followed = self._followed.get(index)
+    def gradient_ready(self, index: int, param) -> None:
+        followed = self.followed.get(index)
         if followed is not None:
-            followed.note("hook", f"p.grad on rank {dist.get_rank(self.process_group)}", param.grad)
-        super().on_grad_ready(index, param)
+            followed.note("hook", f"p.grad on rank {self.rank}", param.grad)
 
-    def fill_bucket(self, bucket) -> None:
-        super().fill_bucket(bucket)
+    def bucket_filled(self, bucket, scale: float) -> None:
         for followed, position in self._here(bucket):
             start = sum(p.numel() for p in bucket.params[:position])
             end = start + bucket.params[position].numel()
-            followed.note("slot", f"bucket {bucket.index}[{start}:{end}] of {bucket.numel}, times "
-                                  f"{self.scale:g}", bucket.views[position])
+            followed.note("slot", f"bucket {bucket.index}[{start}:{end}] of {bucket.numel}, times {scale:g}",
+                          bucket.views[position])
 
-    def communicate(self, bucket) -> torch.futures.Future:
-        future = super().communicate(bucket)
+    def bucket_launched(self, bucket) -> None:
         for followed, _ in self._here(bucket):
             followed.note("launch", f"bucket {bucket.index}: async all-reduce of {bucket.buffer.nbytes} bytes")
-        return future
 
-    def write_grads(self, bucket) -> None:
-        here = self._here(bucket)
-        if here:
-            bucket.wait()
-            for followed, position in here:
-                followed.note("waited", "its slot now holds the sum over ranks", bucket.views[position])
-        super().write_grads(bucket)
-        for followed, _ in here:
-            followed.note(".grad", "written", self.params[followed.index].grad)
+    def bucket_reduced(self, bucket) -> None:
+        for followed, position in self._here(bucket):
+            followed.note("waited", "its slot now holds the sum over ranks", bucket.views[position])
+
+    def grads_written(self, bucket) -> None:
+        for followed, _ in self._here(bucket):
+            followed.note(".grad", "written", self.reducer.params[followed.index].grad)
+
+

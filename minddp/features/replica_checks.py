@@ -1,32 +1,28 @@
 """``check_sync_every=N``: every N-th synchronized forward, verify that all replicas are identical.
 
-One small collective of checksums (:func:`minddp.replicas.check_replicas_in_sync`),
-raising on every rank and naming the first tensor that differs. Skipped
-inside ``join()`` while some rank has stopped training (its replica is
-allowed to lag until the join ends).
+A forward-time part of ``MiniDDP``: one small collective of checksums
+(:func:`minddp.replicas.check_replicas_in_sync`), raising on every rank and
+naming the first tensor that differs. Skipped inside ``join()`` while some
+rank has stopped training (its replica is allowed to lag until the join ends).
 """
 
 from __future__ import annotations
 
-from minddp.features import Layer
+from torch import nn
+import torch.distributed as dist
+
 from minddp.replicas import check_replicas_in_sync
 
 __all__ = ["ReplicaChecks"]
 
 
-class ReplicaChecks(Layer):
-    height = 45
+class ReplicaChecks:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, every: int):
+        self.module, self.group, self.every = module, group, every
+        self.synchronized_forwards = 0
 
-    def attach(self, module, every: int) -> None:
-        self._checked_module, self._check_every = module, every
-        self._synchronized_forwards = 0
-
-    def prepare_for_forward(self, sync: bool, buffers_due: bool) -> int | None:
-        source = super().prepare_for_forward(sync, buffers_due)
-        if sync:
-            if self._synchronized_forwards % self._check_every == 0:
-                active = getattr(self, "join_active", None)  # minddp.features.uneven_inputs
-                if active is None or all(active):
-                    check_replicas_in_sync(self._checked_module, self.process_group)
-            self._synchronized_forwards += 1
-        return source
+    def before_forward(self, join) -> None:
+        """Before a synchronized forward; ``join``: the model's ``join_context`` (None outside ``join()``)."""
+        if self.synchronized_forwards % self.every == 0 and (join is None or all(join.active)):
+            check_replicas_in_sync(self.module, self.group)
+        self.synchronized_forwards += 1

@@ -27,6 +27,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from minddp.features.comm_hook import CommHook
+
 __all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes", "gradient_bytes", "GradientPeak",
            "allocation_peak"]
 
@@ -74,7 +76,6 @@ def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     out["grads"] = _unique_bytes([p.grad for p in module.parameters()] + shard_grads, seen)
     out["optimizer_state"] = optimizer_state_bytes(optimizer)
     out["shard_params"] = _unique_bytes([s.master for s in layout.shards], seen) if layout is not None else 0
-    reducer = getattr(model, "reducer", None)
     out["bucket_buffers"] = _unique_bytes(_bucket_buffers(model, optimizer), seen)
     return out
 
@@ -125,7 +126,7 @@ class GradientPeak:
             def sampled(state, bucket):
                 self.sample()
                 return hook(state, bucket)
-            reducer.comm_hook = (state, sampled)
+            reducer.set_communication(CommHook(reducer, state, sampled))  # the same hook, sampled first
         return self
 
     def _on_gradient(self, param: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ communication with backward stays. Three narrow contacts with MiniDDP:
   reduce-scatters it, this rank's piece landing in the optimizer's shard
   gradient (straight into it where the piece lies there end to end; on
   Gloo by sends and receives, :mod:`minddp.zero.pairwise`);
-* the reducer's ``bucket_reduced_hook`` (:mod:`minddp.reducer_hooks`): told that
+* lent buckets (:func:`minddp.features.lent_buckets.lend_buckets`, ``on_reduced``): told that
   the optimizer took the bucket, the reducer does not write ``.grad``, and
   the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
 * the reducer's bucket storage: buffers lent by a small pool
@@ -50,6 +50,7 @@ import torch.distributed as dist
 from minddp.comm_hooks import GradBucket
 from minddp.features.bucket_views import BucketViews
 from minddp.features.gradient_cases import sparse_embedding_weights
+from minddp.features.lent_buckets import lend_buckets
 from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise
@@ -73,9 +74,13 @@ def bucket_units(ddp, world_size: int) -> list[FlatUnit]:
 def check_attachable(zero, ddp) -> None:
     """Errors that name what is wrong before anything is partitioned."""
     reducer = getattr(ddp, "reducer", None)
-    if reducer is None or not hasattr(reducer, "bucket_reduced_hook"):
+    if reducer is None or not hasattr(reducer, "set_gradients"):
         raise TypeError("shard_gradients=True needs ddp=<the MiniDDP model>: stage 2 changes how MiniDDP "
                         f"reduces its buckets (got ddp={type(ddp).__name__})")
+    if reducer.planned_rebuild is not None:
+        raise ValueError(
+            f"{reducer.planned_rebuild}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
+            "those buckets: give MiniDDP a fixed bucket_cap_mb to use them together")
     if ddp.process_group is not zero.process_group and \
             dist.get_process_group_ranks(ddp.process_group) != dist.get_process_group_ranks(zero.process_group):
         raise ValueError("shard_gradients=True: the optimizer and MiniDDP must use the same process group")
@@ -100,9 +105,8 @@ def attach(zero, ddp) -> None:
     zero._scattered = set()  # buckets whose piece arrived in this backward, not yet taken
     zero._in_flight = deque()  # this backward's reduce-scatters not yet waited for, oldest first
     zero._taken = []  # parameters of the buckets taken in this backward
-    zero._reducer_index = {id(p): i for i, p in enumerate(reducer.params)}  # where globally_used says it
+    zero._reducer_index = {id(p): i for i, p in enumerate(reducer.params)}  # where used_on_some_rank says it
     ddp.register_comm_hook(zero, reduce_scatter_hook)
-    reducer.bucket_reduced_hook = lambda bucket: _took(zero, bucket)
     zero.bucket_pool = BucketPool(zero.world_size)
     zero._pool_in_use = False
     if not _provisional(zero):
@@ -124,10 +128,11 @@ def use_pool(zero) -> None:
     for bucket in reducer.buckets:
         for p in bucket.params:
             p.grad = None
-    reducer.use_bucket_storage(zero.bucket_pool)
     if zero.bucket_pool.slots_at_hook:  # each gradient into its bucket at its hook: MiniDDP's bucket views
         sparse = sparse_embedding_weights(zero.ddp.module)
-        reducer.add_layer(BucketViews, sparse=frozenset(i for i, p in enumerate(reducer.params) if id(p) in sparse))
+        reducer.set_gradients(BucketViews(len(reducer.params),
+                                          never=frozenset(i for i, p in enumerate(reducer.params) if id(p) in sparse)))
+    lend_buckets(reducer, zero.bucket_pool, on_reduced=lambda bucket: _took(zero, bucket))
     zero._pool_in_use = True
 
 
@@ -140,7 +145,7 @@ def _provisional(zero) -> bool:
 def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     """Comm hook: average the bucket, keep this rank's piece (into ``zero``'s shards)."""
     buffer, group, n = bucket.buffer(), zero.process_group, zero.world_size
-    divisor = zero.ddp.reducer.divisor  # the world size, or the ranks still active under join()
+    divisor = zero.ddp.reducer.ranks_averaged_over()  # the world size, or the ranks still active under join()
     if _provisional(zero):  # as DDP: the whole average lands in .grad
         buffer.mul_(1.0 / divisor)
         if n == 1:
@@ -255,7 +260,7 @@ def _end_of_backward(zero) -> None:
     reduce-scatters (which hold their buffers and received pieces) and the
     pool's free buffers are let go.
     """
-    used = zero.ddp.reducer.globally_used  # None: every parameter had a gradient
+    used = zero.ddp.reducer.used_on_some_rank()  # None: every parameter had a gradient
     zero._used_in_round.update(id(p) for p in zero._taken if used is None or used[zero._reducer_index[id(p)]])
     zero._taken = []
     zero._in_flight.clear()
