@@ -16,9 +16,9 @@ What you will learn
     * rank 0's broadcast covers buffers at construction and again before
       every forward that follows a synchronized one (``broadcast_buffers``).
 
-    Everything else torch's DDP does is a *layer* beside that path, one file
-    each in ``minddp/features/``, stacked on the reducer only when asked
-    for; the lesson lists them with the lesson that explains each. Then it
+    Everything else torch's DDP does is a *part* beside that path, one file
+    each in ``minddp/features/``, chosen by MiniDDP's constructor only when
+    asked for; the lesson lists them with the lesson that explains each. Then it
     follows one gradient down the path on every rank: ``model.follow(name)``.
 
 What to run
@@ -58,16 +58,15 @@ import minddp.features
 from wrappers.flat_ddp import FlatDDP  # lesson 07b's wrapper
 from minddp import MiniDDP
 from minddp.bucket_order import LearnedBucketOrder
-from minddp.features import Layer
-from minddp.reducer import Reducer
+from minddp.reducer import CopyGradients, Observer, Reducer
 from _common import is_exact, parse_args, print0, print_ranks, print_results, run, train_and_compare
 
 # What the plain path changed, as (07b's methods, minddp's methods).
 DIFFS = [
     ("the hook counts; a complete bucket is filled in one call and launched in order",
-     [FlatDDP._average_grad], [Reducer._autograd_hook, Reducer.on_grad_ready, Reducer.bucket_ready, Reducer.fill_bucket]),
+     [FlatDDP._average_grad], [Reducer._autograd_hook, Reducer.mark_ready, Reducer.bucket_ready, CopyGradients.fill_bucket]),
     ("the end of backward: nested passes, a named error, wait and write per bucket",
-     [FlatDDP._finish_backward], [Reducer._on_pass_end, Reducer.finish_backward, Reducer.write_grads,
+     [FlatDDP._finish_backward], [Reducer._on_pass_end, Reducer.finish_backward, CopyGradients.write_grads,
                                   Reducer._missing_gradients_error]),
     ("rank 0's buffers: at construction (07b) and before each forward after a synchronized one",
      [FlatDDP.forward], [MiniDDP.forward]),
@@ -75,24 +74,26 @@ DIFFS = [
      [FlatDDP._finish_backward], [LearnedBucketOrder.after_first_backward]),
 ]
 
-# Every layer in minddp/features/, with what asks for it and the lesson that explains the feature.
-LAYERS = {
-    "GradientCases": ("no gradient, a sparse one, or one already in its slot", "18, 19"),
-    "ReduceDtype": ("reduce_dtype=torch.float32", "13"),
-    "BucketViews": ("gradient_as_bucket_view=True", "19"),
-    "LentBuckets": ("ZeRO stage 2: bucket_reduced_hook, use_bucket_storage", "20"),
-    "CarryBuffers": ('buffer_sync="with_gradients"', "10"),
-    "CommHook": ("register_comm_hook(state, hook)", "13"),
-    "ArrivalLog": ('learn_bucket_order (first backward), bucket_cap_mb="auto"', "07b, 17b"),
-    "Observed": ("timeline=True", "16"),
-    "ObservedGradients": ("trace=True", "16"),
+# Every part in minddp/features/ (and the observers beside the path), with what picks it and the lesson
+# that explains the feature. The slot is read from the class (show_the_parts).
+PARTS = {
     "UnusedParameters": ("find_unused_parameters=True", "18"),
     "StaticGraph": ("static_graph=True", "08 (docs/reading_the_code.md)"),
-    "JoinedSteps": ("with model.join():", "18"),
+    "MissingGradients": ("find_unused_parameters or static_graph", "18"),
+    "GradientCases": ("a module with sparse embeddings", "18, 19"),
+    "BucketViews": ("gradient_as_bucket_view=True; ZeRO stage 2", "19"),
+    "LentBuckets": ("ZeRO stage 2 (its pool); lazy_bucket_allocation=True", "20"),
+    "CommHook": ("register_comm_hook(state, hook)", "13"),
+    "BuffersInLastBucket": ('buffer_sync="with_gradients"', "10"),
     "ReplicaChecks": ("check_sync_every=N", "18"),
-    "ProfilerRanges": ("a torch.profiler recording", "16"),
+    "MiniDDPJoinHook": ("with model.join():", "18"),
     "Follow": ('model.follow("0.weight")', "08"),
+    "StepObserver": ("timeline=True or trace=True", "16"),
+    "ProfilerRanges": ("a torch.profiler recording", "16"),
+    "ArrivalLog": ('learn_bucket_order (first backward), bucket_cap_mb="auto"', "07b, 17b"),
 }
+SLOTS = (("is_ready", "readiness"), ("fill_bucket", "gradients"), ("communicate", "communication"),
+         ("pack", "passenger"), ("before_forward", "forward"))
 
 
 def code_lines(methods) -> list:
@@ -115,17 +116,23 @@ def show_the_diffs() -> None:
             print0("  " + line)
 
 
-def show_the_layers() -> list:
+def slot_of(part: type) -> str:
+    if issubclass(part, Observer):
+        return "observer"
+    return next((slot for method, slot in SLOTS if hasattr(part, method)), "")
+
+
+def show_the_parts() -> list:
     found = {}
-    for info in pkgutil.iter_modules(minddp.features.__path__):
-        module = importlib.import_module(f"minddp.features.{info.name}")
+    modules = [f"minddp.features.{info.name}" for info in pkgutil.iter_modules(minddp.features.__path__)]
+    for module in map(importlib.import_module, modules + ["minddp.trace", "minddp.bucket_order"]):
         for name, obj in vars(module).items():
-            if inspect.isclass(obj) and issubclass(obj, Layer) and obj is not Layer and obj.__module__ == module.__name__:
-                found[name] = (obj, f"minddp/features/{info.name}.py")
-    print0("\nThe layers beside the plain path, lowest first (a layer runs before those below it):")
-    for name, (layer, path) in sorted(found.items(), key=lambda item: item[1][0].height):
-        asked, lesson = LAYERS.get(name, ("?", "?"))
-        print0(f"  {name:<18} {path:<38} {asked:<58} lesson {lesson}")
+            if inspect.isclass(obj) and obj.__module__ == module.__name__ and slot_of(obj):
+                found[name] = (slot_of(obj), module.__name__.replace(".", "/") + ".py")
+    print0("\nThe parts beside the plain path, each chosen at construction (or by the call that asks for it):")
+    for name, (slot, path) in sorted(found.items(), key=lambda item: item[1]):
+        asked, lesson = PARTS.get(name, ("?", "?"))
+        print0(f"  {slot:<13} {name:<19} {path:<38} {asked:<58} lesson {lesson}")
     return sorted(found)
 
 
@@ -166,7 +173,7 @@ def main(rank: int, world_size: int, args) -> None:
     print0(f"{world_size} ranks on the test bench of lessons 04-07b:")
     print_results(results)
     show_the_diffs()
-    layers = show_the_layers()
+    layers = show_the_parts()
 
     ours = wrappers[0]
     print0(f"\nMiniDDP's buckets after the first step, in launch order ({len(ours.bucket_names)} buckets):")
@@ -179,7 +186,7 @@ def main(rank: int, world_size: int, args) -> None:
     show_buffers(rank)
 
     assert all(is_exact(r) for r in results), f"every row exact expected, got {results}"
-    assert set(layers) == set(LAYERS), f"the table above must list every layer: {set(layers) ^ set(LAYERS)}"
+    assert set(layers) == set(PARTS), f"the table above must list every part: {set(layers) ^ set(PARTS)}"
     assert ours.bucket_names[0][:2] == ["4.bias", "4.weight"], (
         f"the learned order starts with the last layer's bias, then its weight; bucket 0 is {ours.bucket_names[0]}")
     assert several == early, "a first bucket leaves early exactly when there are several"
@@ -195,7 +202,7 @@ def main(rank: int, world_size: int, args) -> None:
     print0("         accumulation; the learned order starts with the last layer's bias;")
     print0("         " + ("the first bucket left before the last gradient hook;" if several else
                          "one bucket, launched only with the last gradient;") + " construction fixed the buffers;")
-    print0(f"         every one of the {len(layers)} layers is listed; the followed .grad is the average of the hooks.")
+    print0(f"         every one of the {len(layers)} parts is listed; the followed .grad is the average of the hooks.")
 
 
 def options(parser) -> None:

@@ -1,9 +1,10 @@
-"""Which parameters travel together: gradient buckets assigned by size.
+"""Which parameters travel together: gradient buckets assigned by size, and each gradient's slot.
 
 :func:`assign_buckets` is a pure function from parameter sizes to groups of
 indices. Every rank calls it on the same model and gets the same answer,
-which is what keeps collectives matched across ranks. (One bucket's buffer
-and life cycle are in :mod:`minddp.buckets`.)
+which is what keeps collectives matched across ranks. :func:`slot_in` lays
+out one gradient's slot in its bucket's buffer. (One bucket's buffer and
+life cycle are in :mod:`minddp.buckets`.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["TensorSpec", "assign_buckets", "MiB", "FIRST_BUCKET_CAP_MB"]
+__all__ = ["TensorSpec", "assign_buckets", "slot_in", "MiB", "FIRST_BUCKET_CAP_MB"]
 
 MiB = 1024 * 1024
 # torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
@@ -86,3 +87,26 @@ def assign_buckets(
         open_bytes[key] = open_bytes.get(key, 0) + spec.nbytes
     closed.extend(b for b in open_buckets.values() if b)
     return sorted(closed, key=lambda b: b[0])
+
+
+def slot_in(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param`` (as torch's reducer).
+
+    A ``channels_last`` weight's ``.grad`` has the weight's strides (autograd's rule), and so must
+    its slot: a bucket view used as ``.grad`` then suits fused optimizers (which walk parameter and
+    gradient as flat memory), and a copy into the slot is a plain copy, not a permutation.
+    """
+    if _dense_and_non_overlapping(param):
+        return buffer.as_strided(param.shape, param.stride(), offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)
+
+
+def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
+    """Do ``t``'s elements fill ``numel`` consecutive places, in some order of its dims?"""
+    expected = 1
+    dims = sorted(((size, stride) for size, stride in zip(t.shape, t.stride()) if size != 1), key=lambda d: d[1])
+    for size, stride in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True

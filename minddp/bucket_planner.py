@@ -54,6 +54,7 @@ host is free while NCCL works, which it is.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -181,7 +182,8 @@ class AutoBuckets:
         dtype = reducer.options.reduce_dtype or reducer.params[0].dtype
         choice, why = None, ""
         try:  # only rank 0 can fail here, after every probe collective: the broadcast below still matches
-            choice = self.decide(reducer.communicate_buffer, reducer.world_size, reducer.device, dtype, is_rank0)
+            choice = self.decide(functools.partial(communicate_buffer, reducer), reducer.world_size, reducer.device,
+                                 dtype, is_rank0)
         except ValueError as error:
             why = str(error)
         caps = [choice.cap_mb, choice.first_cap_mb] if choice else [reducer.options.bucket_cap_mb,
@@ -239,6 +241,23 @@ class AutoBuckets:
         link = fit_latency_bandwidth([float(b.nbytes) for b in buffers], seconds, world_size)
         self.choice = choose_plan(self.profile(), link, world_size, overlap, cpu_share)
         return self.choice
+
+
+@dataclass
+class ScratchBucket:
+    """A stand-in bucket with no parameters, for the link probe; its index is past the real buckets',
+    so no comm hook mistakes it for one."""
+
+    buffer: torch.Tensor
+    index: int
+    params: tuple = ()
+    views: tuple = ()
+
+
+def communicate_buffer(reducer, buffer: torch.Tensor) -> torch.futures.Future:
+    """Send a scratch ``buffer`` the way ``reducer``'s buckets travel (its communication part: a comm hook
+    included, so a simulated link is measured as such)."""
+    return reducer.communication.communicate(ScratchBucket(buffer, len(reducer.buckets)))
 
 
 def fit_latency_bandwidth(sizes: list[float], seconds: list[float], world_size: int) -> Link:

@@ -26,34 +26,13 @@ from typing import Callable
 
 import torch
 
+from minddp.bucket_assignment import slot_in
+
 __all__ = ["Bucket", "BucketStorage"]
 
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
 LARGE_GRADIENT_NUMEL = 64 * 1024
-
-
-def _slot(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
-    """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param`` (as torch's reducer).
-
-    A ``channels_last`` weight's ``.grad`` has the weight's strides (autograd's rule), and so must
-    its slot: a bucket view used as ``.grad`` then suits fused optimizers (which walk parameter and
-    gradient as flat memory), and a copy into the slot is a plain copy, not a permutation.
-    """
-    if _dense_and_non_overlapping(param):
-        return buffer.as_strided(param.shape, param.stride(), offset)
-    return buffer[offset : offset + param.numel()].view(param.shape)
-
-
-def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
-    """Do ``t``'s elements fill ``numel`` consecutive places, in some order of its dims?"""
-    expected = 1
-    dims = sorted(((size, stride) for size, stride in zip(t.shape, t.stride()) if size != 1), key=lambda d: d[1])
-    for size, stride in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 class BucketStorage:
@@ -120,7 +99,7 @@ class Bucket:
         self.buffer = self.storage.take(self.numel, self.dtype, self.params[0].device)
         self.views, offset = [], 0
         for p in self.params:
-            self.views.append(_slot(self.buffer, offset, p))
+            self.views.append(slot_in(self.buffer, offset, p))
             offset += p.numel()
 
     def release(self) -> None:

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.arguments import (check_arguments, refuse_unsupported, warn_broadcast_buffers_deprecated,
-                              warn_check_reduction_deprecated)
+from minddp.arguments import buffer_rule, check_arguments, refuse_unsupported, warn_check_reduction_deprecated
 from minddp.bucket_order import LearnedBucketOrder
-from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
+import minddp.torch_surface as torch_surface
+from minddp.comm_hooks import check_comm_hook
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket
 from minddp.features.comm_hook import CommHook
@@ -53,56 +53,10 @@ __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
 class MiniDDP(nn.Module):
     """Wrap ``module`` so that ``backward()`` leaves the average gradient over all ranks.
 
-    Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``
-    (the file of each feature in :mod:`minddp.features` says more):
-
-    * ``process_group`` or a one-dimensional ``device_mesh``: the ranks to
-      average over (default: the whole world).
-    * ``bucket_cap_mb``: gradients travel in flat buckets of at most this many
-      MiB (the first one at most 1 MiB); 0 means one parameter per bucket;
-      ``bucket_cap_mb_list``: one cap per bucket, in launch order (the last
-      for every bucket after it). ``"auto"`` (beyond torch): measure the first
-      steps and the link, and rebuild the buckets once with the cap the
-      alpha-beta model predicts fastest (:mod:`minddp.bucket_planner`).
-    * ``forward_sync_buffers`` (torch 2.14's name; ``broadcast_buffers`` the
-      older one): before each forward that follows a synchronized one,
-      whatever its grad mode, and after a ``join``, copy rank 0's buffers
-      (BatchNorm's running statistics) to every rank, read from the module
-      each time. At construction too, unless ``broadcast_buffers=False``
-      is given (torch's rule). ``buffer_sync`` is what MiniDDP reads.
-    * ``find_unused_parameters``: parameters that get no gradient on some
-      rank count as zero there; without it such a parameter is an error at
-      the end of backward, naming it. ``skip_all_reduce_unused_params``:
-      with it, a promise that the unused ones stay the same on every rank.
-    * ``gradient_as_bucket_view``: each ``p.grad`` is a view into its bucket.
-    * ``device_ids``: the module's one device; the forward's inputs go there (``output_device``
-      and ``dim``: kept, and without effect, as in torch's DDP with one device per process).
-    * ``init_sync``: at construction, check that every rank has the same parameters and copy rank
-      0's values everywhere (default); False: the caller promises both.
-    * ``batched_grad_copy`` (torch 2.15): copy a bucket's gradients in and out in one batched call.
-      MiniDDP always does (:meth:`minddp.buckets.Bucket.copy_in`); kept for torch's signature.
-    * ``lazy_bucket_allocation`` (torch 2.15): a bucket's buffer is allocated when its gradients
-      are copied in, and freed once they are back in ``.grad``: no bucket memory between steps.
-    * ``check_reduction``: deprecated in torch, a ``FutureWarning`` here too.
-    * ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce`` and ``mixed_precision``
-      (torch's internal and prototype options): refused with an error that says what to use instead.
-    * ``static_graph``: every iteration uses the same parameters the same
-      number of times (lets a block run twice under a reentrant checkpoint).
-    * ``require_backward_grad_sync`` (attribute), ``no_sync()``: accumulate gradients locally.
-
-    Beyond torch's arguments:
-
-    * ``reduce_dtype``: reduce gradients in this dtype (e.g. float32 for bf16).
-    * ``buffer_sync``: ``"broadcast"`` (torch's way), ``"with_gradients"``
-      (the same values, sent in the last gradient bucket: one collective fewer
-      per step), ``"average"`` (floating-point buffers averaged over ranks) or
-      ``"off"``; by default ``"broadcast"``, or ``"off"`` without ``forward_sync_buffers``.
-    * ``check_sync_every``: every N synchronized forwards, verify that the replicas are identical.
-    * ``timeline``: record when things happened in the last synchronized
-      backward (``model.timeline``); ``trace``: record every hook and bucket
-      for a Chrome trace (``model.tracer.export_chrome_trace(path)``).
-    * ``learn_bucket_order``: after the first synchronized backward, rebuild
-      the buckets in the order gradients arrived (torch's DDP always does).
+    Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``, plus a few of
+    MiniDDP's own (``reduce_dtype``, ``buffer_sync``, ``check_sync_every``, ``timeline``, ``trace``,
+    ``learn_bucket_order``, ``bucket_cap_mb="auto"``): each is described, one by one, in
+    :mod:`minddp.arguments`, where it is checked; ``_build_reducer`` shows the part each one picks.
 
     Collectives are issued in the same order on every rank, by construction:
     all ranks build the same buckets and launch them strictly in bucket order.
@@ -153,15 +107,7 @@ class MiniDDP(nn.Module):
         self.dim = dim  # torch's too: it splits inputs over several devices of one process, which neither does
         self.process_group = process_group_of(process_group, device_mesh)
         self.world_size = dist.get_world_size(self.process_group)
-        # torch 2.14's buffer rule: forward_sync_buffers says whether buffers are synchronized at
-        # forward (and after a join); they are at construction too, unless the older
-        # broadcast_buffers=False alone asked for neither.
-        if broadcast_buffers is not None:
-            warn_broadcast_buffers_deprecated(forward_sync_buffers is not None)
-        if forward_sync_buffers is not None:
-            self.forward_sync_buffers, init_sync_buffers = forward_sync_buffers, True
-        else:
-            self.forward_sync_buffers = init_sync_buffers = broadcast_buffers is not False
+        self.forward_sync_buffers, init_sync_buffers = buffer_rule(broadcast_buffers, forward_sync_buffers)
         self.broadcast_buffers = self.forward_sync_buffers  # torch keeps the old name as an alias
         self.buffer_sync = buffer_sync or ("broadcast" if self.forward_sync_buffers else "off")
         check_arguments(self.buffer_sync, check_sync_every, bucket_cap_mb, bucket_cap_mb_list, reduce_dtype)
@@ -261,25 +207,14 @@ class MiniDDP(nn.Module):
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
         self.join_context: Join | None = None  # set by Join inside ``with model.join():``
 
-    # ------------------------------------------------- pickling and copying
-    def __getstate__(self) -> dict:
-        """What ``torch.save`` and ``copy.deepcopy`` keep: the module and the settings, not the process
-        group or the reducer (its hooks are on these very parameters); ``__setstate__`` builds them again,
-        as torch's DDP does. Only with the default process group, the one a loading process can name."""
-        if self.process_group is not dist.group.WORLD and self.process_group != dist.distributed_c10d._get_default_group():
-            raise RuntimeError(
-                "MiniDDP can be pickled or copied only when it uses the default process group (constructed "
-                "without process_group=): a process loading it could not name the group it used")
-        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
-        for name in ("process_group", "reducer", "_observer", "bucket_planner", "join_context", "_join_hook",
-                     "buffer_policy", "_replica_checks", "_profiler_ranges"):
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self.process_group = dist.group.WORLD
-        self._build_reducer()
+    # ------------------ torch's DDP beyond the path of a gradient (minddp/torch_surface.py)
+    __getstate__ = torch_surface.getstate  # pickling and copying: the reducer is built again
+    __setstate__ = torch_surface.setstate
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(torch_surface.ignore_params_and_buffers)
+    _register_builtin_comm_hook = torch_surface.register_builtin_comm_hook
+    join = torch_surface.join  # with model.join(): uneven inputs (the Joinable protocol, with join_hook)
+    join_process_group = property(torch_surface.join_process_group)
+    join_device = property(torch_surface.join_device)
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
@@ -327,13 +262,6 @@ class MiniDDP(nn.Module):
         """Every parameter MiniDDP keeps equal on all ranks (trainable or not; not those left to the user)."""
         return [p for name, p in self.module.named_parameters() if name not in self.parameters_to_ignore]
 
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
-        """Leave these parameters and buffers (by name) out of MiniDDP, before wrapping ``module``: not
-        broadcast, not averaged, no hook. For state a library keeps in sync itself (e.g. a sharded
-        embedding table). torch's DDP's method of the same (private) name, which such libraries call."""
-        module._ddp_params_and_buffers_to_ignore = list(names)
-
     def _unfinished_backward_error(self) -> RuntimeError:
         missing = self.reducer.abandon_unfinished_backward()
         return RuntimeError(
@@ -379,32 +307,12 @@ class MiniDDP(nn.Module):
             self.reducer.set_passenger(None)
             self.buffer_policy = BufferSync(self._module_buffers, self.process_group, "broadcast")
 
-    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
-        """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
-        self.register_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type))
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """``with model.join():`` lets ranks with fewer batches finish early (:mod:`minddp.join`,
-        :mod:`minddp.features.uneven_inputs`); ``throw_on_early_termination=True``: every rank
-        raises as soon as one has run out instead."""
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
     def join_hook(self, divide_by_initial_world_size: bool = True) -> JoinHook:
         """What this model does for a ``Join`` (minddp's or torch's) once its rank has run out of data;
         from then on a part of its forward too (:mod:`minddp.features.uneven_inputs`)."""
         self._join_hook = MiniDDPJoinHook(self, divide_by_initial_world_size)
         self._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
         return self._join_hook
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        return self.process_group
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
 
     def follow(self, name: str) -> FollowedGradient:
         """Follow one parameter's gradient down the path in the next synchronized backwards

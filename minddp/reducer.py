@@ -142,17 +142,6 @@ class Observer:
     def backward_done(self) -> None: ...
 
 
-@dataclass
-class ScratchBucket:
-    """A stand-in bucket with no parameters, sent the way buckets travel (:meth:`Reducer.communicate_buffer`);
-    its index is past the real buckets', so no comm hook mistakes it for one."""
-
-    buffer: torch.Tensor
-    index: int
-    params: tuple = ()
-    views: tuple = ()
-
-
 class Reducer:
     """Averages the gradients of ``params`` over ``process_group`` during backward, through its parts."""
 
@@ -378,10 +367,6 @@ class Reducer:
             raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
         self.caps = (cap_bytes, first_cap_bytes)
         self._build_buckets(order)
-
-    def communicate_buffer(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """Send a scratch ``buffer`` the way buckets travel (comm hook included), e.g. to time the link."""
-        return self.communication.communicate(ScratchBucket(buffer, len(self.buckets)))
 
     def use_bucket_storage(self, storage: BucketStorage) -> None:
         """Take bucket buffers from ``storage`` from now on (one that lends them, ``keep_buffers`` False,

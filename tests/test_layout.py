@@ -123,16 +123,53 @@ def _imports_transitively(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_gradient_path_knows_no_policy_above_it():
-    # Mechanism below, policy above: the reducer and its buckets offer hook
-    # points (arrival log, rebuild, backward-done callbacks), and the bucket
-    # planner, the simulator and ZeRO/FSDP drive them from outside. Not
-    # vacuous: the reducer imported minddp.bucket_planner (and through it
-    # minddp.simulate) until the planner moved out.
+    # Mechanism below, policy above: the reducer and its buckets offer an
+    # interface (observers, rebuild, backward-done callbacks, bucket storage),
+    # and the bucket planner, the simulator and ZeRO/FSDP drive it from
+    # outside. Not vacuous: the reducer imported minddp.bucket_planner (and
+    # through it minddp.simulate) until the planner moved out.
     graph = import_graph()
     above = ("minddp.bucket_planner", "minddp.simulate", "minddp.zero", "minddp.fsdp")
-    path = ("minddp.reducer", "minddp.reducer_hooks", "minddp.buckets", "minddp.bucket_assignment")
-    layers = tuple(m for m in graph if m.startswith("minddp.features"))  # the layers beside the path, too
-    assert "minddp.features.unused_parameters" in layers
-    for module in path + layers:
+    path = ("minddp.reducer", "minddp.buckets", "minddp.bucket_assignment")
+    parts = tuple(m for m in graph if m.startswith("minddp.features"))  # the parts beside the path, too
+    assert "minddp.features.unused_parameters" in parts
+    for module in path + parts:
         wrong = sorted(m for m in _imports_transitively(graph, module) if m.startswith(above))
         assert not wrong, f"{module} depends on the policies above it: {wrong}"
+
+
+def test_the_plain_path_imports_no_part_feature_observer_or_policy():
+    # The reducer holds its parts; it never imports one (issue 44: reducer.py
+    # imported a feature, and its base class two). Not vacuous: the graph
+    # sees reducer.py's imports of the buckets.
+    graph = import_graph()
+    allowed = {"minddp.buckets", "minddp.bucket_assignment"}
+    assert "minddp.buckets" in graph["minddp.reducer"]
+    for module in ("minddp.reducer", "minddp.buckets"):
+        wrong = sorted(_imports_transitively(graph, module) - allowed)
+        assert not wrong, f"{module} imports beyond the plain path: {wrong}"
+
+
+def test_importing_the_wrapper_loads_no_simulator():
+    # bucket_cap_mb="auto" needs the simulator; a default MiniDDP must not pay for it.
+    code = "import minddp.ddp, sys; assert 'minddp.simulate' not in sys.modules, sorted(m for m in sys.modules if 'simulate' in m)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE_DIR.parent)
+    assert out.returncode == 0, out.stderr
+
+
+def test_no_class_is_changed_at_run_time_outside_fsdp():
+    # Options are parts chosen at construction, not classes swapped under a
+    # live object; fully_shard's one __class__ assignment is FSDP2's own API.
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if "fsdp" in path.relative_to(PACKAGE_DIR).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            calls_setattr = (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+                             and len(node.args) > 1 and getattr(node.args[1], "value", None) == "__class__")
+            if calls_setattr or any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets):
+                found.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}")
+    assert not found, f"__class__ assigned at run time: {found}"

@@ -1,16 +1,24 @@
-"""The plain path stays short enough to read: what one default MiniDDP step runs.
+"""The plain path stays short enough to read: what one MiniDDP step runs, measured three ways.
 
 Measured as ``/work/shared/tools/reading_path.py`` (and ``docs/reading_the_code.md``)
-measures it: 2 ranks, a 2-layer MLP in ``MiniDDP(model)`` with default
-arguments, SGD; after 3 warm-up steps (the first backward learns the bucket
-order and rebuilds), one more step under ``sys.setprofile`` on rank 0 (CPU
-hooks run in the thread that called backward). Every minddp function called
-counts once (a comprehension or generator expression is a function too),
-and every file one came from counts with all its lines.
+measures it: 2 ranks, a 2-layer MLP in ``MiniDDP(model, **options)``, SGD;
+after 3 warm-up steps (the first backward learns the bucket order and
+rebuilds), one more step under ``sys.setprofile`` on rank 0 (CPU hooks run
+in the thread that called backward), or the first step after construction
+(the probe's ``READING_PATH_STEP=first``). Every named minddp function
+called counts once (comprehensions, generator expressions and lambdas are
+not counted: write the idiomatic form), and every file one came from counts
+with all its lines.
 
-Targets (issue 35): at most 20 functions, in at most 3 files, of at most
-900 lines together; and none of them is instrumentation or join
-bookkeeping, which run only when asked for.
+Targets (issues 35 and 44):
+
+* default arguments: at most 20 functions, in at most 3 files (the plain
+  ones), of at most 900 lines together; none of them is instrumentation,
+  join bookkeeping or a part, which run only when asked for;
+* ``find_unused_parameters=True`` (the probe's ``READING_PATH_OPTIONS``): at
+  most 26 functions in at most 4 files;
+* the first step after construction, the bucket-order rebuild included: at
+  most 4 files.
 """
 
 import collections
@@ -26,9 +34,11 @@ from minddp.testing import RankPool
 
 MAX_FUNCTIONS, MAX_FILES, MAX_LINES = 20, 3, 900
 PLAIN_FILES = {"minddp/ddp.py", "minddp/reducer.py", "minddp/buckets.py"}
+UNUSED_MAX_FUNCTIONS, UNUSED_MAX_FILES = 26, 4
+FIRST_STEP_MAX_FILES = 4
 
 
-def _reading_path(rank, world_size, **kwargs):
+def _reading_path(rank, world_size, warm_up=3, **kwargs):
     root = os.path.dirname(os.path.dirname(os.path.abspath(minddp.__file__)))
     package = os.path.join(root, "minddp") + os.sep
     torch.manual_seed(0)
@@ -41,12 +51,12 @@ def _reading_path(rank, world_size, **kwargs):
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
-    for _ in range(3):
+    for _ in range(warm_up):
         step()
     seen = collections.Counter()
 
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(package):
+    def profile(frame, event, arg):  # named functions only: not <listcomp>, <genexpr>, <lambda>
+        if event == "call" and frame.f_code.co_filename.startswith(package) and not frame.f_code.co_name.startswith("<"):
             seen[(os.path.relpath(frame.f_code.co_filename, root), frame.f_code.co_name)] += 1
 
     sys.setprofile(profile)
@@ -81,18 +91,33 @@ def test_a_plain_step_reads_in_at_most_20_functions_3_files_900_lines(fresh_rank
     assert set(files) <= PLAIN_FILES, report
 
 
+def test_with_find_unused_parameters_a_step_reads_in_at_most_26_functions_4_files(fresh_ranks):
+    functions, files, lines = fresh_ranks.run(_reading_path, find_unused_parameters=True)[0]
+    report = _describe(functions, files, lines)
+    assert len(functions) <= UNUSED_MAX_FUNCTIONS, report
+    assert len(files) <= UNUSED_MAX_FILES, report
+    assert "minddp/features/unused_parameters.py" in files, report  # not vacuous: its part runs
+
+
+def test_the_first_step_with_its_bucket_rebuild_reads_in_at_most_4_files(fresh_ranks):
+    functions, files, lines = fresh_ranks.run(_reading_path, warm_up=0)[0]
+    report = _describe(functions, files, lines)
+    assert len(files) <= FIRST_STEP_MAX_FILES, report
+    assert ("minddp/bucket_order.py", "after_first_backward") in functions, report  # not vacuous
+
+
 def test_instrumentation_and_join_bookkeeping_run_only_when_asked_for(fresh_ranks):
     functions, files, _ = fresh_ranks.run(_reading_path)[0]
     assert not {"minddp/trace.py", "minddp/join.py"} & set(files), _describe(functions, files, 0)
     assert not [f for f in files if f.startswith("minddp/features/")], _describe(functions, files, 0)
-    # Not vacuous: asked for, the timeline does run on that step (and is a layer of its own).
+    # Not vacuous: asked for, the timeline does run on that step (an observer of the reducer).
     functions, files, _ = fresh_ranks.run(_reading_path, timeline=True)[0]
-    assert {"minddp/trace.py", "minddp/features/observed.py"} <= set(files), _describe(functions, files, 0)
+    assert ("minddp/trace.py", "bucket_launched") in functions, _describe(functions, files, 0)
 
 
-def _print_reading_path(rank, world_size):
+def _print_reading_path(rank, world_size, options):
     torch.set_num_threads(1)
-    functions, files, lines = _reading_path(rank, world_size)
+    functions, files, lines = _reading_path(rank, world_size, **options)
     if rank == 0:
         print(_describe(functions, files, lines))
 
@@ -100,4 +125,6 @@ def _print_reading_path(rank, world_size):
 if __name__ == "__main__":  # PYTHONPATH=. python tests/test_reading_path.py: the listing behind the numbers
     from minddp.launch import spawn
 
-    spawn(_print_reading_path, 2, backend="gloo")
+    for kwargs in ({}, {"find_unused_parameters": True}, {"warm_up": 0}):
+        print(kwargs or "default arguments")
+        spawn(_print_reading_path, 2, kwargs, backend="gloo")
