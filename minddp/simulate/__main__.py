@@ -28,7 +28,7 @@ import sys
 from dataclasses import replace
 
 from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, positive, whole
-from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, names, network_table, parse_rate
+from minddp.simulate.cluster import apply_flags, fit_network_table, names, network_table, parse_rate, preset_figures
 from minddp.simulate.overheads import OVERHEAD_PRESETS, get_overheads
 from minddp.simulate.profile import load_profile
 from minddp.models import MODEL_NAMES
@@ -64,17 +64,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--backward-ms", type=positive, help="backward, measured (with --forward-ms)")
     t.add_argument("--after-backward-ms", type=positive, help="optimizer step and the rest, measured (optional)")
     t.add_argument("--compute-scale", type=positive, help="divide the traced times by this (a device N x this CPU)")
-    n = p.add_argument_group("network (a preset, changed by any figure given)")
+    n = p.add_argument_group("network (a preset; each flag overrides the one figure it names, nothing else)")
     n.add_argument("--network", default="ib400", help=f"one of: {', '.join(names())} (default %(default)s)")
     n.add_argument("--nominal", action="store_true", help="presets at their line rate, not the achieved bandwidth")
     n.add_argument("--latency-us", type=at_least_zero, help="between nodes: microseconds per ring step")
     n.add_argument("--bandwidth", type=_rate, help="between nodes: one NIC's achieved bus bandwidth (50GB/s, 400Gb/s)")
     n.add_argument("--nominal-bandwidth", type=_rate, help="one NIC's line rate (with --efficiency)")
     n.add_argument("--efficiency", type=positive, help="achieved / nominal, in (0, 1]")
-    n.add_argument("--gpus-per-node", type=whole)
-    n.add_argument("--nics-per-node", type=whole, help="NICs the node's GPUs share (default: one per GPU)")
+    n.add_argument("--gpus-per-node", type=whole, help="GPUs per node (default: the preset's)")
+    n.add_argument("--nics-per-node", type=whole, help="NICs the node's GPUs share (default: the preset's; one per GPU where it has none)")
     n.add_argument("--intra-latency-us", type=at_least_zero, help="inside a node: microseconds per ring step")
     n.add_argument("--intra-bandwidth", type=_rate, help="inside a node: achieved bus bandwidth per GPU")
+    n.add_argument("--intra-link", choices=["nvlink", "pci"], help="inside a node: NCCL's latencies and protocols "
+                   "for NVLink or PCIe (default: the preset's, else nvlink from 50 GB/s up)")
     n.add_argument("--fit-table", metavar="FILE", help="fit the network (with --gpus-per-node > 1: one NIC, measured "
                    "at one GPU per node) to all_reduce_perf (nccl-tests) output, or to the JSON of "
                    "benchmarks/validate_simulator.py --json")
@@ -117,17 +119,28 @@ def _fitted(flag: str, path: str, world: int | None):
 
 
 def network_from(args: argparse.Namespace):
-    base = (_fitted("--fit-table", args.fit_table, args.fit_world) if args.fit_table
-            else lookup_network(args.network, nominal=args.nominal))
+    return network_figures(args).build()
+
+
+def network_figures(args: argparse.Namespace):
+    """The preset's figures, each flag overriding the one it names, each fit the ones it fits."""
+    figures = preset_figures(args.network, nominal=args.nominal)
+    if args.fit_table:
+        fitted = _fitted("--fit-table", args.fit_table, args.fit_world)
+        figures.override("latency_us", fitted.alpha_s * 1e6, f"fit --fit-table {os.path.basename(args.fit_table)}")
+        figures.override("nic_Bps", fitted.bandwidth_Bps, f"fit --fit-table {os.path.basename(args.fit_table)}")
     if args.intra_fit_table:
         if args.intra_latency_us is not None or args.intra_bandwidth is not None:
             raise ValueError("--intra-fit-table or --intra-latency-us/--intra-bandwidth, not both")
         intra = _fitted("--intra-fit-table", args.intra_fit_table, None)
-        args.intra_latency_us, args.intra_bandwidth = intra.alpha_s * 1e6, intra.bandwidth_Bps
-    figures = dict(latency_us=args.latency_us, bandwidth_Bps=args.bandwidth, nominal_Bps=args.nominal_bandwidth,
-                   efficiency=args.efficiency, gpus_per_node=args.gpus_per_node, nics_per_node=args.nics_per_node,
-                   intra_latency_us=args.intra_latency_us, intra_bandwidth_Bps=args.intra_bandwidth)
-    return build_network(base, **figures) if any(v is not None for v in figures.values()) else base
+        where = f"fit --intra-fit-table {os.path.basename(args.intra_fit_table)}"
+        figures.override("intra_latency_us", intra.alpha_s * 1e6, where)
+        figures.override("intra_Bps", intra.bandwidth_Bps, where)
+    apply_flags(figures, latency_us=args.latency_us, bandwidth_Bps=args.bandwidth, nominal_Bps=args.nominal_bandwidth,
+                efficiency=args.efficiency, gpus_per_node=args.gpus_per_node, nics_per_node=args.nics_per_node,
+                intra_latency_us=args.intra_latency_us, intra_bandwidth_Bps=args.intra_bandwidth,
+                intra_link=args.intra_link)
+    return figures
 
 
 def compute_from(args: argparse.Namespace, path: str):
