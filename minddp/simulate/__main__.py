@@ -32,6 +32,7 @@ from minddp.simulate.cluster import apply_flags, fit_network_table, names, netwo
 from minddp.simulate.overheads import OVERHEAD_PRESETS, get_overheads
 from minddp.simulate.profile import load_profile
 from minddp.models import MODEL_NAMES
+from minddp.simulate.nccl import Cluster
 from minddp.simulate.record import load_builder, record_trace
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.simulate.report import draw_scaling, draw_timeline, format_table, have_matplotlib, sweep
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "module:function / file.py:function returning (model, batch) or (model, batch, loss_fn)")
     p.add_argument("--out", default="run.json", help="where --record writes its trace (default %(default)s)")
     p.add_argument("--record-world", type=whole, default=1, help="ranks for --record (default %(default)s)")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="--record: MiniDDP(find_unused_parameters=True), for a model whose forward leaves parameters out")
+    p.add_argument("--static-graph", action="store_true", help="--record: MiniDDP(static_graph=True)")
     t = p.add_argument_group("compute times (one of)")
     t.add_argument("--step-ms", type=positive, help="one step on one GPU without DDP, measured: the trace scaled to it")
     t.add_argument("--forward-ms", type=positive, help="forward, measured (with --backward-ms)")
@@ -150,6 +154,8 @@ def compute_from(args: argparse.Namespace, path: str):
         raise ValueError(f"--trace: cannot read {path} ({e.strerror})") from None
     except json.JSONDecodeError:
         raise ValueError(f"--trace: {path} is not a JSON trace") from None
+    except ValueError as e:
+        raise ValueError(f"--trace {path}: {e}") from None
     if args.compute_scale is not None:
         if any(v is not None for v in (args.step_ms, args.forward_ms, args.backward_ms)):
             raise ValueError("--compute-scale or measured times (--step-ms, --forward-ms/--backward-ms), not both")
@@ -193,13 +199,19 @@ def run(args: argparse.Namespace) -> int:
     network, overheads = network_from(args), overheads_from(args)
     if args.plot and not have_matplotlib():
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or the project's '.[plot]' extra)")
+    for world in args.world:  # a world the network cannot hold is said before anything runs
+        if isinstance(network, Cluster):
+            network.shape(world)
     path = args.trace
     if args.record:
         if args.record not in MODEL_NAMES:
             load_builder(args.record)  # a wrong name is said before anything starts
         path = os.path.abspath(args.out)
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ValueError(f"--out {args.out}: no folder {os.path.dirname(path)} to write the trace into")
         print(f"recording {args.record} on {args.record_world} rank(s) -> {path}", flush=True)
-        record_trace(args.record, path, world_size=args.record_world)
+        record_trace(args.record, path, world_size=args.record_world,
+                     find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph)
     profile, times = compute_from(args, path)
     policy = DDPPolicy(compression=args.compression, accumulation_steps=args.accumulation,
                        algorithm=args.algorithm, overlap=not args.shared_cores, overheads=overheads)
