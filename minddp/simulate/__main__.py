@@ -7,6 +7,7 @@
     python -m minddp.simulate --trace run.json --fit-table all_reduce_perf.txt --step-ms 100
 
     python -m minddp.simulate zero --model 7.5b --network dgx-h100      # DDP vs ZeRO stages 1, 2 and 3
+    python -m minddp.simulate collective all_reduce --bytes 8:1G --world 16 --network dgx-a100   # nccl-tests' columns
     python -m minddp.simulate --list-networks                          # the presets: nominal, achieved, sources
 
 The trace gives the step's shape (forward, when each gradient is ready,
@@ -28,7 +29,8 @@ import sys
 from dataclasses import replace
 
 from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, positive, whole
-from minddp.simulate.cluster import apply_flags, fit_network_table, names, network_table, parse_rate, preset_figures
+from minddp.simulate.cluster import network_table
+from minddp.simulate.network_flags import add_network_flags, fit_residuals, model_of, network_figures, network_from  # noqa: F401
 from minddp.simulate.overheads import OVERHEAD_PRESETS, get_overheads
 from minddp.simulate.profile import load_profile
 from minddp.models import MODEL_NAMES
@@ -40,19 +42,13 @@ from minddp.simulate.report import draw_scaling, draw_timeline, format_table, ha
 DEFAULT_OVERHEADS = "nccl-v100"
 
 
-def _rate(text: str) -> float:
-    try:
-        return parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"must be {e}") from None
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="python -m minddp.simulate", description=__doc__.strip().splitlines()[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter,
                       epilog="python -m minddp.simulate zero --help: memory per rank and step time of DDP "
                              "against ZeRO stages 1, 2 and 3, for a model given by its size (no trace); "
-                             "python -m minddp.simulate --list-networks: the presets")
+                             "python -m minddp.simulate --list-networks: the presets; "
+                             "python -m minddp.simulate collective --help: one collective in nccl-tests' columns")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="Chrome trace of MiniDDP(..., trace=True), or a profile saved by save_profile")
     source.add_argument("--record", metavar="MODEL", help="first trace a model: a minddp.models name, or "
@@ -68,25 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--backward-ms", type=positive, help="backward, measured (with --forward-ms)")
     t.add_argument("--after-backward-ms", type=positive, help="optimizer step and the rest, measured (optional)")
     t.add_argument("--compute-scale", type=positive, help="divide the traced times by this (a device N x this CPU)")
-    n = p.add_argument_group("network (a preset; each flag overrides the one figure it names, nothing else)")
-    n.add_argument("--network", default="ib400", help=f"one of: {', '.join(names())} (default %(default)s)")
-    n.add_argument("--nominal", action="store_true", help="presets at their line rate, not the achieved bandwidth")
-    n.add_argument("--latency-us", type=at_least_zero, help="between nodes: microseconds per ring step")
-    n.add_argument("--bandwidth", type=_rate, help="between nodes: one NIC's achieved bus bandwidth (50GB/s, 400Gb/s)")
-    n.add_argument("--nominal-bandwidth", type=_rate, help="one NIC's line rate (with --efficiency)")
-    n.add_argument("--efficiency", type=positive, help="achieved / nominal, in (0, 1]")
-    n.add_argument("--gpus-per-node", type=whole, help="GPUs per node (default: the preset's)")
-    n.add_argument("--nics-per-node", type=whole, help="NICs the node's GPUs share (default: the preset's; one per GPU where it has none)")
-    n.add_argument("--intra-latency-us", type=at_least_zero, help="inside a node: microseconds per ring step")
-    n.add_argument("--intra-bandwidth", type=_rate, help="inside a node: achieved bus bandwidth per GPU")
-    n.add_argument("--intra-link", choices=["nvlink", "pci"], help="inside a node: NCCL's latencies and protocols "
-                   "for NVLink or PCIe (default: the preset's, else nvlink from 50 GB/s up)")
-    n.add_argument("--fit-table", metavar="FILE", help="fit the network (with --gpus-per-node > 1: one NIC, measured "
-                   "at one GPU per node) to all_reduce_perf (nccl-tests) output, or to the JSON of "
-                   "benchmarks/validate_simulator.py --json")
-    n.add_argument("--fit-world", type=whole, help="ranks of --fit-table (default: its '# Rank' lines)")
-    n.add_argument("--intra-fit-table", metavar="FILE", help="fit the link inside a node to all_reduce_perf output "
-                   "measured on one node")
+    add_network_flags(p)
     d = p.add_argument_group("DDP")
     d.add_argument("--world", type=listed(whole), default=[8, 64, 512, 1024], help="world sizes, comma-separated")
     d.add_argument("--bucket-mb", type=listed(positive), default=[1, 5, 25, 100], help="bucket caps in MiB")
@@ -108,43 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeline-world", type=whole, default=None, help="world size of the timeline (default: largest)")
     p.add_argument("--timeline-cap", type=positive, default=None, help="bucket cap of the timeline (default: 25 or first)")
     return p.parse_args(argv)
-
-
-def _fitted(flag: str, path: str, world: int | None):
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
-    try:
-        return fit_network_table(text, world)
-    except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
-
-
-def network_from(args: argparse.Namespace):
-    return network_figures(args).build()
-
-
-def network_figures(args: argparse.Namespace):
-    """The preset's figures, each flag overriding the one it names, each fit the ones it fits."""
-    figures = preset_figures(args.network, nominal=args.nominal)
-    if args.fit_table:
-        fitted = _fitted("--fit-table", args.fit_table, args.fit_world)
-        figures.override("latency_us", fitted.alpha_s * 1e6, f"fit --fit-table {os.path.basename(args.fit_table)}")
-        figures.override("nic_Bps", fitted.bandwidth_Bps, f"fit --fit-table {os.path.basename(args.fit_table)}")
-    if args.intra_fit_table:
-        if args.intra_latency_us is not None or args.intra_bandwidth is not None:
-            raise ValueError("--intra-fit-table or --intra-latency-us/--intra-bandwidth, not both")
-        intra = _fitted("--intra-fit-table", args.intra_fit_table, None)
-        where = f"fit --intra-fit-table {os.path.basename(args.intra_fit_table)}"
-        figures.override("intra_latency_us", intra.alpha_s * 1e6, where)
-        figures.override("intra_Bps", intra.bandwidth_Bps, where)
-    apply_flags(figures, latency_us=args.latency_us, bandwidth_Bps=args.bandwidth, nominal_Bps=args.nominal_bandwidth,
-                efficiency=args.efficiency, gpus_per_node=args.gpus_per_node, nics_per_node=args.nics_per_node,
-                intra_latency_us=args.intra_latency_us, intra_bandwidth_Bps=args.intra_bandwidth,
-                intra_link=args.intra_link)
-    return figures
 
 
 def compute_from(args: argparse.Namespace, path: str):
@@ -184,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         from minddp.simulate.zero_report import main as zero_main
 
         return zero_main(argv[1:])
+    if argv[:1] == ["collective"]:  # one collective in nccl-tests' columns (minddp.simulate.collective_report)
+        from minddp.simulate.collective_report import main as collective_main
+
+        return collective_main(argv[1:])
     if argv[:1] == ["--list-networks"]:
         print(network_table())
         return 0
@@ -218,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"compute: forward {profile.forward_ms:.2f} ms, backward {profile.backward_ms:.2f} ms, "
           f"after backward {profile.after_backward_ms:.2f} ms ({times}); {len(profile.gradients)} gradients, "
           f"{profile.gradient_bytes / 2**20:.2f} MiB (from {path})")
-    print(f"network: {network.name}: {network.source}")
+    print(f"network: {network.name}: {network.source}; {model_of(network)}")
+    if args.fit_table:
+        print(fit_residuals(args.fit_table, args.fit_world))
     print(f"overheads: {overheads.describe()}")
     rows = sweep(profile, network, args.world, args.bucket_mb, policy)
     print(format_table(rows))

@@ -29,7 +29,7 @@ from minddp.simulate.figures import FLAGS, Figures
 from minddp.simulate.nccl import Cluster
 
 __all__ = ["Achieved", "ACHIEVED", "MACHINES", "achieved_network", "lookup_network", "build_network", "network_table",
-           "parse_rate", "parse_collective_table", "fit_network_table", "preset_figures", "figures_of", "apply_flags"]
+           "parse_rate", "parse_collective_table", "read_collective_table", "fit_network_table", "preset_figures", "figures_of", "apply_flags"]
 
 GB = 1e9
 
@@ -257,11 +257,15 @@ def _benchmark_json(text: str) -> tuple[list[float], list[float], int | None]:
     return [float(n) for n in fit["sizes"]], [t / 1e3 for t in fit["median_ms"]], fit.get("world_size")
 
 
+def read_collective_table(text: str) -> tuple[list[float], list[float], int | None]:
+    """Sizes, seconds and ranks of an ``all_reduce_perf`` output or a ``validate_simulator.py --json``."""
+    return _benchmark_json(text) if text.lstrip().startswith("{") else parse_collective_table(text)
+
+
 def fit_network_table(text: str, world_size: int | None = None, min_bytes: float = 0) -> Link:
     """A :class:`Link` fitted to an ``all_reduce_perf`` table, or to the all-reduce timings of
     ``benchmarks/validate_simulator.py --json`` (sizes >= ``min_bytes``); ValueError if it cannot."""
-    sizes, seconds, ranks = (_benchmark_json(text) if text.lstrip().startswith("{")
-                             else parse_collective_table(text))
+    sizes, seconds, ranks = read_collective_table(text)
     world = world_size or ranks
     if world is None:
         raise ValueError("the table names no ranks (# Rank lines): give --fit-world")
