@@ -85,7 +85,7 @@ def test_the_network_line_says_where_each_figure_came_from(trace, capsys):
     line = next(x for x in out.splitlines() if x.startswith("network:"))
     assert code == 0
     assert "9 us per step (flag --latency-us)" in line and "4 NIC(s) per node (preset dgx1-v100)" in line
-    assert "10 GB/s (preset dgx1-v100: 80% of 12.5)" in line
+    assert "12 GB/s (preset dgx1-v100: 96% of 12.5)" in line
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -41,18 +41,19 @@ class Achieved:
 
 
 _NVLINK_OVERHEAD = "NCCL's ~20% protocol overhead on NVLink (NVIDIA/nccl-tests issue 212, a maintainer's answer)"
-_IB = ("~40 GB/s all-reduce bus bandwidth over 4 x 100 Gb/s EDR per node (NCCL's GTC 2017 talk S7155, as "
-       "quoted in NVIDIA/nccl-tests issue 29): 80%")
+_IB = ("NCCL's maintainers: ~24 GB/s all-reduce bus bandwidth per 200 Gb/s NIC (NVIDIA/nccl-tests issue 252), "
+       "46-48 GB/s per 400 Gb/s NIC (issue 290): 96% of the line rate")
+_TCP = "assumed: kernel TCP reaches less than InfiniBand's 96% (NCCL's socket transport, Gloo)"
 ACHIEVED: dict[str, Achieved] = {
     "nvlink4": Achieved(370 / 450, "about 370 GB/s bus bandwidth on 8 H100s with NCCL_ALGO=Ring; " + _NVLINK_OVERHEAD),
     "nvlink3": Achieved(200 / 300, "about 200 GB/s bus bandwidth on 8 A100s (NVIDIA/nccl-tests issues 149, 178)"),
     "nvlink2": Achieved(0.8, "assumed: " + _NVLINK_OVERHEAD),
     "pcie4": Achieved(0.8, "assumed: the same 20% as NVLink; on PCIe the CPU's memory often limits more"),
-    "ib200": Achieved(0.8, _IB),
-    "ib400": Achieved(0.8, _IB),
-    "ib100": Achieved(0.8, _IB),
-    "eth25": Achieved(0.8, "assumed: as InfiniBand; kernel TCP often reaches less"),
-    "eth100": Achieved(0.8, "assumed: as InfiniBand; kernel TCP often reaches less"),
+    "ib200": Achieved(0.96, _IB),
+    "ib400": Achieved(0.96, _IB),
+    "ib100": Achieved(0.96, _IB),
+    "eth25": Achieved(0.8, _TCP),
+    "eth100": Achieved(0.8, _TCP),
     "laptop": Achieved(1.0, "teaching preset: the figure is the model"),
 }
 

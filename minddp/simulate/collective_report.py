@@ -50,21 +50,12 @@ def size_range(text: str, factor: float) -> list[int]:
     low, _, high = text.partition(":")
     first, last = parse_bytes(low), parse_bytes(high or low)
     if last < first:
-        raise ValueError(f"{text!r}: the largest size is under the smallest")
+        raise ValueError(f"at most MAX; the largest size is under the smallest in {text!r}")
     sizes, n = [], float(first)
     while n <= last * (1 + 1e-12):
         sizes.append(int(n))
         n *= factor
     return sizes
-
-
-def _arg(parse):
-    def wrapped(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"must be {e}") from None
-    return wrapped
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -131,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
         if world is None:
             raise ValueError(f"--against: {args.against} names no ranks (# Rank lines): give --world")
     else:
-        sizes, world = size_range(args.bytes, args.factor), args.world or 8
+        try:
+            sizes = size_range(args.bytes, args.factor)
+        except ValueError as e:
+            raise ValueError(f"--bytes {args.bytes}: must be MIN:MAX, each {e}") from None
+        world = args.world or 8
     if isinstance(network, Cluster):
         nodes, ppn = network.shape(world)
         shape = f"{world} ranks = {nodes} node(s) x {ppn} GPU(s)"
