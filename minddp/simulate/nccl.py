@@ -42,9 +42,11 @@ above ``p / 16 x 64 KiB`` ("plateau effect of ring"); left out here: the
 measured 3-node table of ``docs/simulator_checked.md`` runs at the NICs'
 full bandwidth at 128 MB, with no room for it (it would add 0.2 ms, 8%).
 
-Left out: NCCL's per-channel caps (LL128's 16.7 GB/s per channel, the
-tree's 80-130 GB/s ceiling of NCCL 2.8), CollNet/SHARP and NVLS, and
-congestion in the switches.
+* :data:`TREE_MAX_BUS_GBPS`: ``maxTreeBw``, the tree's ceiling (110 GB/s up
+  to 2 nodes, 80 beyond; 130 and 105 with LL128 on A100s).
+
+Left out: NCCL's per-channel caps (LL128's 16.7 GB/s per channel),
+CollNet/SHARP and NVLS (NVLink SHARP), and congestion in the switches.
 :data:`LAUNCH_US` is what nccl-tests' time holds beyond NCCL's model (a
 kernel launch, the stream's wait), fitted in ``docs/simulator_checked.md``.
 """
@@ -75,6 +77,7 @@ HOP_LATENCY_US = {  # (hardware, algorithm) -> (LL, LL128, Simple)
 }
 PROTOCOL_BANDWIDTH = {"ring": {"LL": 1 / 4, "LL128": 0.92, "Simple": 1.0},
                       "tree": {"LL": 0.9 / 3.8, "LL128": 0.9 * 0.915, "Simple": 0.9}}
+TREE_MAX_BUS_GBPS = {False: (110.0, 130.0), True: (80.0, 105.0)}  # maxTreeBw: [more than 2 nodes][LL128]
 LL128_ONE_GPU_PER_NODE = 0.7  # ring LL128 with one GPU per node: the GPU sends and receives through the NIC
 LL128_TREE_ONE_NODE = 0.9 * 7 / 9
 LL_INTRA_MULTINODE = 1.8  # LL's hop latency inside a node, when there are several nodes
@@ -83,8 +86,9 @@ TREE_CORRECTION = {  # powers of two of (bytes / 64), from 0 to 21
     "LL128": (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .5, .6, .6, .7, .7, .8, .9, .9, 1.0),
     "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8, .9),
 }
-# nccl-tests' time beyond NCCL's model: fitted to the fitting tables of docs/simulator_checked.md.
-LAUNCH_US = 5.0
+# nccl-tests' time beyond NCCL's model (a kernel launch): fitted by `python benchmarks/published_nccl.py --fit`
+# to its fitting table only (2 RTX A6000 on PCIe, small messages); docs/simulator_checked.md.
+LAUNCH_US = 2.3
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,13 @@ def _ring(kind: str, nbytes: float, p: int, nodes: int, ppn: int, cluster: Clust
 
 
 def _tree(nbytes: float, nodes: int, ppn: int, cluster: Cluster, protocol: str) -> float:
-    bus = cluster.intra.bandwidth_Bps if nodes <= 2 else min(cluster.intra.bandwidth_Bps, cluster.node_nic_Bps)
+    # Each byte goes up the tree and down again: a GPU's links inside the node carry it twice (half the bus
+    # bandwidth per byte of the buffer, NCCL's ratio .5), a node's NICs once (each of the two trees sends
+    # half the buffer up or down through every node).
+    bus = cluster.intra.bandwidth_Bps * 0.5 if nodes == 1 else min(cluster.intra.bandwidth_Bps * 0.5,
+                                                                     cluster.node_nic_Bps)
+    cap = TREE_MAX_BUS_GBPS[nodes > 2][protocol == "LL128"] * 1e9 * 0.5
+    bus = min(bus, cap)
     share = LL128_TREE_ONE_NODE if (protocol == "LL128" and nodes == 1) else PROTOCOL_BANDWIDTH["tree"][protocol]
     log_size = int(math.log2(max(nbytes, 64) / 64))
     if log_size < len(TREE_CORRECTION[protocol]):
@@ -178,7 +188,7 @@ def _tree(nbytes: float, nodes: int, ppn: int, cluster: Cluster, protocol: str) 
         inside *= LL_INTRA_MULTINODE
     between = _hop_us(cluster, "net", "tree", protocol)
     latency = BASE_LATENCY_US["tree", protocol] + 2 * ((ppn - 1) * inside + int(math.log2(nodes)) * between)
-    return latency * 1e-6 + nbytes / (bus * share * 0.5)
+    return latency * 1e-6 + nbytes / (bus * share)
 
 
 def nccl_time(kind: str, nbytes: float, world_size: int, cluster: Cluster, algorithm: str = "auto",
