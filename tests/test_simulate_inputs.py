@@ -242,3 +242,19 @@ def test_a_network_fitted_to_this_machines_benchmark_json():
     assert link.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=1e-6)
     with pytest.raises(ValueError, match="median_ms"):
         fit_network_table(json.dumps({"rows": []}), world_size=2)
+
+
+def test_fit_table_prints_each_rows_residual(tmp_path, capsys, trace_path):
+    truth = Link("net", 20e-6, 10e9)
+    sizes = [2**k for k in range(16, 30, 2)]
+    text = nccl_table(truth, 4, sizes).splitlines()
+    text[-1] = text[-1].replace(f"{ring_allreduce_time(sizes[-1], 4, truth) * 1e6:9.2f}",
+                                f"{ring_allreduce_time(sizes[-1], 4, truth) * 1.5e6:9.2f}", 1)  # one row off the line
+    (tmp_path / "t.txt").write_text("\n".join(text))
+    assert main(["--trace", trace_path, "--fit-table", str(tmp_path / "t.txt"), "--world", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()
+            and len(line.split("|")) == 6]
+    assert [int(r.split("|")[1]) for r in rows] == sizes
+    residuals = [float(r.split("|")[4].strip().rstrip("%")) for r in rows]
+    assert abs(residuals[-1]) == max(abs(x) for x in residuals) and abs(residuals[-1]) > 5
