@@ -6,7 +6,7 @@ Hand computations with NCCL's own constants (tuning.cc), on a made-up cluster wi
 import pytest
 
 from minddp.network import Link, hierarchical_allreduce_time
-from minddp.simulate.__main__ import main
+from simulate_cli import run_cli
 from minddp.simulate.collective_report import size_range
 from minddp.simulate.nccl import BASE_LATENCY_US, HOP_LATENCY_US, Cluster, nccl_time
 
@@ -60,17 +60,9 @@ def test_sizes_like_nccl_tests():
     assert size_range("1G", 2) == [2**30]
 
 
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
 
 def test_collective_prints_nccl_tests_columns(capsys):
-    code, out, _ = run(capsys, "collective", "all_reduce", "--bytes", "1M:4M", "--world", "16", "--network", "dgx-a100")
+    code, out, _ = run_cli(capsys, "collective", "all_reduce", "--bytes", "1M:4M", "--world", "16", "--network", "dgx-a100")
     assert code == 0
     rows = [line.split() for line in out.splitlines() if line and not line.startswith("#")]
     assert [int(r[0]) for r in rows] == [2**20, 2**21, 2**22]
@@ -85,7 +77,7 @@ def test_collective_against_a_measured_table_prints_each_rows_error(tmp_path, ca
     table = tmp_path / "measured.txt"
     table.write_text("#  Rank  0 Group 0\n#  Rank  1 Group 0\n"
                      "     4194304   1048576  float  sum  -1  100.0  41.94  41.94  0  100.0  41.94  41.94  0\n")
-    code, out, _ = run(capsys, "collective", "all_reduce", "--against", str(table), "--network", "dgx-a100")
+    code, out, _ = run_cli(capsys, "collective", "all_reduce", "--against", str(table), "--network", "dgx-a100")
     row = [line for line in out.splitlines() if line.strip().startswith("4194304")][0]
     predicted, measured, error = float(row.split()[4]), float(row.split()[-2]), row.split()[-1]
     assert code == 0 and measured == 100.0 and error == f"{(predicted - 100) / 100:+.1%}"
@@ -100,5 +92,5 @@ def test_collective_against_a_measured_table_prints_each_rows_error(tmp_path, ca
     (["--factor", "1"], "--factor"),
 ])
 def test_collective_bad_input_is_one_line(capsys, argv, says):
-    code, _, err = run(capsys, "collective", "all_reduce", "--network", "dgx-a100", *argv)
+    code, _, err = run_cli(capsys, "collective", "all_reduce", "--network", "dgx-a100", *argv)
     assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err

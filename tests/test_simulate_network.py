@@ -6,11 +6,12 @@ Issue 46: a between-node figure given to a preset whose GPUs share NICs reset th
 
 import pytest
 
-from minddp.simulate.__main__ import main, network_figures, parse_args
+from minddp.simulate.__main__ import network_figures, parse_args
 from minddp.simulate.cluster import names, preset_figures
 from minddp.simulate.figures import FLAGS
 from minddp.simulate.nccl import Cluster
 from minddp.simulate.profile import ComputeProfile, Gradient, save_profile
+from simulate_cli import run_cli
 
 # One value per flag, and the figure it names (--nominal-bandwidth with --efficiency: the NIC's bandwidth).
 FLAG_VALUES = [
@@ -71,17 +72,9 @@ def trace(tmp_path):
     return str(path)
 
 
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
 
 def test_the_network_line_says_where_each_figure_came_from(trace, capsys):
-    code, out, _ = run(capsys, "--trace", trace, "--network", "dgx1-v100", "--latency-us", "9", "--world", "16")
+    code, out, _ = run_cli(capsys, "--trace", trace, "--network", "dgx1-v100", "--latency-us", "9", "--world", "16")
     line = next(x for x in out.splitlines() if x.startswith("network:"))
     assert code == 0
     assert "9 us per step (flag --latency-us)" in line and "4 NIC(s) per node (preset dgx1-v100)" in line
@@ -96,5 +89,5 @@ def test_the_network_line_says_where_each_figure_came_from(trace, capsys):
     (["--network", "ib400", "--gpus-per-node", "8"], "needs the link inside a node"),
 ])
 def test_a_network_that_cannot_be_gets_one_line(trace, capsys, argv, says):
-    code, out, err = run(capsys, "--trace", trace, *argv)
+    code, out, err = run_cli(capsys, "--trace", trace, *argv)
     assert code == 2 and len(err.strip().splitlines()) == 1 and says in err and "Traceback" not in err, err

@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import replace
 
-from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, positive, whole
+from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, one_line_errors, positive, whole
 from minddp.simulate.cluster import network_table
 from minddp.simulate.network_flags import add_network_flags, fit_residuals, model_of, network_figures, network_from  # noqa: F401
 from minddp.simulate.overheads import OVERHEAD_PRESETS, get_overheads
@@ -132,12 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--list-networks"]:
         print(network_table())
         return 0
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return one_line_errors(run, parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:

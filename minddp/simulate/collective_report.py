@@ -20,7 +20,7 @@ import math
 import re
 import sys
 
-from minddp.simulate.arguments import OneLineParser, positive, whole
+from minddp.simulate.arguments import OneLineParser, one_line_errors, positive, whole
 from minddp.simulate.cluster import read_collective_table
 from minddp.simulate.nccl import ALGORITHMS, KINDS, PROTOCOLS, Cluster, bus_factor, nccl_time
 from minddp.simulate.network_flags import add_network_flags, fit_residuals, model_of, network_from
@@ -146,9 +146,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return one_line_errors(run, parse_args(argv))
