@@ -1,19 +1,16 @@
 """The collective model against published all_reduce_perf tables (benchmarks/published_nccl.py)."""
 
-import importlib.util
 import pathlib
 
 import pytest
+from simulate_cli import benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def published():
-    spec = importlib.util.spec_from_file_location("published_nccl", ROOT / "benchmarks" / "published_nccl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("published_nccl")
 
 
 def test_the_docs_tables_are_the_scripts_output(published):

@@ -1,19 +1,16 @@
 """The simulator against TensorFlow's published DGX-1 scaling curve (benchmarks/published_scaling.py)."""
 
-import importlib.util
 import pathlib
 
 import pytest
+from simulate_cli import benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def published():
-    spec = importlib.util.spec_from_file_location("published_scaling", ROOT / "benchmarks" / "published_scaling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("published_scaling")
 
 
 def test_the_docs_table_is_the_scripts_output(published):
