@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ValueError(f"--bytes {args.bytes}: must be MIN:MAX, each {e}") from None
         world = args.world or 8
+    if not isinstance(network, Cluster) and args.protocol != "auto":
+        raise ValueError("--protocol needs a cluster (a machine preset, or --gpus-per-node > 1); a flat link has none")
     if isinstance(network, Cluster):
         nodes, ppn = network.shape(world)
         shape = f"{world} ranks = {nodes} node(s) x {ppn} GPU(s)"

@@ -80,7 +80,8 @@ class Figures:
             if flagged:
                 raise ValueError(f"{flagged[0]} describes the link inside a node, but {self.name} has one GPU per "
                                  "node: give --gpus-per-node > 1 or a machine preset (--list-networks)")
-            return Link(self.name, self.values["latency_us"] * 1e-6, self.values["nic_Bps"], self.describe())
+            if self.get("intra_Bps") is None:  # a flat preset: the link between ranks, Gloo's alpha-beta ring
+                return Link(self.name, self.values["latency_us"] * 1e-6, self.values["nic_Bps"], self.describe())
         if self.get("intra_Bps") is None:
             raise ValueError(f"--gpus-per-node {g} on {self.name} (one GPU per node) needs the link inside a node: "
                              "--intra-bandwidth (and --intra-latency-us), or a machine preset as --network")
