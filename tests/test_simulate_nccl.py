@@ -90,7 +90,15 @@ def test_collective_against_a_measured_table_prints_each_rows_error(tmp_path, ca
     (["--bytes", "1G:8"], "largest size is under the smallest"),
     (["--world", "12"], "not a multiple of 8"),
     (["--factor", "1"], "--factor"),
+    (["--network", "ib400", "--protocol", "LL"], "--protocol needs a cluster"),
+    (["--gpus-per-node", "1"], "more NICs than GPUs"),
 ])
 def test_collective_bad_input_is_one_line(capsys, argv, says):
-    code, _, err = run_cli(capsys, "collective", "all_reduce", "--network", "dgx-a100", *argv)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+    code, out, err = run_cli(capsys, "collective", "all_reduce", "--network", "dgx-a100", *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and says in err and not out, err
+
+
+def test_a_machine_with_one_gpu_per_node_is_still_a_cluster(capsys):
+    code, out, _ = run_cli(capsys, "collective", "all_reduce", "--network", "dgx-a100", "--gpus-per-node", "1",
+                           "--nics-per-node", "1", "--world", "4", "--bytes", "1G")
+    assert code == 0 and "4 node(s) x 1 GPU(s)" in out and "ring/Simple" in out
