@@ -101,4 +101,4 @@ def test_collective_bad_input_is_one_line(capsys, argv, says):
 def test_a_machine_with_one_gpu_per_node_is_still_a_cluster(capsys):
     code, out, _ = run_cli(capsys, "collective", "all_reduce", "--network", "dgx-a100", "--gpus-per-node", "1",
                            "--nics-per-node", "1", "--world", "4", "--bytes", "1G")
-    assert code == 0 and "4 node(s) x 1 GPU(s)" in out and "ring/Simple" in out
+    assert code == 0 and "4 node(s) x 1 GPU(s)" in out and "NCCL" in out and "/Simple" in out
