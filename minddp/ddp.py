@@ -2,16 +2,11 @@
 
 This file is the wrapper: what happens at construction (the same model
 everywhere, rank 0's weights everywhere, a reducer with one hook per
-parameter) and at every forward (does its backward synchronize? rank 0's
-buffers). The averaging itself, the path of a gradient from autograd's hook
-through the buckets to ``.grad``, is :class:`minddp.reducer.Reducer`: read
-it next, then :mod:`minddp.buckets`. Every option beyond that plain path is
-a *part*, chosen here once, at construction (``_build_reducer``): the
-reducer's (when a parameter is ready, how gradients get into buckets and
-back, how a bucket travels, who watches) and the forward's (buffers,
-replica checks). ``register_comm_hook``, ``join`` and ``follow`` swap or add
-one later, through the reducer's methods. Each part's file is in
-:mod:`minddp.features`; ``docs/reading_the_code.md`` has the table.
+parameter, the parts the options pick: ``_build_reducer``) and at every
+forward (does its backward synchronize? rank 0's buffers). The path of a
+gradient from autograd's hook through the buckets to ``.grad`` is
+:class:`minddp.reducer.Reducer`: read it next, then :mod:`minddp.buckets`.
+``docs/reading_the_code.md`` lists the parts, with the option that picks each.
 
 References: Li et al., "PyTorch Distributed: Experiences on Accelerating Data
 Parallel Training", VLDB 2020; torch/nn/parallel/distributed.py and
@@ -21,7 +16,7 @@ torch/csrc/distributed/c10d/reducer.cpp, whose behaviour these files mirror.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,18 +25,17 @@ from torch import nn
 from minddp.arguments import buffer_rule, check_arguments, refuse_unsupported, warn_check_reduction_deprecated
 from minddp.bucket_order import LearnedBucketOrder
 import minddp.torch_surface as torch_surface
-from minddp.comm_hooks import check_comm_hook
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket
-from minddp.features.comm_hook import CommHook
+import minddp.features.comm_hook as comm_hook
 from minddp.features.follow import FollowedGradient, follow
 from minddp.features.gradient_cases import GradientCases, sparse_embedding_weights
 from minddp.features.lent_buckets import BuffersPerBackward, lend_buckets
 from minddp.features.replica_checks import ReplicaChecks
 from minddp.features.static_graph import StaticGraph
-from minddp.features.uneven_inputs import MiniDDPJoinHook
+import minddp.features.uneven_inputs as uneven_inputs
 from minddp.features.unused_parameters import MissingGradients, UnusedParameters
-from minddp.join import Join, JoinHook
+from minddp.join import Join
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_same_parameters
 from minddp.sync import BufferSync, broadcast_coalesced, module_device, move_to_device, on_device, process_group_of
@@ -202,7 +196,7 @@ class MiniDDP(nn.Module):
         self._replica_checks = ReplicaChecks(self.module, self.process_group, self.check_sync_every) \
             if self.check_sync_every else None
         self._profiler_ranges = ProfilerRanges(self.reducer)
-        self._join_hook: MiniDDPJoinHook | None = None
+        self._join_hook: uneven_inputs.MiniDDPJoinHook | None = None
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
         self.join_context: Join | None = None  # set by Join inside ``with model.join():``
@@ -288,31 +282,15 @@ class MiniDDP(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    # -------------------------------------------- features asked for later
-    def register_comm_hook(self, state: Any, hook: Callable) -> None:
-        """Replace the all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``
-        (:mod:`minddp.features.comm_hook`). torch's contract: once, before the first backward; the
-        hook does the averaging (MiniDDP no longer divides by the world size for it)."""
-        if self.reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        if self.reducer.backwards_done or self.reducer.backward_started:
-            raise RuntimeError("register_comm_hook must be called before the first backward")
-        check_comm_hook(hook)
-        self.reducer.set_communication(CommHook(self.reducer, state, hook))
-        self._buffers_by_broadcast()  # a hook need not be a sum: buffers go back to their broadcast
+    # ---------------- options asked for after construction, each in the file of its part
+    register_comm_hook = comm_hook.register_comm_hook  # swaps the communication part
+    join_hook = uneven_inputs.join_hook  # adds the forward's join part (``with model.join():``)
 
     def _buffers_by_broadcast(self) -> None:
         """Buffers no longer ride in the last bucket (``buffer_sync="with_gradients"``): a broadcast again."""
         if self.reducer.passenger is not None:
             self.reducer.set_passenger(None)
             self.buffer_policy = BufferSync(self._module_buffers, self.process_group, "broadcast")
-
-    def join_hook(self, divide_by_initial_world_size: bool = True) -> JoinHook:
-        """What this model does for a ``Join`` (minddp's or torch's) once its rank has run out of data;
-        from then on a part of its forward too (:mod:`minddp.features.uneven_inputs`)."""
-        self._join_hook = MiniDDPJoinHook(self, divide_by_initial_world_size)
-        self._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
-        return self._join_hook
 
     def follow(self, name: str) -> FollowedGradient:
         """Follow one parameter's gradient down the path in the next synchronized backwards

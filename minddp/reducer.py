@@ -20,18 +20,13 @@ from its ``Reducer`` (C++). The plain path, top to bottom in this file::
               per bucket: wait for its sum, gradients.write_grads copies it into .grad, reset
               backward_done_callbacks
 
-Where DDP's options differ, the reducer holds a *part*, an object chosen
-once by ``MiniDDP``'s constructor: ``readiness`` (when is a parameter ready),
-``gradients`` (how a gradient gets into its bucket and back) and
-``communication`` (how a bucket travels). The plain part of each slot is
-here (:class:`EveryHookReady`, :class:`CopyGradients`, :class:`AllReduce`);
-the others are one file each in :mod:`minddp.features`. What only watches
-(the timeline, the trace, ``follow``) is an :class:`Observer` in
-``observers``: an empty list costs no call. ``passenger``: what rides in
-the last bucket (``buffer_sync="with_gradients"``), or None.
-
-The policies above (the learned bucket order, ``bucket_cap_mb="auto"``,
-ZeRO stage 2) use the methods under "the interface for policies" below.
+Where DDP's options differ, the reducer holds a *part* per slot, an object
+chosen once by ``MiniDDP``'s constructor: ``readiness`` (when is a parameter
+ready), ``gradients`` (how a gradient gets into its bucket and back),
+``communication`` (how a bucket travels); the plain ones are here, the others
+in :mod:`minddp.features`. What only watches is an :class:`Observer` in
+``observers`` (none: no call). The policies above (the learned bucket order,
+``bucket_cap_mb="auto"``, ZeRO stage 2) use "the interface for policies" below.
 
 Why divide *before* summing: the sum of N half-precision gradients can
 overflow where N parts of their average cannot.

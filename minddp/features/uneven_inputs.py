@@ -25,7 +25,15 @@ from __future__ import annotations
 from minddp.join import Join, JoinHook, under_torchs_join
 from minddp.sync import broadcast_coalesced, sync_buffers
 
-__all__ = ["MiniDDPJoinHook", "shadow_backward"]
+__all__ = ["MiniDDPJoinHook", "join_hook", "shadow_backward"]
+
+
+def join_hook(ddp, divide_by_initial_world_size: bool = True) -> JoinHook:
+    """``MiniDDP.join_hook``: what the model does for a ``Join`` (minddp's or torch's) once its rank has
+    run out of data; from then on a part of its forward too."""
+    ddp._join_hook = MiniDDPJoinHook(ddp, divide_by_initial_world_size)
+    ddp._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
+    return ddp._join_hook
 
 
 class MiniDDPJoinHook(JoinHook):
