@@ -28,7 +28,7 @@ What to run
 
 What to look at
     The test bench's table for MiniDDP and torch's DDP (both exact, with
-    accumulation through ``no_sync``); the diffs; the layers; the buckets
+    accumulation through ``no_sync``); the diffs; the parts; the buckets
     MiniDDP built, in launch order; one gradient's stations with values and
     times on each rank. Then read ``minddp/ddp.py``, ``minddp/reducer.py``
     and ``minddp/buckets.py`` top to bottom (``docs/reading_the_code.md``).

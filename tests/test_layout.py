@@ -173,3 +173,20 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
             if calls_setattr or any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets):
                 found.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}")
     assert not found, f"__class__ assigned at run time: {found}"
+
+
+CORE = ("minddp.ddp", "minddp.reducer", "minddp.buckets", "minddp.bucket_assignment", "minddp.features",
+        "minddp.bucket_order", "minddp.bucket_planner", "minddp.trace", "minddp.torch_surface", "minddp.arguments",
+        "minddp.sync", "minddp.join", "minddp.replicas", "minddp.comm_hooks")
+
+
+def print_core_import_graph() -> None:
+    """One line per module of the DDP core: what it imports from minddp (docs/reading_the_code.md)."""
+    graph = import_graph()
+    for module in sorted(m for m in graph if any(m == c or m.startswith(c + ".") for c in CORE)):
+        imports = sorted(d.removeprefix("minddp.") for d in graph[module] if d != "minddp")
+        print(f"{module.removeprefix('minddp.'):<31} -> {', '.join(imports) or '(nothing of minddp)'}")
+
+
+if __name__ == "__main__":  # python tests/test_layout.py: the core's import graph
+    print_core_import_graph()
