@@ -3,9 +3,9 @@
 Read in this order: ``minddp/ddp.py`` (the wrapper: construction, forward,
 no_sync) -> ``minddp/reducer.py`` (the plain path of a gradient: hook,
 bucket, in-order all-reduce, end-of-backward wait, .grad) ->
-``minddp/buckets.py`` (flat buckets and their life cycle). Every feature
-beyond that path is a layer in ``minddp/features/``, one file each
-(``docs/reading_the_code.md`` lists them).
+``minddp/buckets.py`` (flat buckets and their life cycle). Every option
+beyond that path is a part in ``minddp/features/``, one file each, picked
+by MiniDDP's constructor (``docs/reading_the_code.md`` lists them).
 """
 
 from minddp.ddp import MiniDDP

@@ -137,7 +137,7 @@ class MiniDDP(nn.Module):
                 states = self._module_parameters() + (self._module_buffers() if init_sync_buffers else [])
                 broadcast_coalesced(states, self.process_group)
 
-        # 2. The reducer and its layers (no collective: a copy or a reloaded
+        # 2. The reducer and its parts (no collective: a copy or a reloaded
         #    pickle builds them again, see __setstate__).
         self._build_reducer()
 

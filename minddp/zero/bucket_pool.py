@@ -7,7 +7,7 @@ optimizer's shard. So stage 2 gives the reducer this storage
 (``Reducer.use_bucket_storage``, :class:`~minddp.buckets.BucketStorage`'s
 hook point): a bucket takes a buffer at its first gradient (each gradient
 goes into its slot at its hook, and autograd's ``.grad`` is let go at once:
-with ``slots_at_hook``, stage 2 stacks MiniDDP's bucket-views layer,
+with ``slots_at_hook``, stage 2 picks MiniDDP's bucket-views part,
 :mod:`minddp.features.bucket_views`) and gives it back as soon as its reduce-scatter arrived
 and the optimizer took the piece, during backward. Only the buckets in
 flight hold one: a few buckets' worth of memory, not the model's.
