@@ -37,41 +37,30 @@ class GradientCases(MissingGradients):
         self.as_view = [False] * count  # .grad is its bucket slot (set by minddp.features.bucket_views)
         self.sparse_dim: dict[int, int] = {}  # parameters whose gradients came sparse
 
-    def fill_bucket(self, bucket, scale: float) -> None:
-        grads, slots, copied = [], [], []
-        for index, param, slot in zip(bucket.indices, bucket.params, bucket.views):
-            grad = param.grad
-            if grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
-                continue
-            if grad is None:  # unused here (but maybe used on another rank): contributes zero
-                slot.zero_()
-            elif grad.is_sparse:  # densified: every row travels, touched or not
-                self.sparse_dim[index] = grad.sparse_dim()
-                slot.zero_().add_(grad)
-            else:  # a copy (a cast, with reduce_dtype)
-                grads.append(grad)
-                slots.append(slot)
-                copied.append((param, index))
-        bucket.copy_in(grads, slots, scale)
-        for (param, index), slot in zip(copied, slots):  # only now: .grad held the gradient until the copy
-            if self.as_view[index]:  # e.g. after zero_grad(set_to_none=True)
-                param.grad = slot
+    def fill_case(self, index: int, param, slot) -> bool:
+        grad = param.grad
+        if grad is slot:  # .grad already lives in the bucket (gradient_as_bucket_view)
+            return True
+        if grad is not None and grad.is_sparse:  # densified: every row travels, touched or not
+            self.sparse_dim[index] = grad.sparse_dim()
+            slot.zero_().add_(grad)
+            return True
+        return super().fill_case(index, param, slot)  # a missing one; else a copy (a cast, with reduce_dtype)
 
-    def write_grads(self, bucket, used: list[bool] | None) -> None:
-        grads, slots = [], []
-        for index, p, slot in zip(bucket.indices, bucket.params, bucket.views):
-            if used is not None and not used[index]:
-                continue  # unused on every rank: .grad stays as it was (None stays None)
-            if p.grad is slot:
-                continue  # gradient_as_bucket_view: the average is already in .grad
-            if index in self.sparse_dim:
-                p.grad = slot.to(p.dtype).to_sparse(self.sparse_dim[index])
-            elif self.as_view[index]:
-                p.grad = slot
-            elif p.grad is None:
-                p.grad = slot.to(p.dtype, copy=True)
-            else:
-                grads.append(p.grad)
-                slots.append(slot)
-        if grads:
-            torch._foreach_copy_(grads, slots)  # casts too, with reduce_dtype
+    def fill_bucket(self, bucket, scale: float) -> None:
+        super().fill_bucket(bucket, scale)
+        for index, param, slot in zip(bucket.indices, bucket.params, bucket.views):
+            grad = param.grad  # copied: only now a view, .grad held the gradient until the copy
+            if self.as_view[index] and grad is not None and grad is not slot and not grad.is_sparse:
+                param.grad = slot  # e.g. after zero_grad(set_to_none=True)
+
+    def write_case(self, index: int, param, slot) -> bool:
+        if param.grad is slot:
+            return True  # gradient_as_bucket_view: the average is already in .grad
+        if index in self.sparse_dim:
+            param.grad = slot.to(param.dtype).to_sparse(self.sparse_dim[index])
+        elif self.as_view[index]:
+            param.grad = slot
+        else:
+            return super().write_case(index, param, slot)  # a missing one; else a copy
+        return True

@@ -68,30 +68,44 @@ class UnusedParameters(EveryHookReady):
 
 
 class MissingGradients(CopyGradients):
-    """Gradients in and out when some may be missing (``find_unused_parameters``, ``static_graph``)."""
+    """Gradients in and out when some may be missing (``find_unused_parameters``, ``static_graph``).
+
+    The plain batched copies, for every gradient that is not a case of its own: :meth:`fill_case` and
+    :meth:`write_case` say which are (here, a missing one; more in :mod:`minddp.features.gradient_cases`).
+    """
 
     def fill_bucket(self, bucket, scale: float) -> None:
         grads, slots = [], []
-        for param, slot in zip(bucket.params, bucket.views):
-            if param.grad is None:  # unused here (but maybe used on another rank): contributes zero
-                slot.zero_()
-            else:
+        for index, param, slot in zip(bucket.indices, bucket.params, bucket.views):
+            if not self.fill_case(index, param, slot):
                 grads.append(param.grad)
                 slots.append(slot)
         bucket.copy_in(grads, slots, scale)
+
+    def fill_case(self, index: int, param, slot) -> bool:
+        """Fill ``slot`` if ``param``'s gradient is a case of its own; False: a plain copy."""
+        if param.grad is None:  # unused here (but maybe used on another rank): contributes zero
+            slot.zero_()
+            return True
+        return False
 
     def write_grads(self, bucket, used: list[bool] | None) -> None:
         grads, slots = [], []
         for index, param, slot in zip(bucket.indices, bucket.params, bucket.views):
             if used is not None and not used[index]:
                 continue  # unused on every rank: .grad stays as it was (None stays None)
-            if param.grad is None:
-                param.grad = slot.to(param.dtype, copy=True)
-            else:
+            if not self.write_case(index, param, slot):
                 grads.append(param.grad)
                 slots.append(slot)
         if grads:
             torch._foreach_copy_(grads, slots)  # casts too, with reduce_dtype
+
+    def write_case(self, index: int, param, slot) -> bool:
+        """Write ``param.grad`` from ``slot`` if it is a case of its own; False: a plain copy."""
+        if param.grad is None:
+            param.grad = slot.to(param.dtype, copy=True)
+            return True
+        return False
 
 
 def mark_the_rest_ready(reducer) -> None:
