@@ -57,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minddp.features
 from wrappers.flat_ddp import FlatDDP  # lesson 07b's wrapper
 from minddp import MiniDDP
-from minddp.bucket_order import LearnedBucketOrder
+from minddp.bucket_assignment import LearnedBucketOrder
 from minddp.reducer import CopyGradients, Observer, Reducer
 from _common import is_exact, parse_args, print0, print_ranks, print_results, run, train_and_compare
 
@@ -125,7 +125,7 @@ def slot_of(part: type) -> str:
 def show_the_parts() -> list:
     found = {}
     modules = [f"minddp.features.{info.name}" for info in pkgutil.iter_modules(minddp.features.__path__)]
-    for module in map(importlib.import_module, modules + ["minddp.trace", "minddp.bucket_order"]):
+    for module in map(importlib.import_module, modules + ["minddp.trace", "minddp.reducer"]):
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and slot_of(obj):
                 found[name] = (slot_of(obj), module.__name__.replace(".", "/") + ".py")

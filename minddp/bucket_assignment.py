@@ -1,10 +1,26 @@
-"""Which parameters travel together: gradient buckets assigned by size, and each gradient's slot.
+"""Which parameters travel together, in which order: buckets assigned by size, the order learned, each slot.
 
 :func:`assign_buckets` is a pure function from parameter sizes to groups of
 indices. Every rank calls it on the same model and gets the same answer,
-which is what keeps collectives matched across ranks. :func:`slot_in` lays
-out one gradient's slot in its bucket's buffer. (One bucket's buffer and
-life cycle are in :mod:`minddp.buckets`.)
+which is what keeps collectives matched across ranks. Where a bucket's
+buffer comes from (:class:`BucketStorage`) and where each gradient's slot
+lies in it (:func:`slot_in`) are here too; one bucket's life cycle is in
+:mod:`minddp.buckets`.
+
+:class:`LearnedBucketOrder`, buckets in the order gradients really arrive
+(torch's DDP does this): the reducer first buckets parameters in reverse
+registration order, a guess that the last layer registered is the first
+whose gradient is ready. A model that registers its layers in another
+order than it runs them (a head defined before the body, a module reused)
+breaks the guess, and a bucket then waits for one late gradient while its
+others are long done, and launches late. So after the first synchronized
+backward the buckets are rebuilt once, in the order the gradients came.
+Every rank must build the same buckets (they are what keeps collectives
+matched), so rank 0's order is broadcast and everyone uses it. A policy on
+the reducer's interface, like ``bucket_cap_mb="auto"``
+(:mod:`minddp.bucket_planner`): it adds an arrival log to the reducer's
+observers, is called at the end of the backward
+(``backward_done_callbacks``), and calls ``rebuild``.
 """
 
 from __future__ import annotations
@@ -13,8 +29,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["TensorSpec", "assign_buckets", "slot_in", "MiB", "FIRST_BUCKET_CAP_MB"]
+__all__ = ["TensorSpec", "assign_buckets", "BucketStorage", "slot_in", "LearnedBucketOrder", "MiB", "FIRST_BUCKET_CAP_MB"]
 
 MiB = 1024 * 1024
 # torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early.
@@ -89,6 +106,20 @@ def assign_buckets(
     return sorted(closed, key=lambda b: b[0])
 
 
+class BucketStorage:
+    """Where bucket buffers come from: one per bucket, kept for the whole run (torch's way). ZeRO
+    stage 2 and ``lazy_bucket_allocation`` lend them instead (:mod:`minddp.features.lent_buckets`)."""
+
+    keep_buffers = True
+    release_after_backward = False  # give a buffer back once its averages are in .grad
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        pass
+
+
 def slot_in(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
     """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param`` (as torch's reducer).
 
@@ -110,3 +141,26 @@ def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+class LearnedBucketOrder:
+    """Rebuild ``reducer``'s buckets once, after its first backward, in rank 0's arrival order."""
+
+    def __init__(self, reducer, arrivals):
+        self.reducer, self.arrivals = reducer, arrivals  # arrivals: the reducer's ArrivalLog, a fresh one
+        reducer.add_observer(self.arrivals)
+        reducer.backward_done_callbacks.append(self.after_first_backward)
+
+    def after_first_backward(self) -> None:
+        reducer = self.reducer
+        reducer.remove_observer(self.arrivals)
+        reducer.backward_done_callbacks.remove(self.after_first_backward)
+        arrived = list(dict.fromkeys(i for i, _ in self.arrivals.log))
+        seen = set(arrived)  # parameters that got no gradient keep the guess: reverse registration
+        order = arrived + [i for i in reversed(range(len(reducer.params))) if i not in seen]
+        order_t = torch.tensor(order, dtype=torch.int64, device=reducer.device)
+        rank0 = dist.get_process_group_ranks(reducer.process_group)[0]  # a global rank, as broadcast wants
+        dist.broadcast(order_t, src=rank0, group=reducer.process_group)
+        order = order_t.tolist()
+        if order != reducer.bucket_order:
+            reducer.rebuild(order, *reducer.caps)

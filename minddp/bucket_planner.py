@@ -65,8 +65,8 @@ import torch
 import torch.distributed as dist
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
-from minddp.bucket_order import ArrivalLog
 from minddp.network import Link, fit_link
+from minddp.reducer import ArrivalLog
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.sync import global_rank

@@ -26,27 +26,13 @@ from typing import Callable
 
 import torch
 
-from minddp.bucket_assignment import slot_in
+from minddp.bucket_assignment import BucketStorage, slot_in
 
 __all__ = ["Bucket", "BucketStorage"]
 
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
 LARGE_GRADIENT_NUMEL = 64 * 1024
-
-
-class BucketStorage:
-    """Where bucket buffers come from: one per bucket, kept for the whole run (torch's way). ZeRO
-    stage 2 and ``lazy_bucket_allocation`` lend them instead (:mod:`minddp.features.lent_buckets`)."""
-
-    keep_buffers = True
-    release_after_backward = False  # give a buffer back once its averages are in .grad
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, device=device)
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        pass
 
 
 class Bucket:

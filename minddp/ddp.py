@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.arguments import buffer_rule, check_arguments, refuse_unsupported, warn_check_reduction_deprecated
-from minddp.bucket_order import LearnedBucketOrder
 import minddp.torch_surface as torch_surface
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket
@@ -36,10 +35,11 @@ from minddp.features.static_graph import StaticGraph
 import minddp.features.uneven_inputs as uneven_inputs
 from minddp.features.unused_parameters import MissingGradients, UnusedParameters
 from minddp.join import Join
-from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
+from minddp.bucket_assignment import LearnedBucketOrder
+from minddp.reducer import FIRST_BUCKET_CAP_MB, ArrivalLog, Reducer, ReducerOptions
 from minddp.replicas import check_same_parameters
 from minddp.sync import BufferSync, broadcast_coalesced, module_device, move_to_device, on_device, process_group_of
-from minddp.trace import ProfilerRanges, StepObserver, StepTimeline, Tracer
+from minddp.trace import ProfilerRanges, StepObserver, timeline_of, tracer_of
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
 
@@ -186,7 +186,7 @@ class MiniDDP(nn.Module):
             lend_buckets(self.reducer, BuffersPerBackward())
         # The policies above the reducer, through its interface:
         if self.learn_bucket_order:
-            LearnedBucketOrder(self.reducer)  # watches the first backward's arrivals, then rebuilds
+            LearnedBucketOrder(self.reducer, ArrivalLog())  # watches the first backward's arrivals, then rebuilds
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
             from minddp.bucket_planner import AutoBuckets  # it brings the simulator: only when asked for
@@ -298,17 +298,8 @@ class MiniDDP(nn.Module):
         return follow(self.reducer, name)
 
     # ------------------------------------------------------------- inspection
-    @property
-    def timeline(self) -> StepTimeline:
-        """When things happened in the last synchronized backward (with ``timeline=True`` or ``trace=True``)."""
-        if self._observer is None:
-            raise RuntimeError("MiniDDP records no timeline unless asked: construct MiniDDP(..., timeline=True)")
-        return self._observer.timeline
-
-    @property
-    def tracer(self) -> Tracer | None:
-        """The Chrome-trace recorder, with ``trace=True``; None otherwise."""
-        return self._observer.tracer if self._observer is not None else None
+    timeline = property(timeline_of)  # with timeline=True or trace=True (minddp/trace.py)
+    tracer = property(tracer_of)  # with trace=True
 
     @property
     def bucket_names(self) -> list[list[str]]:

@@ -35,6 +35,7 @@ overflow where N parts of their average cannot.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,7 +47,7 @@ from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assig
 from minddp.buckets import Bucket, BucketStorage
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer", "EveryHookReady", "CopyGradients", "AllReduce",
-           "Observer"]
+           "Observer", "ArrivalLog"]
 
 _engine = torch.autograd.Variable._execution_engine
 
@@ -135,6 +136,19 @@ class Observer:
     def bucket_reduced(self, bucket: Bucket) -> None: ...  # its sum is in its buffer
     def grads_written(self, bucket: Bucket) -> None: ...
     def backward_done(self) -> None: ...
+
+
+class ArrivalLog(Observer):
+    """An observer for policies: which gradient came when in the last backward (``log``: ``(index, perf_counter)``)."""
+
+    def __init__(self):
+        self.log: list[tuple[int, float]] = []
+
+    def backward_started(self) -> None:
+        self.log = []  # only this backward's order counts (an earlier one may have failed)
+
+    def gradient_ready(self, index: int, param: nn.Parameter) -> None:
+        self.log.append((index, time.perf_counter()))
 
 
 class Reducer:

@@ -176,7 +176,7 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
 
 
 CORE = ("minddp.ddp", "minddp.reducer", "minddp.buckets", "minddp.bucket_assignment", "minddp.features",
-        "minddp.bucket_order", "minddp.bucket_planner", "minddp.trace", "minddp.torch_surface", "minddp.arguments",
+        "minddp.bucket_planner", "minddp.trace", "minddp.torch_surface", "minddp.arguments",
         "minddp.sync", "minddp.join", "minddp.replicas", "minddp.comm_hooks")
 
 

@@ -103,7 +103,7 @@ def test_the_first_step_with_its_bucket_rebuild_reads_in_at_most_4_files(fresh_r
     functions, files, lines = fresh_ranks.run(_reading_path, warm_up=0)[0]
     report = _describe(functions, files, lines)
     assert len(files) <= FIRST_STEP_MAX_FILES, report
-    assert ("minddp/bucket_order.py", "after_first_backward") in functions, report  # not vacuous
+    assert ("minddp/bucket_assignment.py", "after_first_backward") in functions, report  # not vacuous
 
 
 def test_instrumentation_and_join_bookkeeping_run_only_when_asked_for(fresh_ranks):

@@ -20,7 +20,7 @@ here, one file per option:
 * what rides in the last bucket (the reducer's ``passenger``):
   :mod:`~minddp.features.buffers_in_bucket`;
 * observers, what only watches (:class:`minddp.reducer.Observer`):
-  :mod:`~minddp.features.follow` (and ``minddp/trace.py``, ``minddp/bucket_order.py``);
+  :mod:`~minddp.features.follow` (and ``minddp/trace.py``, the reducer's ``ArrivalLog``);
 * the forward's parts (``MiniDDP.forward`` calls them):
   :mod:`~minddp.features.replica_checks`, :mod:`~minddp.features.uneven_inputs`,
   and the buffers' policy (:class:`minddp.sync.BufferSync`, or the passenger).
