@@ -92,6 +92,9 @@ class WatchedFuture:
         self._waits.append(time.perf_counter())
         return self._future.value()
 
+    def then(self, callback):
+        return WatchedFuture(self._future.then(callback), self._waits)
+
     def __getattr__(self, name):
         return getattr(self._future, name)
 
