@@ -17,7 +17,7 @@ import sys
 import torch
 
 from lessons.grading.exercises import EXERCISES
-from lessons.grading.runner import grade
+from lessons.grading.runner import close_cleanly, grade, unwritten
 from minddp.testing import RankPool
 
 
@@ -36,9 +36,11 @@ def main(argv=None) -> int:
         parser.error("the exercises compare ranks with each other: --world-size 2 or more")
     torch.set_num_threads(1)
     passed = True
-    with RankPool(args.world_size) as pool:
+    pool, ranks_started = RankPool(args.world_size), False
+    try:
         for number in args.numbers or EXERCISES:
             exercise = EXERCISES[number]
+            ranks_started |= exercise.on_ranks and not unwritten(args.file or exercise.path)
             failures = grade(exercise, args.file, pool)
             passed &= not failures
             if not failures:
@@ -49,6 +51,9 @@ def main(argv=None) -> int:
                 print(f"{number} {exercise.title}: FAILED", flush=True)
                 for failure in failures:
                     print(f"   - {failure}", flush=True)
+    finally:
+        if ranks_started:
+            close_cleanly(pool)  # every rank leaves its process group together, before its process ends
     return 0 if passed else 1
 
 
