@@ -4,9 +4,11 @@
     python -m lessons.grade 04 07      # only these
     python -m lessons.grade 05 --file my_hooks.py   # grade another file than lessons/exercises/05_*.py
 
-Each exercise runs your code on Gloo ranks on this machine's CPU (a few
-seconds), compares it with one process on the whole batch, and says what is
-wrong. Exit status 0 when every exercise graded passed.
+Each exercise runs your code on Gloo ranks on this machine's CPU (seconds on
+an idle machine; on a busy one the grader waits longer, in proportion to the
+load, before it calls anything a hang), compares it with one process on the
+whole batch, and says what is wrong. Exit status 0 when every exercise
+graded passed.
 """
 
 from __future__ import annotations
