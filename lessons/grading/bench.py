@@ -30,6 +30,9 @@ _all_reduce = dist.all_reduce
 @dataclass
 class Seen:
     start_spread: float = 0.0  # max |weight - rank 0's| after wrapping, worst rank
+    start_from: int | None = None  # after wrapping every rank holds this rank's starting weights (None: no one's)
+    start_off: list = field(default_factory=list)  # the parameters that differ from rank 0's after wrapping
+    start_same: list = field(default_factory=list)  # and those that agree, when some differ
     grad_error: float = 0.0  # max |grad - one process's|, over steps, worst rank
     wrong_gradients: str = ""  # at the first wrong step: which parameters hold what (``diagnose``)
     weight_error: float = 0.0  # after the last step, worst rank
@@ -116,6 +119,15 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
     with ops_named(seen.ops):
         wrapper = wrap(mine)
     seen.start_spread = worst(max((p - q).abs().max().item() for p, q in zip(mine.parameters(), single.parameters())))
+    if seen.start_spread > 0:  # which parameters differ, and whose weights each rank holds (a wrong src?)
+        names = [name for name, _ in single.named_parameters()]
+        spreads = [worst((p - q).abs().max().item()) for p, q in zip(mine.parameters(), single.parameters())]
+        seen.start_off = [n for n, spread in zip(names, spreads) if spread > 0]
+        seen.start_same = [n for n, spread in zip(names, spreads) if spread == 0]
+        holds = next((k for k in range(world_size) if torch.equal(flat_weights(mine), flat_weights(start(k)))), -1)
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, holds)
+        seen.start_from = everyone[0] if len(set(everyone)) == 1 and everyone[0] >= 0 else None
     opt, opt_single = torch.optim.SGD(mine.parameters(), lr=LR), torch.optim.SGD(single.parameters(), lr=LR)
     loss_fn = nn.CrossEntropyLoss()
     data = torch.Generator().manual_seed(1234)
@@ -156,6 +168,12 @@ def explain(seen: Seen, world_size: int, what: str = "") -> list[str]:
     """The failures a Seen shows, most telling first, in a learner's words."""
     if seen.exact():
         return []
+    if seen.start_spread > 0 and seen.start_from is not None:
+        return [f"{what}before the first step every rank holds rank {seen.start_from}'s starting weights, not rank "
+                f"0's: broadcast from src=0 (one process on the whole batch starts from rank 0's)"]
+    if seen.start_spread > 0 and seen.start_same:
+        return [f"{what}before the first step the ranks' {', '.join(seen.start_off)} differ from rank 0's (by up to "
+                f"{seen.start_spread:.2g}) while {', '.join(seen.start_same)} agree: broadcast every parameter"]
     if seen.start_spread > 0:
         return [f"{what}the ranks' weights differ from rank 0's before the first step (by up to {seen.start_spread:.2g}): "
                 f"nothing was broadcast, so each rank trains its own model"]
