@@ -14,7 +14,6 @@ import gc
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lessons._common import FEATURES, make_model
