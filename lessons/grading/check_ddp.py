@@ -38,10 +38,20 @@ class _HandWrapper:
             self.exercise.average_gradients(self.module)
 
 
+def _never_waited(watch: Watch) -> list[str]:
+    """An async all-reduce nobody waited for: its sum never reaches the tensor (the grader holds it until wait())."""
+    unwaited = sum(launch.is_async for launch in watch.launches)
+    if unwaited and not watch.waits:
+        return [f"{unwaited} all-reduces were launched with async_op=True and never waited for: the sum is in the "
+                f"tensor only once its handle's wait() has returned. Wait for each, or launch without async_op"]
+    return []
+
+
 def check_04(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True)
-    return gather_failures(explain(seen, world_size))
+    with Watch().active() as watch:  # an async all-reduce's sum lands at wait(), never by luck
+        seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True)
+    return gather_failures(_never_waited(watch) + explain(seen, world_size))
 
 
 def check_05(rank: int, world_size: int, path: str) -> list[str]:
@@ -57,8 +67,10 @@ def check_05(rank: int, world_size: int, path: str) -> list[str]:
     if worst((model[-1].weight - before).abs().max().item()) > 0:
         failures.append("backward changed the weights: your hook averaged the parameter itself. A post-accumulate "
                         "hook receives the parameter, not its gradient: average param.grad (lesson 05's mistake B)")
-    one = train_vs_one_process(exercise.HookAverager)
-    two = train_vs_one_process(exercise.HookAverager, micro_batches=2)
+    with Watch().active() as watch:  # an async all-reduce's sum lands at wait(), never by luck
+        one = train_vs_one_process(exercise.HookAverager)
+        two = train_vs_one_process(exercise.HookAverager, micro_batches=2)
+    failures += _never_waited(watch)
     if not failures:
         if one.exact() and not two.exact():
             failures.append("right with one backward per step, wrong when 2 micro-batches accumulate: your hook saw "
