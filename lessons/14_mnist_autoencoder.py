@@ -153,14 +153,13 @@ def throughput(rank: int, world_size: int) -> None:
         dist.barrier()  # the others wait while rank 0 runs alone
         everyone.append(together())
     if rank == 0:
-        low, high = min(everyone) / max(one), max(everyone) / min(one)
         ratio = statistics.median(everyone) / statistics.median(one)
         cores, load = os.cpu_count(), os.getloadavg()[0]
         print(f"\nthroughput (measured here, not asserted; {WARMUP_STEPS} warm-up steps, then {REPEATS} runs of "
               f"{TIMED_STEPS} steps each, in turn):")
         for name, rates in (("1 rank", one), (f"{world_size} ranks", everyone)):
             print(f"  {name:>8}: {statistics.median(rates):>7,.0f} samples/s (median; {min(rates):,.0f}-{max(rates):,.0f})")
-        print(f"  {world_size} ranks against 1: {ratio:.2f}x ({low:.2f}x-{high:.2f}x run against run); at most "
+        print(f"  {world_size} ranks against 1, median against median: {ratio:.2f}x; at most "
               f"{world_size}x, and only with {world_size} free cores (this machine: {cores} cores, load average "
               f"{load:.1f})" + (f". {ratio:.2f}x is above it: the single rank was slowed by other work while it "
                                 f"was timed" if ratio > world_size else ""))
