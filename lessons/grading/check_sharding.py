@@ -172,6 +172,10 @@ def check_21(rank: int, world_size: int, path: str) -> list[str]:
                 failures.append(f"the shards' gradients are {world_size}x the single-process ones: did you divide "
                                 f"by the world size? (reduce-scatter sums)")
                 break
+            if abs(ratio - 1 / world_size) < 1e-3:
+                failures.append(f"the shards' gradients are 1/{world_size} of the single-process ones: did you "
+                                f"divide by the world size twice?")
+                break
         opt.step()
         ref_opt.step()
         gap = max((u.shard.detach() - w).abs().max().item() for u, (w, _) in zip(model.units, _refs(model, reference, rank)))
