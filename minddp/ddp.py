@@ -56,8 +56,10 @@ class MiniDDP(nn.Module):
 
     * ``process_group`` or a one-dimensional ``device_mesh``: the ranks to
       average over (default: the whole world).
-    * ``bucket_cap_mb``: gradients travel in flat buckets of at most this many
-      MiB (the first one at most 1 MiB); 0 means one parameter per bucket;
+    * ``bucket_cap_mb``: gradients travel in flat buckets that close once they
+      hold this many MiB (default 25, and then the first one closes at 1 MiB);
+      0 means one parameter per bucket; until the first backward has shown the
+      order gradients arrive in, one bucket (torch's rule, :mod:`minddp.bucket_assignment`);
       ``bucket_cap_mb_list``: one cap per bucket, in launch order (the last
       for every bucket after it). ``"auto"`` (beyond torch): measure the first
       steps and the link, and rebuild the buckets once with the cap the
@@ -103,7 +105,7 @@ class MiniDDP(nn.Module):
         output_device: Any = None,
         *,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | str | None = 25.0,
+        bucket_cap_mb: float | str | None = None,
         broadcast_buffers: bool | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -150,6 +152,9 @@ class MiniDDP(nn.Module):
         if bucket_cap_mb_list is not None:  # as torch: the largest is the cap reported
             self.bucket_cap_mb = max(bucket_cap_mb_list)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None
+        # torch's: a smaller first bucket (1 MiB) only when no cap was given
+        self._first_bucket_cap_mb = FIRST_BUCKET_CAP_MB if bucket_cap_mb in (None, "auto") and bucket_cap_mb_list is None \
+            else self.bucket_cap_mb
         self.timeline_asked, self.trace, self.learn_bucket_order = timeline, trace, learn_bucket_order
         # Names a library synchronizes itself (torch's ``_set_params_and_buffers_to_ignore_for_model``).
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -182,11 +187,12 @@ class MiniDDP(nn.Module):
         options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, self.gradient_as_bucket_view,
                                  self.find_unused_parameters, self.static_graph, self.reduce_dtype,
                                  self.learn_bucket_order, self.skip_all_reduce_unused_params,
-                                 tuple(self.bucket_cap_mb_list) if self.bucket_cap_mb_list else None)
+                                 tuple(self.bucket_cap_mb_list) if self.bucket_cap_mb_list else None,
+                                 self._first_bucket_cap_mb)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options)
         self._observer: StepObserver | None = None
         self._stack_features()
-        if self.learn_bucket_order:
+        if self.learn_bucket_order and (self.static_graph or not self.find_unused_parameters):  # torch's rule
             LearnedBucketOrder(self.reducer)  # a policy: watches the first backward's arrivals, then rebuilds
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
@@ -259,9 +265,11 @@ class MiniDDP(nn.Module):
             buffers = self._module_buffers()
             if buffers:
                 sync_buffers(buffers, self.process_group, self.buffer_sync, buffers_from)
-        self.require_forward_param_sync = sync
         output = self.module(*inputs, **kwargs)
-        if sync:
+        # torch reads the flag again here, at the end of the forward (Lightning's manual optimization
+        # lowers it during the forward and arms the reducer itself before its backward).
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self.require_forward_param_sync:
             self.reducer.prepare_for_backward(output)
         return output
 

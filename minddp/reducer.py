@@ -33,6 +33,7 @@ overflow where N parts of their average cannot.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets, first_guess_buckets, size_limits
 from minddp.buckets import Bucket, BucketStorage
 from minddp.features import Layer
 from minddp.features.observed import ProfilerRanges
@@ -64,6 +65,7 @@ class ReducerOptions:
     learn_bucket_order: bool = True
     skip_all_reduce_unused_params: bool = False
     bucket_caps_mb: tuple[float, ...] | None = None  # one cap per bucket (torch's bucket_cap_mb_list)
+    first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB  # torch's: 1 MiB by default, the cap when one is given
 
 
 class Reducer(ReducerHookPoints):
@@ -84,7 +86,9 @@ class Reducer(ReducerHookPoints):
         self.device = params[0].device
         self.divisor = self.world_size  # the average is over this many ranks (join() may lower it)
         self.scale = 1.0 / self.divisor  # what every gradient is multiplied by before the sum
-        self.sync_this_backward = False  # set at each forward: does its backward communicate?
+        # Armed by prepare_for_backward (at the end of a synchronized forward, or by a framework),
+        # disarmed when that backward ends: does the next backward communicate? (torch's expect_autograd_hooks_)
+        self.sync_this_backward = False
         # Also set at each synchronized forward: did it run inside a backward pass? (A reentrant
         # checkpoint around the whole model recomputes its forward there: see _on_pass_end.)
         self.forward_inside_backward = False
@@ -96,19 +100,29 @@ class Reducer(ReducerHookPoints):
         self.globally_used: list[bool] | None = None  # None: every parameter had a gradient somewhere
         self.planned_rebuild: str | None = None  # why the buckets will still change (a policy's plan)
         self.storage = BucketStorage()
-        self.caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
+        self.order_to_learn = False  # set by a policy while the buckets await the order backward shows
         self._index = {p: i for i, p in enumerate(params)}
-        self._build_buckets(list(reversed(range(len(params)))))  # the first guess: reverse registration
+        # The first buckets: torch's first guess, or (learn_bucket_order=False) reverse registration for good.
+        self._build_buckets(None if options.learn_bucket_order else list(reversed(range(len(params)))))
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
 
-    def _build_buckets(self, order: list[int]) -> None:
-        """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
-        specs = [TensorSpec(self.params[i].numel(), self.bucket_dtype(i).itemsize, self.bucket_dtype(i),
-                            self.device) for i in order]
-        groups = assign_buckets(specs, *self.caps, per_bucket_caps=self.per_bucket_caps)
-        self.buckets = [self._make_bucket(k, [order[j] for j in group], specs[group[0]].dtype, len(groups))
+    def _build_buckets(self, order: list[int] | None) -> None:
+        """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``.
+
+        ``None``: torch's first guess, before a backward has shown the order (``first_guess_limits``).
+        """
+        self.layout_order = order  # what a layer rebuilds the same buckets from
+        if order is None:
+            specs = [self._spec(i) for i in range(len(self.params))]
+            groups = first_guess_buckets(specs, self.first_guess_limits())
+        else:
+            specs = [self._spec(i) for i in order]
+            groups = [[order[j] for j in group]
+                      for group in assign_buckets(specs, *self.caps, per_bucket_caps=self.per_bucket_caps)]
+        self.buckets = [self._make_bucket(k, group, self.bucket_dtype(group[0]), len(groups))
                         for k, group in enumerate(groups)]
         # The plan every hook follows, worked out once here instead of at every
         # gradient: parameter index -> (its bucket, its position there).
@@ -118,6 +132,20 @@ class Reducer(ReducerHookPoints):
             for position, i in enumerate(indices):
                 self._plan[i] = (bucket, position)
         self._next_to_launch = 0
+
+    def first_guess_limits(self) -> list[int]:
+        """torch's limits for the first buckets: one bucket (per dtype) until the first rebuild, unless the
+        buckets will never be rebuilt (``find_unused_parameters`` without ``static_graph``) or caps per
+        bucket were given."""
+        if self.per_bucket_caps:
+            return list(self.per_bucket_caps)
+        if self.options.static_graph or not self.options.find_unused_parameters:
+            return [sys.maxsize]
+        return size_limits(*self.caps)
+
+    def _spec(self, index: int) -> TensorSpec:
+        dtype = self.bucket_dtype(index)
+        return TensorSpec(self.params[index].numel(), dtype.itemsize, dtype, self.device)
 
     def _make_bucket(self, k: int, indices: list[int], dtype: torch.dtype, count: int, extra_numel: int = 0) -> Bucket:
         """Bucket ``k`` of ``count``, for these parameter indices."""
@@ -130,14 +158,17 @@ class Reducer(ReducerHookPoints):
 
     # ------------------------------------------------------- at every forward
     def prepare_for_forward(self, sync: bool, buffers_due: bool) -> int | None:
-        """Before the module's forward: will its backward communicate? Returns the rank whose buffers
-        everyone takes now, or None for no broadcast (``buffers_due``: the last forward synchronized)."""
-        self.sync_this_backward = sync
+        """Before the module's forward (``sync``: will its backward communicate, as the flag reads now).
+        Returns the rank whose buffers everyone takes now, or None for no broadcast (``buffers_due``:
+        the last forward synchronized)."""
         self.forward_inside_backward = sync and torch._C._current_graph_task_id() != -1
         return 0 if buffers_due else None
 
     def prepare_for_backward(self, output: Any) -> None:
-        """After a synchronized forward, with its output (where unused parameters are searched for)."""
+        """Arm the reducer: the next backward averages. Called at the end of a synchronized forward with
+        its output (where unused parameters are searched for), or by a framework with ``[]`` after
+        forwards run under ``no_sync()`` (accelerate's ``trigger_sync_in_backward``), as torch's is."""
+        self.sync_this_backward = True
 
     # ------------------------------------------------ the path of a gradient
     def _autograd_hook(self, index: int, param: nn.Parameter) -> None:
@@ -205,7 +236,7 @@ class Reducer(ReducerHookPoints):
 
     def finish_backward(self) -> None:
         """Every bucket launched? Then wait for each, write ``.grad``, and be ready for the next backward."""
-        self.backward_started = self._end_of_pass_queued = False
+        self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
         if self._next_to_launch < len(self.buckets):
             raise self._missing_gradients_error()
         for bucket in self.buckets:
@@ -242,7 +273,7 @@ class Reducer(ReducerHookPoints):
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0
-        self.backward_started = self._end_of_pass_queued = False
+        self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
         return missing
 
     # --------------------------------------------------------------- layers
