@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _get_device_index
 
 from minddp.bucket_order import LearnedBucketOrder
 from minddp.bucket_planner import AutoBuckets
@@ -40,6 +41,8 @@ from minddp.features.static_graph import StaticGraph
 from minddp.features.uneven_inputs import JoinedSteps, MiniDDPJoinHook
 from minddp.features.unused_parameters import UnusedParameters
 from minddp.join import Join, JoinHook
+from minddp.logging_data import ddp_logging_data
+from minddp.bucket_assignment import MiB
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_same_parameters
 from minddp.sync import broadcast_coalesced, module_device, move_to_device, on_device, process_group_of, sync_buffers
@@ -129,6 +132,8 @@ class MiniDDP(nn.Module):
             )
         self.module = module
         self.process_group = process_group_of(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh  # torch's DDP has this attribute only when given one
         self.world_size = dist.get_world_size(self.process_group)
         # torch 2.14's buffer rule: forward_sync_buffers says whether buffers are synchronized at
         # forward (and after a join); they are at construction too, unless the older
@@ -155,6 +160,10 @@ class MiniDDP(nn.Module):
         # torch's: a smaller first bucket (1 MiB) only when no cap was given
         self._first_bucket_cap_mb = FIRST_BUCKET_CAP_MB if bucket_cap_mb in (None, "auto") and bucket_cap_mb_list is None \
             else self.bucket_cap_mb
+        # torch's names for the caps, in bytes (frameworks and torch's own tests read them)
+        self.bucket_bytes_cap = int((25.0 if self.bucket_cap_mb == "auto" else self.bucket_cap_mb) * MiB)
+        self.bucket_bytes_cap_list = [int(cap * MiB) for cap in bucket_cap_mb_list or ()]
+        self.bucket_bytes_cap_default = self._first_bucket_cap_mb * MiB < self.bucket_bytes_cap
         self.timeline_asked, self.trace, self.learn_bucket_order = timeline, trace, learn_bucket_order
         # Names a library synchronizes itself (torch's ``_set_params_and_buffers_to_ignore_for_model``).
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -165,6 +174,7 @@ class MiniDDP(nn.Module):
             )
         self.device = module_device(list(module.parameters()), device_ids)
         self._input_device = self.device if device_ids is not None else None
+        self.device_ids = None if device_ids is None else [_get_device_index(d, True) for d in device_ids]
 
         # 1. Same model everywhere, then rank 0's values everywhere (on the
         #    module's GPU, whichever is current: see minddp.sync.on_device).
@@ -386,6 +396,11 @@ class MiniDDP(nn.Module):
     def tracer(self) -> Tracer | None:
         """The Chrome-trace recorder, with ``trace=True``; None otherwise."""
         return self._observer.tracer if self._observer is not None else None
+
+    def _get_ddp_logging_data(self) -> dict[str, int | str]:
+        """torch's dictionary of what this model is and did, for what MiniDDP knows (:mod:`minddp.logging_data`;
+        Lightning reads it after every ``fit``)."""
+        return ddp_logging_data(self)
 
     @property
     def bucket_names(self) -> list[list[str]]:

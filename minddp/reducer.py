@@ -46,6 +46,7 @@ from minddp.buckets import Bucket, BucketStorage
 from minddp.features import Layer
 from minddp.features.observed import ProfilerRanges
 from minddp.reducer_hooks import ReducerHookPoints
+from minddp.torch_reducer_calls import TorchReducerCalls
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
 
@@ -68,11 +69,12 @@ class ReducerOptions:
     first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB  # torch's: 1 MiB by default, the cap when one is given
 
 
-class Reducer(ReducerHookPoints):
+class Reducer(ReducerHookPoints, TorchReducerCalls):
     """Averages the gradients of ``params`` over ``process_group`` during backward.
 
     (What policies above may call, ``rebuild``, ``watch_arrivals``, bucket
-    storage, ``bucket_reduced_hook``, is in :class:`~minddp.reducer_hooks.ReducerHookPoints`:
+    storage, ``bucket_reduced_hook``, is in :class:`~minddp.reducer_hooks.ReducerHookPoints`,
+    what frameworks call on torch's reducer in :class:`~minddp.torch_reducer_calls.TorchReducerCalls`:
     methods only; every attribute the path reads is set in ``__init__`` here.)
     """
 
@@ -95,6 +97,8 @@ class Reducer(ReducerHookPoints):
         self.backward_started = False
         self._end_of_pass_queued = False
         self.backwards_done = 0
+        self.buckets_reduced = 0  # in the last synchronized backward
+        self.buckets_reduced_logged: int | None = None  # ... as of the last synchronized forward (torch's log)
         self.backward_done_callbacks: list[Callable[[], None]] = []
         self.comm_hook: tuple[Any, Callable] | None = None  # (state, hook): minddp.features.comm_hook
         self.globally_used: list[bool] | None = None  # None: every parameter had a gradient somewhere
@@ -162,6 +166,8 @@ class Reducer(ReducerHookPoints):
         Returns the rank whose buffers everyone takes now, or None for no broadcast (``buffers_due``:
         the last forward synchronized)."""
         self.forward_inside_backward = sync and torch._C._current_graph_task_id() != -1
+        if sync and self.backwards_done:  # torch's logger records the last backward's count here
+            self.buckets_reduced_logged = self.buckets_reduced
         return 0 if buffers_due else None
 
     def prepare_for_backward(self, output: Any) -> None:
@@ -244,6 +250,7 @@ class Reducer(ReducerHookPoints):
             bucket.reset()
         self._next_to_launch = 0
         self.backwards_done += 1
+        self.buckets_reduced = len(self.buckets)
         for callback in list(self.backward_done_callbacks):  # a callback may remove itself
             callback()
 

@@ -152,3 +152,69 @@ def _manual_optimization(rank, world_size):
 
 def test_sync_flag_is_read_at_the_end_of_forward_like_torch(ranks):
     ranks(2).run(_manual_optimization)
+
+
+# ------------------------------------------------ what frameworks read
+def _tower() -> nn.Module:
+    torch.manual_seed(0)  # 1 MiB + 2 KiB of float32 gradients per layer: two buckets after the rebuild
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(3)], nn.BatchNorm1d(512))
+
+
+def _logging_data(rank, world_size):
+    """``_get_ddp_logging_data()``: every key MiniDDP reports has torch's value, at construction and after
+    each step (Lightning reads ``can_set_static_graph`` from it: absent on both here, so None)."""
+    models = {"minddp": MiniDDP(_tower()), "torch": TorchDDP(_tower())}
+    reports = []
+    for step in range(4):
+        data = {label: model._get_ddp_logging_data() for label, model in models.items()}
+        mine = data["minddp"]
+        assert {k: data["torch"].get(k) for k in mine} == mine, f"step {step}"
+        assert mine.get("can_set_static_graph") == data["torch"].get("can_set_static_graph")
+        reports.append(mine)
+        for model in models.values():
+            model(torch.randn(4, 512)).sum().backward()
+    return reports
+
+
+def test_logging_data_holds_torchs_values_for_what_minddp_knows(ranks):
+    reports = ranks(2).run(_logging_data)[0]
+    assert reports[0]["world_size"] == 2 and reports[0]["module_name"] == "Sequential"
+    assert "num_buckets_reduced" not in reports[0] and "num_buckets_reduced" not in reports[1]
+    assert reports[2]["num_buckets_reduced"] == 1 and reports[3]["num_buckets_reduced"] == 2, reports  # 1 bucket, then 2
+
+
+def _caps(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for kwargs in ({}, {"bucket_cap_mb": 25}, {"bucket_cap_mb": 0.5}, {"bucket_cap_mb_list": [0.5, 2]},
+                   {"device_mesh": mesh}):
+        mini, native = MiniDDP(_tower(), **kwargs), TorchDDP(_tower(), **kwargs)
+        for name in ("bucket_bytes_cap", "bucket_bytes_cap_list", "bucket_bytes_cap_default", "device_ids"):
+            assert getattr(mini, name) == getattr(native, name), f"{kwargs}: {name}"
+        assert hasattr(mini, "device_mesh") == hasattr(native, "device_mesh"), kwargs
+        if "device_mesh" in kwargs:
+            assert mini.device_mesh is native.device_mesh is mesh
+
+
+def test_bucket_caps_and_device_mesh_read_as_torchs(ranks):
+    ranks(2).run(_caps)
+
+
+def _rebuild_and_delay(rank, world_size):
+    """Lightning calls ``reducer._rebuild_buckets()`` before each manual backward and, with
+    ``static_graph``, ``reducer._delay_all_reduce()`` after the first one."""
+    static = MiniDDP(_tower(), static_graph=True)
+    with pytest.raises(RuntimeError, match=r"_delay_all_reduce\(\): only after the first backward"):
+        static.reducer._delay_all_reduce()
+    assert static.reducer._rebuild_buckets() is False  # MiniDDP rebuilds at the end of a backward: none due
+    static(torch.randn(4, 512)).sum().backward()
+    static.reducer._delay_all_reduce()  # the first backward's gradients are reduced already
+    plain = MiniDDP(_tower())
+    plain(torch.randn(4, 512)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"_delay_all_reduce\(\).*static_graph=False"):
+        plain.reducer._delay_all_reduce()
+
+
+def test_rebuild_buckets_and_delay_all_reduce_answer_or_refuse_by_name(ranks):
+    ranks(2).run(_rebuild_and_delay)
