@@ -9,11 +9,13 @@ and life cycle are in :mod:`minddp.buckets`.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+import sys
 from typing import Sequence
 
 import torch
 
-__all__ = ["TensorSpec", "assign_buckets", "first_guess_buckets", "size_limits", "MiB", "FIRST_BUCKET_CAP_MB"]
+__all__ = ["TensorSpec", "assign_buckets", "bucket_groups", "first_guess_buckets", "first_guess_limits", "size_limits", "MiB",
+           "FIRST_BUCKET_CAP_MB"]
 
 MiB = 1024 * 1024
 # torch's DDP caps the first bucket at 1 MiB so the first all-reduce starts early (``dist._DEFAULT_FIRST_BUCKET_BYTES``),
@@ -97,3 +99,24 @@ def first_guess_buckets(specs: Sequence[TensorSpec], limits: Sequence[int]) -> l
     last-registered parameters launched first."""
     groups = assign_buckets(specs, limits[-1], per_bucket_caps=limits)
     return sorted(groups, key=min, reverse=True)
+
+
+def first_guess_limits(caps: tuple[int, int | None], per_bucket_caps: Sequence[int], options) -> list[int]:
+    """torch's limits for the first buckets: one bucket (per dtype) until the first rebuild, unless the
+    buckets will never be rebuilt (``find_unused_parameters`` without ``static_graph``: ``options``, the
+    reducer's) or caps per bucket were given."""
+    if per_bucket_caps:
+        return list(per_bucket_caps)
+    if options.static_graph or not options.find_unused_parameters:
+        return [sys.maxsize]
+    return size_limits(*caps)
+
+
+def bucket_groups(specs: Sequence[TensorSpec], order: Sequence[int] | None, caps: tuple[int, int | None],
+                  per_bucket_caps: Sequence[int], first_guess: Sequence[int]) -> list[list[int]]:
+    """Parameter indices per bucket, in launch order: by ``caps`` over the expected-arrival ``order``,
+    or, with ``order`` None, torch's first guess (limits ``first_guess``) over ``specs`` in registration order."""
+    if order is None:
+        return first_guess_buckets(specs, first_guess)
+    groups = assign_buckets([specs[i] for i in order], *caps, per_bucket_caps=per_bucket_caps)
+    return [[order[j] for j in group] for group in groups]

@@ -28,7 +28,7 @@ from torch._utils import _get_device_index
 from minddp.bucket_order import LearnedBucketOrder
 from minddp.bucket_planner import AutoBuckets
 from minddp.arguments import check_arguments, warn_broadcast_buffers_deprecated
-from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
+from minddp.comm_hooks import check_comm_hook
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket, CarryBuffers
 from minddp.features.comm_hook import CommHook
@@ -41,17 +41,16 @@ from minddp.features.static_graph import StaticGraph
 from minddp.features.uneven_inputs import JoinedSteps, MiniDDPJoinHook
 from minddp.features.unused_parameters import UnusedParameters
 from minddp.join import Join, JoinHook
-from minddp.logging_data import ddp_logging_data
-from minddp.bucket_assignment import MiB
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_same_parameters
+from minddp.torch_ddp_calls import TorchDDPCalls
 from minddp.sync import broadcast_coalesced, module_device, move_to_device, on_device, process_group_of, sync_buffers
 from minddp.trace import StepObserver, StepTimeline, Tracer
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
 
 
-class MiniDDP(nn.Module):
+class MiniDDP(TorchDDPCalls, nn.Module):
     """Wrap ``module`` so that ``backward()`` leaves the average gradient over all ranks.
 
     Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``
@@ -59,10 +58,8 @@ class MiniDDP(nn.Module):
 
     * ``process_group`` or a one-dimensional ``device_mesh``: the ranks to
       average over (default: the whole world).
-    * ``bucket_cap_mb``: gradients travel in flat buckets that close once they
-      hold this many MiB (default 25, and then the first one closes at 1 MiB);
-      0 means one parameter per bucket; until the first backward has shown the
-      order gradients arrive in, one bucket (torch's rule, :mod:`minddp.bucket_assignment`);
+    * ``bucket_cap_mb``: buckets close once they hold this many MiB (default 25, the first
+      at 1 MiB); 0: one parameter each; one bucket until a backward showed the order (torch's rule);
       ``bucket_cap_mb_list``: one cap per bucket, in launch order (the last
       for every bucket after it). ``"auto"`` (beyond torch): measure the first
       steps and the link, and rebuild the buckets once with the cap the
@@ -157,13 +154,8 @@ class MiniDDP(nn.Module):
         if bucket_cap_mb_list is not None:  # as torch: the largest is the cap reported
             self.bucket_cap_mb = max(bucket_cap_mb_list)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None
-        # torch's: a smaller first bucket (1 MiB) only when no cap was given
-        self._first_bucket_cap_mb = FIRST_BUCKET_CAP_MB if bucket_cap_mb in (None, "auto") and bucket_cap_mb_list is None \
-            else self.bucket_cap_mb
-        # torch's names for the caps, in bytes (frameworks and torch's own tests read them)
-        self.bucket_bytes_cap = int((25.0 if self.bucket_cap_mb == "auto" else self.bucket_cap_mb) * MiB)
-        self.bucket_bytes_cap_list = [int(cap * MiB) for cap in bucket_cap_mb_list or ()]
-        self.bucket_bytes_cap_default = self._first_bucket_cap_mb * MiB < self.bucket_bytes_cap
+        given = bucket_cap_mb not in (None, "auto") or bucket_cap_mb_list is not None  # torch: then no 1 MiB first
+        self._first_bucket_cap_mb = self.bucket_cap_mb if given else FIRST_BUCKET_CAP_MB
         self.timeline_asked, self.trace, self.learn_bucket_order = timeline, trace, learn_bucket_order
         # Names a library synchronizes itself (torch's ``_set_params_and_buffers_to_ignore_for_model``).
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -295,13 +287,6 @@ class MiniDDP(nn.Module):
         """Every parameter MiniDDP keeps equal on all ranks (trainable or not; not those left to the user)."""
         return [p for name, p in self.module.named_parameters() if name not in self.parameters_to_ignore]
 
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
-        """Leave these parameters and buffers (by name) out of MiniDDP, before wrapping ``module``: not
-        broadcast, not averaged, no hook. For state a library keeps in sync itself (e.g. a sharded
-        embedding table). torch's DDP's method of the same (private) name, which such libraries call."""
-        module._ddp_params_and_buffers_to_ignore = list(names)
-
     def _unfinished_backward_error(self) -> RuntimeError:
         missing = self.reducer.abandon_unfinished_backward()
         return RuntimeError(
@@ -340,10 +325,6 @@ class MiniDDP(nn.Module):
         check_comm_hook(hook)
         self.reducer.add_layer(CommHook, state=state, hook=hook)
         self.reducer.remove_layer(CarryBuffers)  # a hook need not be a sum: buffers go back to their broadcast
-
-    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
-        """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
-        self.register_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type))
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -396,11 +377,6 @@ class MiniDDP(nn.Module):
     def tracer(self) -> Tracer | None:
         """The Chrome-trace recorder, with ``trace=True``; None otherwise."""
         return self._observer.tracer if self._observer is not None else None
-
-    def _get_ddp_logging_data(self) -> dict[str, int | str]:
-        """torch's dictionary of what this model is and did, for what MiniDDP knows (:mod:`minddp.logging_data`;
-        Lightning reads it after every ``fit``)."""
-        return ddp_logging_data(self)
 
     @property
     def bucket_names(self) -> list[list[str]]:

@@ -33,7 +33,6 @@ overflow where N parts of their average cannot.
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets, first_guess_buckets, size_limits
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, bucket_groups, first_guess_limits
 from minddp.buckets import Bucket, BucketStorage
 from minddp.features import Layer
 from minddp.features.observed import ProfilerRanges
@@ -88,17 +87,14 @@ class Reducer(ReducerHookPoints, TorchReducerCalls):
         self.device = params[0].device
         self.divisor = self.world_size  # the average is over this many ranks (join() may lower it)
         self.scale = 1.0 / self.divisor  # what every gradient is multiplied by before the sum
-        # Armed by prepare_for_backward (at the end of a synchronized forward, or by a framework),
-        # disarmed when that backward ends: does the next backward communicate? (torch's expect_autograd_hooks_)
-        self.sync_this_backward = False
+        self.sync_this_backward = False  # armed by prepare_for_backward, until that backward ends
         # Also set at each synchronized forward: did it run inside a backward pass? (A reentrant
         # checkpoint around the whole model recomputes its forward there: see _on_pass_end.)
         self.forward_inside_backward = False
         self.backward_started = False
         self._end_of_pass_queued = False
         self.backwards_done = 0
-        self.buckets_reduced = 0  # in the last synchronized backward
-        self.buckets_reduced_logged: int | None = None  # ... as of the last synchronized forward (torch's log)
+        self.buckets_reduced, self.buckets_reduced_logged = 0, None  # last backward's; as of the last forward
         self.backward_done_callbacks: list[Callable[[], None]] = []
         self.comm_hook: tuple[Any, Callable] | None = None  # (state, hook): minddp.features.comm_hook
         self.globally_used: list[bool] | None = None  # None: every parameter had a gradient somewhere
@@ -107,50 +103,27 @@ class Reducer(ReducerHookPoints, TorchReducerCalls):
         self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
         self.order_to_learn = False  # set by a policy while the buckets await the order backward shows
+        self.first_guess_limits = first_guess_limits(self.caps, self.per_bucket_caps, options)
         self._index = {p: i for i, p in enumerate(params)}
-        # The first buckets: torch's first guess, or (learn_bucket_order=False) reverse registration for good.
-        self._build_buckets(None if options.learn_bucket_order else list(reversed(range(len(params)))))
+        self._build_buckets(None if options.learn_bucket_order else list(reversed(range(len(params)))))  # 1st guess
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
 
     def _build_buckets(self, order: list[int] | None) -> None:
-        """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``.
-
-        ``None``: torch's first guess, before a backward has shown the order (``first_guess_limits``).
-        """
+        """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:
+        torch's first guess, before a backward has shown the order (:mod:`minddp.bucket_assignment`)."""
         self.layout_order = order  # what a layer rebuilds the same buckets from
-        if order is None:
-            specs = [self._spec(i) for i in range(len(self.params))]
-            groups = first_guess_buckets(specs, self.first_guess_limits())
-        else:
-            specs = [self._spec(i) for i in order]
-            groups = [[order[j] for j in group]
-                      for group in assign_buckets(specs, *self.caps, per_bucket_caps=self.per_bucket_caps)]
-        self.buckets = [self._make_bucket(k, group, self.bucket_dtype(group[0]), len(groups))
-                        for k, group in enumerate(groups)]
-        # The plan every hook follows, worked out once here instead of at every
-        # gradient: parameter index -> (its bucket, its position there).
+        dtypes = [self.bucket_dtype(i) for i in range(len(self.params))]
+        specs = [TensorSpec(p.numel(), dtype.itemsize, dtype, self.device) for p, dtype in zip(self.params, dtypes)]
+        groups = bucket_groups(specs, order, self.caps, self.per_bucket_caps, self.first_guess_limits)
+        self.buckets = [self._make_bucket(k, group, dtypes[group[0]], len(groups)) for k, group in enumerate(groups)]
+        # The plan every hook follows, worked out once: parameter index -> (its bucket, its position there).
         self._indices = [[self._index[p] for p in bucket.params] for bucket in self.buckets]
         self._plan: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket, indices in zip(self.buckets, self._indices):
             for position, i in enumerate(indices):
                 self._plan[i] = (bucket, position)
         self._next_to_launch = 0
-
-    def first_guess_limits(self) -> list[int]:
-        """torch's limits for the first buckets: one bucket (per dtype) until the first rebuild, unless the
-        buckets will never be rebuilt (``find_unused_parameters`` without ``static_graph``) or caps per
-        bucket were given."""
-        if self.per_bucket_caps:
-            return list(self.per_bucket_caps)
-        if self.options.static_graph or not self.options.find_unused_parameters:
-            return [sys.maxsize]
-        return size_limits(*self.caps)
-
-    def _spec(self, index: int) -> TensorSpec:
-        dtype = self.bucket_dtype(index)
-        return TensorSpec(self.params[index].numel(), dtype.itemsize, dtype, self.device)
-
     def _make_bucket(self, k: int, indices: list[int], dtype: torch.dtype, count: int, extra_numel: int = 0) -> Bucket:
         """Bucket ``k`` of ``count``, for these parameter indices."""
         return Bucket(k, [self.params[i] for i in indices], [self.names[i] for i in indices], dtype, self.storage,
@@ -162,18 +135,16 @@ class Reducer(ReducerHookPoints, TorchReducerCalls):
 
     # ------------------------------------------------------- at every forward
     def prepare_for_forward(self, sync: bool, buffers_due: bool) -> int | None:
-        """Before the module's forward (``sync``: will its backward communicate, as the flag reads now).
-        Returns the rank whose buffers everyone takes now, or None for no broadcast (``buffers_due``:
-        the last forward synchronized)."""
+        """Before the module's forward (``sync``: the flag as it reads now). Returns the rank whose buffers
+        everyone takes now, or None for no broadcast (``buffers_due``: the last forward synchronized)."""
         self.forward_inside_backward = sync and torch._C._current_graph_task_id() != -1
         if sync and self.backwards_done:  # torch's logger records the last backward's count here
             self.buckets_reduced_logged = self.buckets_reduced
         return 0 if buffers_due else None
 
     def prepare_for_backward(self, output: Any) -> None:
-        """Arm the reducer: the next backward averages. Called at the end of a synchronized forward with
-        its output (where unused parameters are searched for), or by a framework with ``[]`` after
-        forwards run under ``no_sync()`` (accelerate's ``trigger_sync_in_backward``), as torch's is."""
+        """Arm the reducer: the next backward averages. At the end of a synchronized forward, with its output
+        (to search for unused parameters), or by a framework (accelerate's ``trigger_sync_in_backward``)."""
         self.sync_this_backward = True
 
     # ------------------------------------------------ the path of a gradient
