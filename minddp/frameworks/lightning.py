@@ -58,7 +58,7 @@ class MiniDDPStrategy(DDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         model, module = self.model, self.lightning_module
         if (isinstance(model, MiniDDP) and module is not None and not module.automatic_optimization
-                and model.static_graph and not self._pl_static_graph_delay_done):
+                and model.static_graph and not getattr(self, "_pl_static_graph_delay_done", False)):
             model.reducer._delay_all_reduce()
             self._pl_static_graph_delay_done = True
 

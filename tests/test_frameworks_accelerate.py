@@ -1,0 +1,40 @@
+"""accelerate's own shipped test scripts (``accelerate/test_utils/scripts``), unmodified, on 2 CPU ranks,
+with MiniDDP swapped in the way ``docs/frameworks.md`` tells a user to, and with torch's DDP as the
+control: each must pass with both. ``test_sync.py`` is the one that caught ``trigger_sync_in_backward``
+averaging nothing (its ``test_distributed_sync_multiple_fwd``)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+accelerate = pytest.importorskip("accelerate", reason="accelerate not installed: pip install minddp[frameworks]")
+
+SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
+RUN = Path(__file__).parent / "frameworks" / "accelerate_run.py"
+ROOT = Path(__file__).parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(which: str, script: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), str(RUN), which, str(SCRIPTS / script)]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, f"{script} with {which}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script", ["test_sync.py", "test_script.py"])
+@pytest.mark.parametrize("which", ["torch", "minddp"])
+def test_accelerates_script_passes(tmp_path, which, script):
+    _run(which, script, tmp_path)
