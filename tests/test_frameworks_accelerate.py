@@ -40,3 +40,39 @@ def _run(which: str, script: str, tmp_path: Path, *flags: str) -> None:
 @pytest.mark.parametrize("which", ["torch", "minddp"])
 def test_accelerates_script_passes(tmp_path, which, script, flags):
     _run(which, script, tmp_path, *flags)
+
+
+def _kwargs_from_accelerate(rank, world_size):
+    """``DistributedDataParallelKwargs(check_reduction=True, dim=1)``: accelerate passes both on (they are not
+    its defaults); torch's DDP takes them (a FutureWarning for check_reduction), and so must MiniDDP."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from accelerate import DistributedDataParallelKwargs
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from minddp import MiniDDP
+
+    kwargs = DistributedDataParallelKwargs(check_reduction=True, dim=1).to_kwargs()
+    assert kwargs == {"check_reduction": True, "dim": 1}
+    grads = {}
+    for label, cls in (("minddp", MiniDDP), ("torch", TorchDDP)):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = cls(torch.nn.Linear(4, 2), **kwargs)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        F.mse_loss(model(x), torch.zeros(3, 2)).backward()
+        grads[label] = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads["minddp"], grads["torch"]))
+
+
+def test_ddp_kwargs_through_accelerate_are_taken_like_torch(ranks):
+    import inspect
+
+    from minddp import MiniDDP
+
+    if not {"check_reduction", "dim"} <= set(inspect.signature(MiniDDP.__init__).parameters):
+        pytest.skip("MiniDDP does not take check_reduction and dim yet (torch 2.15's arguments: the lead's change)")
+    ranks(2).run(_kwargs_from_accelerate)
