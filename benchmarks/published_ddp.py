@@ -45,7 +45,7 @@ from minddp.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
 PROFILES = os.path.join(ROOT, "benchmarks", "published_ddp_profiles.json")
 TRACE_BATCH = 4  # the shape of a step, not its length: the published step time sets that
 MODELS = ("resnet50", "resnet101", "resnext50_32x4d", "resnext101_32x8d")
-TRACED = (*MODELS, "vgg16")
+TRACED = (*MODELS, "vgg16", "alexnet")
 CALIBRATION = ("resnet50", "resnext101_32x8d")  # the rest are held out
 WORLDS = (1, 2, 4, 8, 16)
 # p50 seconds per iteration: no DDP on 1 GPU, then DDP on 1, 2, 4, 8, 16 GPUs (bucket_cap_mb 25).
@@ -93,13 +93,17 @@ def vgg16():  # not in the DDP table: lesson 17 compares it with Horovod's publi
     return _torchvision("vgg16")
 
 
-def retrace() -> None:
+def alexnet():  # not in the DDP table: benchmarks/published_scaling.py checks TensorFlow's DGX-1 curve with it
+    return _torchvision("alexnet")
+
+
+def retrace(names=TRACED) -> None:
     """Trace every model with ``python -m minddp.simulate --record``'s machinery; keep the small profiles."""
     from minddp.simulate.record import record_trace
 
-    saved = {}
+    saved = load_profiles(PROFILES) if os.path.exists(PROFILES) else {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in TRACED:
+        for name in names:
             path = os.path.join(tmp, f"{name}.json")
             print(f"tracing {name} (batch {TRACE_BATCH}, CPU, world size 1)...", flush=True)
             record_trace(f"{os.path.abspath(__file__)}:{name}", path, steps=3, warmup=2)

@@ -9,7 +9,8 @@ import torch
 
 from minddp.sync import BUFFER_POLICIES
 
-__all__ = ["check_arguments", "warn_broadcast_buffers_deprecated"]
+__all__ = ["check_arguments", "refuse_unsupported", "warn_broadcast_buffers_deprecated",
+           "warn_check_reduction_deprecated"]
 
 
 def check_arguments(buffer_sync: str, check_sync_every: int, bucket_cap_mb: Any, bucket_cap_mb_list: Any,
@@ -42,3 +43,29 @@ def warn_broadcast_buffers_deprecated(forward_sync_buffers_given: bool) -> None:
                    "Unlike broadcast_buffers=False, forward_sync_buffers=False still copies rank 0's buffers "
                    "at construction: keep broadcast_buffers=False if each rank's buffers must stay its own")
     warnings.warn(message, FutureWarning, stacklevel=3)
+
+
+def refuse_unsupported(delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any, mixed_precision: Any,
+                       lazy_bucket_views: bool) -> None:
+    """torch's DDP arguments MiniDDP does not implement: each refused by name, with what to use instead."""
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise NotImplementedError(
+            "MiniDDP does not take delay_all_reduce_named_params / param_to_hook_all_reduce (torch's DDP "
+            "launches those parameters' all-reduce, unawaited, from another parameter's hook). Leave them out "
+            "with MiniDDP._set_params_and_buffers_to_ignore_for_model(module, names) and all-reduce their "
+            "gradients yourself")
+    if mixed_precision is not None:
+        raise NotImplementedError(
+            "MiniDDP does not take torch's prototype mixed_precision config: compute in low precision with "
+            "torch.autocast, or keep bf16/fp16 parameters and reduce their gradients in float32 with "
+            "MiniDDP(..., reduce_dtype=torch.float32)")
+    if lazy_bucket_views:
+        raise ValueError(
+            "lazy_bucket_allocation=True and gradient_as_bucket_view=True cannot go together in MiniDDP: "
+            "each .grad would be a view into a bucket freed after backward")
+
+
+def warn_check_reduction_deprecated() -> None:
+    """torch's DDP warns, and ignores it: every reduction finishes or raises anyway."""
+    warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+                  "Please avoid using it.", FutureWarning, stacklevel=3)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Bucket", "BucketStorage"]
+__all__ = ["Bucket", "BucketStorage", "BuffersPerBackward"]
 
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
@@ -61,12 +61,21 @@ class BucketStorage:
     stage 2 lends them from a pool instead (:mod:`minddp.features.lent_buckets`)."""
 
     keep_buffers = True
+    release_after_backward = False  # give a buffer back once its averages are in .grad
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         pass
+
+
+class BuffersPerBackward(BucketStorage):
+    """``lazy_bucket_allocation=True``: a bucket's buffer is allocated when its gradients are copied
+    in and freed once the averages are back in ``.grad``, so none is held between steps."""
+
+    keep_buffers = False
+    release_after_backward = True
 
 
 class Bucket:

@@ -27,7 +27,9 @@ from torch._utils import _get_device_index
 
 from minddp.bucket_order import LearnedBucketOrder
 from minddp.bucket_planner import AutoBuckets
-from minddp.arguments import check_arguments, warn_broadcast_buffers_deprecated
+from minddp.buckets import BuffersPerBackward
+from minddp.arguments import (check_arguments, refuse_unsupported, warn_broadcast_buffers_deprecated,
+                              warn_check_reduction_deprecated)
 from minddp.comm_hooks import check_comm_hook
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket, CarryBuffers
@@ -75,7 +77,17 @@ class MiniDDP(TorchDDPCalls, nn.Module):
       the end of backward, naming it. ``skip_all_reduce_unused_params``:
       with it, a promise that the unused ones stay the same on every rank.
     * ``gradient_as_bucket_view``: each ``p.grad`` is a view into its bucket.
-    * ``device_ids``: the module's one device; the forward's inputs go there (``output_device``: ignored).
+    * ``device_ids``: the module's one device; the forward's inputs go there (``output_device``
+      and ``dim``: kept, and without effect, as in torch's DDP with one device per process).
+    * ``init_sync``: at construction, check that every rank has the same parameters and copy rank
+      0's values everywhere (default); False: the caller promises both.
+    * ``batched_grad_copy`` (torch 2.15): copy a bucket's gradients in and out in one batched call.
+      MiniDDP always does (:meth:`minddp.buckets.Bucket.copy_in`); kept for torch's signature.
+    * ``lazy_bucket_allocation`` (torch 2.15): a bucket's buffer is allocated when its gradients
+      are copied in, and freed once they are back in ``.grad``: no bucket memory between steps.
+    * ``check_reduction``: deprecated in torch, a ``FutureWarning`` here too.
+    * ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce`` and ``mixed_precision``
+      (torch's internal and prototype options): refused with an error that says what to use instead.
     * ``static_graph``: every iteration uses the same parameters the same
       number of times (lets a block run twice under a reentrant checkpoint).
     * ``require_backward_grad_sync`` (attribute), ``no_sync()``: accumulate gradients locally.
@@ -103,17 +115,25 @@ class MiniDDP(TorchDDPCalls, nn.Module):
         module: nn.Module,
         device_ids: list | None = None,
         output_device: Any = None,
-        *,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | str | None = None,
-        broadcast_buffers: bool | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
-        forward_sync_buffers: bool | None = None,
-        skip_all_reduce_unused_params: bool = False,
+        delay_all_reduce_named_params: list | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
         device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
         bucket_cap_mb_list: list[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        lazy_bucket_allocation: bool = False,
+        *,
         reduce_dtype: torch.dtype | None = None,
         buffer_sync: str | None = None,
         check_sync_every: int = 0,
@@ -127,7 +147,12 @@ class MiniDDP(TorchDDPCalls, nn.Module):
                 "MiniDDP needs an initialized process group: call "
                 "torch.distributed.init_process_group (or minddp.init_distributed) first"
             )
+        refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+                           lazy_bucket_allocation and gradient_as_bucket_view)
+        if check_reduction:
+            warn_check_reduction_deprecated()
         self.module = module
+        self.dim = dim  # torch's too: it splits inputs over several devices of one process, which neither does
         self.process_group = process_group_of(process_group, device_mesh)
         if device_mesh is not None:
             self.device_mesh = device_mesh  # torch's DDP has this attribute only when given one
@@ -148,6 +173,8 @@ class MiniDDP(TorchDDPCalls, nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy  # MiniDDP always copies a bucket's gradients in one batch
+        self.lazy_bucket_allocation = lazy_bucket_allocation
         self.static_graph = static_graph
         self.reduce_dtype = reduce_dtype
         self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb  # "auto" stays "auto"
@@ -170,10 +197,12 @@ class MiniDDP(TorchDDPCalls, nn.Module):
 
         # 1. Same model everywhere, then rank 0's values everywhere (on the
         #    module's GPU, whichever is current: see minddp.sync.on_device).
-        with on_device(self.device):
-            check_same_parameters(module, self.process_group, self.parameters_to_ignore)
-            states = self._module_parameters() + (self._module_buffers() if init_sync_buffers else [])
-            broadcast_coalesced(states, self.process_group)
+        #    init_sync=False: the caller promises both already (torch's argument).
+        if init_sync:
+            with on_device(self.device):
+                check_same_parameters(module, self.process_group, self.parameters_to_ignore)
+                states = self._module_parameters() + (self._module_buffers() if init_sync_buffers else [])
+                broadcast_coalesced(states, self.process_group)
 
         # 2. The reducer and its layers (no collective: a copy or a reloaded
         #    pickle builds them again, see __setstate__).
@@ -192,6 +221,8 @@ class MiniDDP(TorchDDPCalls, nn.Module):
                                  tuple(self.bucket_cap_mb_list) if self.bucket_cap_mb_list else None,
                                  self._first_bucket_cap_mb)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options)
+        if self.lazy_bucket_allocation:
+            self.reducer.use_bucket_storage(BuffersPerBackward())
         self._observer: StepObserver | None = None
         self._stack_features()
         if self.learn_bucket_order and (self.static_graph or not self.find_unused_parameters):  # torch's rule

@@ -38,6 +38,9 @@ comment above :data:`PRESETS`). What the model leaves out: congestion and
 topology of the switch fabric, NCCL's pipelining of chunks and several
 channels, protocol switches with message size, and a per-collective base
 cost; it is a first-order model, good for trends and bucket trade-offs.
+:mod:`minddp.simulate.nccl` models those (rings and trees pipelined across
+nodes, NCCL's protocols and costs) for a machine of several GPUs per node;
+the simulator uses it for every :class:`~minddp.simulate.nccl.Cluster`.
 
 This one model serves two users: :mod:`minddp.simulate` replays a step at
 any world size with it, and the lessons' simulated link makes a real Gloo

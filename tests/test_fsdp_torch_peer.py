@@ -10,7 +10,8 @@ keeps its own, from its own batch.
 
 Mixed precision too: with the same policy both gather the same fp32 shard
 cast to fp16/bf16, compute the same low-precision forward and backward, and
-reduce the same low-precision gradients; what FSDP2 gets against fp32
+reduce the same gradients in the same dtype (with ``reduce_dtype=None``: in
+``param_dtype`` up to torch 2.14, in the parameters' own fp32 from 2.15); what FSDP2 gets against fp32
 training (3 AdamW steps: parameters up to 0.03 apart in bf16), we get too,
 to the bit.
 """
@@ -102,3 +103,19 @@ def test_cnn_with_batchnorm_equals_torch_fully_shard_bit_for_bit(ranks):
 def test_gpt_mixed_precision_equals_torch_fully_shard_bit_for_bit(ranks, param_dtype, reduce_dtype, policy_class):
     for differences in ranks(2).run(_train_both, "gpt", param_dtype, reduce_dtype, policy_class, timeout_s=90):
         assert differences == [[]] * STEPS
+
+
+def test_reduce_dtype_default_follows_the_installed_torch():
+    """With reduce_dtype=None FSDP2 reduced in param_dtype up to torch 2.14 and reduces in the parameters'
+    own dtype from 2.15 (the bit-for-bit tests above hold on either only if minddp follows)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    expected = torch.float32 if torch.__version__ >= (2, 15) else torch.bfloat16
+    assert policy.communication_dtype(torch.float32) == expected
+    assert MixedPrecisionPolicy(torch.bfloat16, torch.float16).communication_dtype(torch.float32) == torch.float16
+
+
+@pytest.mark.skipif(not hasattr(TorchPolicy, "_resolve_for_param"), reason="param_dtype_override_fn is torch 2.15's")
+def test_torch_policy_with_a_per_parameter_override_is_refused_by_name():
+    torch_policy = TorchPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: None)
+    with pytest.raises(ValueError, match="param_dtype_override_fn"):
+        MixedPrecisionPolicy.like(torch_policy)

@@ -12,7 +12,7 @@ import pytest
 from minddp.network import Hierarchy, Link, ring_allreduce_time
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
 from minddp.simulate.__main__ import main
-from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, parse_rate
+from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, network_table, parse_rate
 from minddp.simulate.overheads import ComputeClock, Overheads
 from minddp.simulate.profile import load_profile, save_profile
 
@@ -122,9 +122,10 @@ def test_nics_shared_by_the_gpus_of_a_node_divide_between_them():
 def test_presets_are_at_the_achieved_bandwidth_and_say_where_it_comes_from():
     assert lookup_network("nvlink4").bandwidth_Bps == pytest.approx(370e9)
     assert lookup_network("nvlink4", nominal=True).bandwidth_Bps == pytest.approx(450e9)
-    assert "nccl-tests issue 212" in lookup_network("nvlink4").source
+    assert "nccl-tests issue 212" in network_table()
+    assert "preset nvlink4: 82% of 450" in lookup_network("nvlink4").source
     dgx1 = lookup_network("dgx1-v100")
-    assert dgx1.inter.bandwidth_Bps == pytest.approx(12.5e9 * 4 / 8 * 0.8)  # 4 EDR NICs for 8 GPUs, 80% achieved
+    assert dgx1.inter.bandwidth_Bps == pytest.approx(12.5e9 * 4 / 8 * 0.96)  # 4 EDR NICs for 8 GPUs, 96% achieved
 
 
 def nccl_table(link, world, sizes):
@@ -216,7 +217,8 @@ def test_command_fits_both_levels_to_measured_tables(tmp_path, capsys, trace_pat
     assert main(["--trace", trace_path, "--fit-table", str(tmp_path / "inter.txt"), "--intra-fit-table",
                  str(tmp_path / "intra.txt"), "--gpus-per-node", "8", "--nics-per-node", "8", "--world", "16"]) == 0
     out = capsys.readouterr().out
-    assert "inside: 100 GB/s, 4 us; between nodes 10 GB/s per NIC, 20 us" in out, out
+    assert "between nodes, per NIC: 10 GB/s (fit --fit-table inter.txt), 20 us per step (fit --fit-table inter.txt)" in out
+    assert "100 GB/s (fit --intra-fit-table intra.txt), 4 us per step (fit --intra-fit-table intra.txt)" in out, out
     assert main(["--trace", trace_path, "--fit-table", str(tmp_path / "missing.txt")]) == 2
     assert "--fit-table: cannot read" in capsys.readouterr().err
 
@@ -240,3 +242,19 @@ def test_a_network_fitted_to_this_machines_benchmark_json():
     assert link.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=1e-6)
     with pytest.raises(ValueError, match="median_ms"):
         fit_network_table(json.dumps({"rows": []}), world_size=2)
+
+
+def test_fit_table_prints_each_rows_residual(tmp_path, capsys, trace_path):
+    truth = Link("net", 20e-6, 10e9)
+    sizes = [2**k for k in range(16, 30, 2)]
+    text = nccl_table(truth, 4, sizes).splitlines()
+    text[-1] = text[-1].replace(f"{ring_allreduce_time(sizes[-1], 4, truth) * 1e6:9.2f}",
+                                f"{ring_allreduce_time(sizes[-1], 4, truth) * 1.5e6:9.2f}", 1)  # one row off the line
+    (tmp_path / "t.txt").write_text("\n".join(text))
+    assert main(["--trace", trace_path, "--fit-table", str(tmp_path / "t.txt"), "--world", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()
+            and len(line.split("|")) == 6]
+    assert [int(r.split("|")[1]) for r in rows] == sizes
+    residuals = [float(r.split("|")[4].strip().rstrip("%")) for r in rows]
+    assert abs(residuals[-1]) == max(abs(x) for x in residuals) and abs(residuals[-1]) > 5

@@ -3,20 +3,17 @@
 No model is traced here: the shapes come from benchmarks/published_ddp_profiles.json (committed).
 """
 
-import importlib.util
 import pathlib
 
 import pytest
+from simulate_cli import benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def published():
-    spec = importlib.util.spec_from_file_location("published_ddp", ROOT / "benchmarks" / "published_ddp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("published_ddp")
 
 
 @pytest.fixture(scope="module")

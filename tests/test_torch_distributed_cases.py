@@ -1,7 +1,7 @@
 """Behaviours torch's large DDP suite (``distributed_test.py``) checks, MiniDDP beside torch's DDP.
 
 Running torch's ``torch/testing/_internal/distributed/distributed_test.py``
-against minddp (``scripts/torch_suites.py``) found defects the smaller
+against minddp (``scripts/torch_suites/run.py``) found defects the smaller
 files did not. Each is reproduced here in our own words; where the
 behaviour runs on CPU, torch's DDP does the same thing in the same rank
 function, so a difference from torch fails the test.

@@ -1,6 +1,6 @@
 """The torch-suites runner's own logic, on a tiny fake test file (torch's real files are not in the project).
 
-``scripts/torch_suites.py`` selects tests by name, re-targets GPU-only tests
+``scripts/torch_suites/run.py`` selects tests by name, re-targets GPU-only tests
 to the CPU and reads results back; these tests check each of those pieces
 without installing its process-wide patches (they would swap torch's DDP
 class in this very pytest process).
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import torch_suites  # noqa: E402
-import torch_suites_patches as patches  # noqa: E402
+RUNNER = Path(__file__).resolve().parent.parent / "scripts" / "torch_suites"
+sys.path.insert(0, str(RUNNER))
+import run as torch_suites  # noqa: E402
+import patches  # noqa: E402
 
 FAKE_SUITE = textwrap.dedent('''
     import unittest
@@ -135,9 +135,9 @@ def test_tests_needing_an_accelerator_backend_skip_without_one():
 
 
 # ---------------------------------------------------------------- distributed_test.py: selection by reach
-import torch_suites_classify as classify  # noqa: E402
-import torch_suites_distributed as distributed  # noqa: E402
-import torch_suites_select as select  # noqa: E402
+import classify  # noqa: E402
+import distributed  # noqa: E402
+import selection  # noqa: E402
 
 FAKE_BASE = textwrap.dedent('''
     from torch.nn.parallel import DistributedDataParallel
@@ -172,8 +172,8 @@ FAKE_BASE = textwrap.dedent('''
 
 
 def test_a_test_is_selected_when_its_code_or_a_helper_of_it_names_a_class_under_test():
-    reaches = select.reach_of_tests(FAKE_BASE, "_DistTestBase")
-    assert select.selected(reaches) == ["test_through_two_helpers", "test_through_a_top_level_function", "test_sampler"]
+    reaches = selection.reach_of_tests(FAKE_BASE, "_DistTestBase")
+    assert selection.selected(reaches) == ["test_through_two_helpers", "test_through_a_top_level_function", "test_sampler"]
     assert reaches["test_through_two_helpers"].targets == {"DistributedDataParallel"}
     assert reaches["test_through_a_top_level_function"].targets == {"SyncBatchNorm"}
     assert reaches["test_sampler"].targets == {"DistributedSampler"}
@@ -181,15 +181,15 @@ def test_a_test_is_selected_when_its_code_or_a_helper_of_it_names_a_class_under_
 
 
 def test_reach_also_gives_private_names_not_of_self_and_the_gpu_mark():
-    reaches = select.reach_of_tests(FAKE_BASE, "_DistTestBase")
+    reaches = selection.reach_of_tests(FAKE_BASE, "_DistTestBase")
     assert reaches["test_through_two_helpers"].private_names == {"_get_ddp_logging_data"}  # not self._barrier
     assert [name for name, r in reaches.items() if r.gpu_decorated] == ["test_through_a_top_level_function"]
 
 
 def test_k_takes_several_parts_and_an_exact_end():
-    assert select.matches("m.C.test_a", None) and select.matches("m.C.test_a", "nope,test_")
-    assert select.matches("m.C.test_a", ".test_a$") and not select.matches("m.C.test_a_b", ".test_a$")
-    assert not select.matches("m.C.test_a", "other")
+    assert selection.matches("m.C.test_a", None) and selection.matches("m.C.test_a", "nope,test_")
+    assert selection.matches("m.C.test_a", ".test_a$") and not selection.matches("m.C.test_a_b", ".test_a$")
+    assert not selection.matches("m.C.test_a", "other")
 
 
 # ---------------------------------------------------------------- classification
@@ -281,7 +281,7 @@ def test_only_the_classes_a_test_reaches_are_minddps(monkeypatch):
     assert issubclass(suite.DistributedSampler, minddp.DistributedSampler)
     assert issubclass(suite.DistributedDataParallel, torch.nn.parallel.distributed.DistributedDataParallel)
     assert torch.nn.SyncBatchNorm is torch.nn.modules.SyncBatchNorm
-    assert set(distributed.use_classes(suite, "torch", set(select.TARGETS)).values()) == {"torch"}
+    assert set(distributed.use_classes(suite, "torch", set(selection.TARGETS)).values()) == {"torch"}
 
 
 def test_cuda_device_calls_do_nothing_in_a_test_moved_to_the_cpu():

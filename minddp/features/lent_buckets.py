@@ -9,6 +9,8 @@
   needs a slot, and gives it back as soon as its result was taken: a few
   buffers in flight instead of a full copy of all gradients. Buffers come
   back dirty: every slot is overwritten before it is sent.
+* ``lazy_bucket_allocation=True`` (:class:`~minddp.buckets.BuffersPerBackward`): the same
+  late ``acquire``, and every buffer released once its averages are in ``.grad``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class LentBuckets(Layer):
     def write_grads(self, bucket) -> None:
         if not self._hand_over(bucket):
             super().write_grads(bucket)
+            if self.storage.release_after_backward:  # lazy_bucket_allocation: nothing kept between steps
+                bucket.release()
 
     def _hand_over(self, bucket) -> bool:
         """Offer a reduced bucket to the hook (once per backward); True if taken (then its buffer may go

@@ -7,6 +7,7 @@
     python -m minddp.simulate --trace run.json --fit-table all_reduce_perf.txt --step-ms 100
 
     python -m minddp.simulate zero --model 7.5b --network dgx-h100      # DDP vs ZeRO stages 1, 2 and 3
+    python -m minddp.simulate collective all_reduce --bytes 8:1G --world 16 --network dgx-a100   # nccl-tests' columns
     python -m minddp.simulate --list-networks                          # the presets: nominal, achieved, sources
 
 The trace gives the step's shape (forward, when each gradient is ready,
@@ -27,11 +28,13 @@ import os
 import sys
 from dataclasses import replace
 
-from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, positive, whole
-from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, names, network_table, parse_rate
+from minddp.simulate.arguments import OneLineParser, at_least_zero, listed, one_line_errors, positive, whole
+from minddp.simulate.cluster import network_table
+from minddp.simulate.network_flags import add_network_flags, fit_residuals, model_of, network_figures, network_from  # noqa: F401
 from minddp.simulate.overheads import OVERHEAD_PRESETS, get_overheads
 from minddp.simulate.profile import load_profile
 from minddp.models import MODEL_NAMES
+from minddp.simulate.nccl import Cluster
 from minddp.simulate.record import load_builder, record_trace
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.simulate.report import draw_scaling, draw_timeline, format_table, have_matplotlib, sweep
@@ -39,48 +42,29 @@ from minddp.simulate.report import draw_scaling, draw_timeline, format_table, ha
 DEFAULT_OVERHEADS = "nccl-v100"
 
 
-def _rate(text: str) -> float:
-    try:
-        return parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"must be {e}") from None
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="python -m minddp.simulate", description=__doc__.strip().splitlines()[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter,
                       epilog="python -m minddp.simulate zero --help: memory per rank and step time of DDP "
                              "against ZeRO stages 1, 2 and 3, for a model given by its size (no trace); "
-                             "python -m minddp.simulate --list-networks: the presets")
+                             "python -m minddp.simulate --list-networks: the presets; "
+                             "python -m minddp.simulate collective --help: one collective in nccl-tests' columns")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="Chrome trace of MiniDDP(..., trace=True), or a profile saved by save_profile")
     source.add_argument("--record", metavar="MODEL", help="first trace a model: a minddp.models name, or "
                         "module:function / file.py:function returning (model, batch) or (model, batch, loss_fn)")
     p.add_argument("--out", default="run.json", help="where --record writes its trace (default %(default)s)")
     p.add_argument("--record-world", type=whole, default=1, help="ranks for --record (default %(default)s)")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="--record: MiniDDP(find_unused_parameters=True), for a model whose forward leaves parameters out")
+    p.add_argument("--static-graph", action="store_true", help="--record: MiniDDP(static_graph=True)")
     t = p.add_argument_group("compute times (one of)")
     t.add_argument("--step-ms", type=positive, help="one step on one GPU without DDP, measured: the trace scaled to it")
     t.add_argument("--forward-ms", type=positive, help="forward, measured (with --backward-ms)")
     t.add_argument("--backward-ms", type=positive, help="backward, measured (with --forward-ms)")
     t.add_argument("--after-backward-ms", type=positive, help="optimizer step and the rest, measured (optional)")
     t.add_argument("--compute-scale", type=positive, help="divide the traced times by this (a device N x this CPU)")
-    n = p.add_argument_group("network (a preset, changed by any figure given)")
-    n.add_argument("--network", default="ib400", help=f"one of: {', '.join(names())} (default %(default)s)")
-    n.add_argument("--nominal", action="store_true", help="presets at their line rate, not the achieved bandwidth")
-    n.add_argument("--latency-us", type=at_least_zero, help="between nodes: microseconds per ring step")
-    n.add_argument("--bandwidth", type=_rate, help="between nodes: one NIC's achieved bus bandwidth (50GB/s, 400Gb/s)")
-    n.add_argument("--nominal-bandwidth", type=_rate, help="one NIC's line rate (with --efficiency)")
-    n.add_argument("--efficiency", type=positive, help="achieved / nominal, in (0, 1]")
-    n.add_argument("--gpus-per-node", type=whole)
-    n.add_argument("--nics-per-node", type=whole, help="NICs the node's GPUs share (default: one per GPU)")
-    n.add_argument("--intra-latency-us", type=at_least_zero, help="inside a node: microseconds per ring step")
-    n.add_argument("--intra-bandwidth", type=_rate, help="inside a node: achieved bus bandwidth per GPU")
-    n.add_argument("--fit-table", metavar="FILE", help="fit the network (with --gpus-per-node > 1: one NIC, measured "
-                   "at one GPU per node) to all_reduce_perf (nccl-tests) output, or to the JSON of "
-                   "benchmarks/validate_simulator.py --json")
-    n.add_argument("--fit-world", type=whole, help="ranks of --fit-table (default: its '# Rank' lines)")
-    n.add_argument("--intra-fit-table", metavar="FILE", help="fit the link inside a node to all_reduce_perf output "
-                   "measured on one node")
+    add_network_flags(p)
     d = p.add_argument_group("DDP")
     d.add_argument("--world", type=listed(whole), default=[8, 64, 512, 1024], help="world sizes, comma-separated")
     d.add_argument("--bucket-mb", type=listed(positive), default=[1, 5, 25, 100], help="bucket caps in MiB")
@@ -104,32 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _fitted(flag: str, path: str, world: int | None):
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
-    try:
-        return fit_network_table(text, world)
-    except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
-
-
-def network_from(args: argparse.Namespace):
-    base = (_fitted("--fit-table", args.fit_table, args.fit_world) if args.fit_table
-            else lookup_network(args.network, nominal=args.nominal))
-    if args.intra_fit_table:
-        if args.intra_latency_us is not None or args.intra_bandwidth is not None:
-            raise ValueError("--intra-fit-table or --intra-latency-us/--intra-bandwidth, not both")
-        intra = _fitted("--intra-fit-table", args.intra_fit_table, None)
-        args.intra_latency_us, args.intra_bandwidth = intra.alpha_s * 1e6, intra.bandwidth_Bps
-    figures = dict(latency_us=args.latency_us, bandwidth_Bps=args.bandwidth, nominal_Bps=args.nominal_bandwidth,
-                   efficiency=args.efficiency, gpus_per_node=args.gpus_per_node, nics_per_node=args.nics_per_node,
-                   intra_latency_us=args.intra_latency_us, intra_bandwidth_Bps=args.intra_bandwidth)
-    return build_network(base, **figures) if any(v is not None for v in figures.values()) else base
-
-
 def compute_from(args: argparse.Namespace, path: str):
     try:
         profile = load_profile(path)
@@ -137,6 +95,8 @@ def compute_from(args: argparse.Namespace, path: str):
         raise ValueError(f"--trace: cannot read {path} ({e.strerror})") from None
     except json.JSONDecodeError:
         raise ValueError(f"--trace: {path} is not a JSON trace") from None
+    except ValueError as e:
+        raise ValueError(f"--trace {path}: {e}") from None
     if args.compute_scale is not None:
         if any(v is not None for v in (args.step_ms, args.forward_ms, args.backward_ms)):
             raise ValueError("--compute-scale or measured times (--step-ms, --forward-ms/--backward-ms), not both")
@@ -165,35 +125,42 @@ def main(argv: list[str] | None = None) -> int:
         from minddp.simulate.zero_report import main as zero_main
 
         return zero_main(argv[1:])
+    if argv[:1] == ["collective"]:  # one collective in nccl-tests' columns (minddp.simulate.collective_report)
+        from minddp.simulate.collective_report import main as collective_main
+
+        return collective_main(argv[1:])
     if argv[:1] == ["--list-networks"]:
         print(network_table())
         return 0
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return one_line_errors(run, parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
     network, overheads = network_from(args), overheads_from(args)
     if args.plot and not have_matplotlib():
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or the project's '.[plot]' extra)")
+    for world in args.world:  # a world the network cannot hold is said before anything runs
+        if isinstance(network, Cluster):
+            network.shape(world)
     path = args.trace
     if args.record:
         if args.record not in MODEL_NAMES:
             load_builder(args.record)  # a wrong name is said before anything starts
         path = os.path.abspath(args.out)
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ValueError(f"--out {args.out}: no folder {os.path.dirname(path)} to write the trace into")
         print(f"recording {args.record} on {args.record_world} rank(s) -> {path}", flush=True)
-        record_trace(args.record, path, world_size=args.record_world)
+        record_trace(args.record, path, world_size=args.record_world,
+                     find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph)
     profile, times = compute_from(args, path)
     policy = DDPPolicy(compression=args.compression, accumulation_steps=args.accumulation,
                        algorithm=args.algorithm, overlap=not args.shared_cores, overheads=overheads)
     print(f"compute: forward {profile.forward_ms:.2f} ms, backward {profile.backward_ms:.2f} ms, "
           f"after backward {profile.after_backward_ms:.2f} ms ({times}); {len(profile.gradients)} gradients, "
           f"{profile.gradient_bytes / 2**20:.2f} MiB (from {path})")
-    print(f"network: {network.name}: {network.source}")
+    print(f"network: {network.name}: {network.source}; {model_of(network)}")
+    if args.fit_table:
+        print(fit_residuals(args.fit_table, args.fit_world))
     print(f"overheads: {overheads.describe()}")
     rows = sweep(profile, network, args.world, args.bucket_mb, policy)
     print(format_table(rows))

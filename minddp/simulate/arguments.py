@@ -12,7 +12,7 @@ import math
 import sys
 from typing import Callable
 
-__all__ = ["OneLineParser", "positive", "at_least_zero", "whole", "listed"]
+__all__ = ["OneLineParser", "positive", "at_least_zero", "whole", "listed", "one_line_errors"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -54,3 +54,12 @@ def listed(one: Callable) -> Callable[[str], list]:
         return values
 
     return parse
+
+
+def one_line_errors(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``run(args)``, with a bad input (ValueError, OSError) printed as one line and exit status 2."""
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

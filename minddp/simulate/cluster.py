@@ -24,10 +24,12 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from minddp.network import HIERARCHIES, PRESETS, Hierarchy, Link, fit_link, get_network
+from minddp.network import HIERARCHIES, PRESETS, Hierarchy, Link, fit_link
+from minddp.simulate.figures import FLAGS, Figures
+from minddp.simulate.nccl import Cluster
 
 __all__ = ["Achieved", "ACHIEVED", "MACHINES", "achieved_network", "lookup_network", "build_network", "network_table",
-           "parse_rate", "parse_collective_table", "fit_network_table"]
+           "parse_rate", "parse_collective_table", "read_collective_table", "fit_network_table", "preset_figures", "figures_of", "apply_flags"]
 
 GB = 1e9
 
@@ -39,18 +41,19 @@ class Achieved:
 
 
 _NVLINK_OVERHEAD = "NCCL's ~20% protocol overhead on NVLink (NVIDIA/nccl-tests issue 212, a maintainer's answer)"
-_IB = ("~40 GB/s all-reduce bus bandwidth over 4 x 100 Gb/s EDR per node (NCCL's GTC 2017 talk S7155, as "
-       "quoted in NVIDIA/nccl-tests issue 29): 80%")
+_IB = ("NCCL's maintainers: ~24 GB/s all-reduce bus bandwidth per 200 Gb/s NIC (NVIDIA/nccl-tests issue 252), "
+       "46-48 GB/s per 400 Gb/s NIC (issue 290): 96% of the line rate")
+_TCP = "assumed: kernel TCP reaches less than InfiniBand's 96% (NCCL's socket transport, Gloo)"
 ACHIEVED: dict[str, Achieved] = {
     "nvlink4": Achieved(370 / 450, "about 370 GB/s bus bandwidth on 8 H100s with NCCL_ALGO=Ring; " + _NVLINK_OVERHEAD),
     "nvlink3": Achieved(200 / 300, "about 200 GB/s bus bandwidth on 8 A100s (NVIDIA/nccl-tests issues 149, 178)"),
     "nvlink2": Achieved(0.8, "assumed: " + _NVLINK_OVERHEAD),
     "pcie4": Achieved(0.8, "assumed: the same 20% as NVLink; on PCIe the CPU's memory often limits more"),
-    "ib200": Achieved(0.8, _IB),
-    "ib400": Achieved(0.8, _IB),
-    "ib100": Achieved(0.8, _IB),
-    "eth25": Achieved(0.8, "assumed: as InfiniBand; kernel TCP often reaches less"),
-    "eth100": Achieved(0.8, "assumed: as InfiniBand; kernel TCP often reaches less"),
+    "ib200": Achieved(0.96, _IB),
+    "ib400": Achieved(0.96, _IB),
+    "ib100": Achieved(0.96, _IB),
+    "eth25": Achieved(0.8, _TCP),
+    "eth100": Achieved(0.8, _TCP),
     "laptop": Achieved(1.0, "teaching preset: the figure is the model"),
 }
 
@@ -71,6 +74,7 @@ MACHINES: dict[str, tuple[str, str, int, int, str]] = {  # name: (intra link, NI
 
 # minddp.network's machines give every GPU a NIC of its own; a typical cloud instance has one for all 8.
 NICS_PER_NODE = {"pcie-eth25": 1}
+_PCI_INSIDE = {"pcie-eth25"}  # machines whose GPUs talk over PCIe (NCCL's PCI latencies, no LL128)
 
 
 def _link(name: str) -> Link:
@@ -93,27 +97,98 @@ def names() -> list[str]:
     return [*PRESETS, *_EXTRA_LINKS, *HIERARCHIES, *MACHINES]
 
 
-def lookup_network(name: str, nominal: bool = False) -> Link | Hierarchy:
-    """A preset by name, its bandwidths the achieved ones (``nominal=True``: the line rates)."""
+def _shape(name: str) -> tuple[str | None, str, int, int]:
+    """``(link inside a node or None, link between, GPUs per node, NICs per node)`` of a preset."""
     if name in MACHINES:
-        intra, nic, g, nics, source = MACHINES[name]
-        net = Hierarchy(name, _link(intra), _scaled(_link(nic), nics / g, f"{nics} NICs for {g} GPUs"), g, source)
-        parts = (intra, nic)
-    elif name in _EXTRA_LINKS:
-        net, parts = _EXTRA_LINKS[name], (name,)
-    else:
-        try:
-            net = get_network(name)
-        except ValueError:
-            raise ValueError(f"--network must be one of {', '.join(names())}, got {name!r}") from None
-        parts = (net.intra.name, net.inter.name) if isinstance(net, Hierarchy) else (name,)
-        if name in NICS_PER_NODE:
-            nics = NICS_PER_NODE[name]
-            net = replace(net, inter=_scaled(net.inter, nics / net.ranks_per_node,
-                                             f"{nics} NIC(s) for {net.ranks_per_node} GPUs"))
-    if nominal:
-        return net
-    return achieved_network(net, parts)
+        intra, nic, g, nics, _ = MACHINES[name]
+        return intra, nic, g, nics
+    if name in HIERARCHIES:
+        h = HIERARCHIES[name]
+        return h.intra.name, h.inter.name, h.ranks_per_node, NICS_PER_NODE.get(name, h.ranks_per_node)
+    if name in PRESETS or name in _EXTRA_LINKS:
+        return None, name, 1, 1
+    raise ValueError(f"--network must be one of {', '.join(names())}, got {name!r}")
+
+
+def _rate(link_name: str, nominal: bool, preset: str) -> tuple[float, str]:
+    link = _link(link_name)
+    if nominal or link_name not in ACHIEVED:
+        return link.bandwidth_Bps, f"preset {preset}, line rate"
+    a = ACHIEVED[link_name]
+    return link.bandwidth_Bps * a.efficiency, f"preset {preset}: {a.efficiency:.0%} of {link.bandwidth_Bps / GB:.3g}"
+
+
+def preset_figures(name: str, nominal: bool = False) -> Figures:
+    """A preset's figures, each marked as the preset's (bandwidths achieved unless ``nominal``)."""
+    intra, nic, g, nics = _shape(name)
+    origin = f"preset {name}"
+    f = Figures.of(name, origin, gpus_per_node=g, latency_us=_link(nic).alpha_s * 1e6)
+    f.override("nic_Bps", *_rate(nic, nominal, name))
+    if intra is not None:
+        f.override("nics_per_node", nics, origin)
+        f.override("intra_latency_us", _link(intra).alpha_s * 1e6, origin)
+        f.override("intra_Bps", *_rate(intra, nominal, name))
+        f.override("intra_kind", "pci" if name in _PCI_INSIDE else "nvlink", origin)
+    return f
+
+
+def lookup_network(name: str, nominal: bool = False) -> Link | Cluster:
+    """A preset by name, its bandwidths the achieved ones (``nominal=True``: the line rates): a flat
+    :class:`Link` for one GPU per node, else a :class:`~minddp.simulate.nccl.Cluster`."""
+    return preset_figures(name, nominal).build()
+
+
+def figures_of(net: Link | Hierarchy, origin: str = "given") -> Figures:
+    """The figures of a network object (a :class:`Cluster` keeps its origins)."""
+    if isinstance(net, Cluster):
+        f = Figures.of(net.name, origin, gpus_per_node=net.ranks_per_node, nics_per_node=net.nics_per_node,
+                       latency_us=net.nic.alpha_s * 1e6, nic_Bps=net.nic.bandwidth_Bps,
+                       intra_latency_us=net.intra.alpha_s * 1e6, intra_Bps=net.intra.bandwidth_Bps,
+                       intra_kind=net.intra_kind)
+        f.origins.update(dict(net.origins))
+        return f
+    if isinstance(net, Hierarchy):  # the textbook machine: one NIC per GPU, ``inter`` is each GPU's
+        return Figures.of(net.name, origin, gpus_per_node=net.ranks_per_node, nics_per_node=net.ranks_per_node,
+                          latency_us=net.inter.alpha_s * 1e6, nic_Bps=net.inter.bandwidth_Bps,
+                          intra_latency_us=net.intra.alpha_s * 1e6, intra_Bps=net.intra.bandwidth_Bps)
+    return Figures.of(net.name, origin, gpus_per_node=1, latency_us=net.alpha_s * 1e6, nic_Bps=net.bandwidth_Bps)
+
+
+def apply_flags(f: Figures, *, latency_us: float | None = None, bandwidth_Bps: float | None = None,
+                nominal_Bps: float | None = None, efficiency: float | None = None,
+                gpus_per_node: int | None = None, nics_per_node: int | None = None,
+                intra_latency_us: float | None = None, intra_bandwidth_Bps: float | None = None,
+                intra_link: str | None = None, origin: str = "flag") -> Figures:
+    """``f`` with each given figure replaced, and only those; ValueError naming the flag at fault."""
+    for flag, value in (("--gpus-per-node", gpus_per_node), ("--nics-per-node", nics_per_node)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value}")
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ValueError(f"--efficiency must be in (0, 1] (achieved / nominal), got {efficiency:g}")
+    if (nominal_Bps is None) != (efficiency is None):
+        raise ValueError("--nominal-bandwidth and --efficiency go together (achieved = nominal x efficiency)")
+    if bandwidth_Bps is not None and nominal_Bps is not None:
+        raise ValueError("give --bandwidth (achieved) or --nominal-bandwidth with --efficiency, not both")
+    if intra_link not in (None, "nvlink", "pci"):
+        raise ValueError(f"--intra-link must be nvlink or pci, got {intra_link!r}")
+    named = origin == "flag"
+    f.override("latency_us", latency_us, f"{origin} --latency-us" if named else origin)
+    f.override("nic_Bps", bandwidth_Bps, f"{origin} --bandwidth" if named else origin)
+    if nominal_Bps is not None:
+        f.override("nic_Bps", nominal_Bps * efficiency, f"{origin}s --nominal-bandwidth x --efficiency"
+                   if named else origin)
+    for key, value in (("gpus_per_node", gpus_per_node), ("nics_per_node", nics_per_node),
+                       ("intra_latency_us", intra_latency_us), ("intra_Bps", intra_bandwidth_Bps),
+                       ("intra_kind", intra_link)):
+        f.override(key, value, f"{origin} {FLAGS[key]}" if named else origin)
+    return f
+
+
+def build_network(base: Link | Hierarchy, **figures) -> Link | Cluster:
+    """``base`` with the given figures replaced, and nothing else (:func:`apply_flags`' arguments). The
+    between-node figures are *one NIC's*; each GPU gets NICs / GPUs of the node's. ValueError naming the
+    flag at fault."""
+    return apply_flags(figures_of(base), origin="given", **figures).build()
 
 
 def achieved_network(net: Link | Hierarchy, parts: tuple[str, ...] | None = None) -> Link | Hierarchy:
@@ -126,22 +201,18 @@ def achieved_network(net: Link | Hierarchy, parts: tuple[str, ...] | None = None
 
 def network_table() -> str:
     """Every preset's nominal and achieved bandwidth and latency, and where the achieved figure comes from."""
-    lines = ["| network | GPUs per node | NICs per node | nominal GB/s (per rank) | achieved GB/s | latency us | "
+    lines = ["| network | GPUs per node | NICs per node | nominal GB/s (per NIC) | achieved GB/s | latency us | "
              "achieved figure from |", "|---|---:|---:|---:|---:|---:|---|"]
     for name in names():
-        nominal, achieved = lookup_network(name, nominal=True), lookup_network(name)
-        if isinstance(nominal, Hierarchy):
-            nics = MACHINES[name][3] if name in MACHINES else NICS_PER_NODE.get(name, nominal.ranks_per_node)
-            levels = [("inside", nominal.intra, achieved.intra, nominal.intra.name),
-                      ("between", nominal.inter, achieved.inter, nominal.inter.name)]
-            shape = (nominal.ranks_per_node, nics)
-        else:
-            levels, shape = [("", nominal, achieved, name)], (1, 1)
-        for where, a, b, part in levels:
+        intra, nic, g, nics = _shape(name)
+        levels = [("inside", intra), ("between", nic)] if intra else [("", nic)]
+        for where, part in levels:
+            link = _link(part)
+            achieved = link.bandwidth_Bps * (ACHIEVED[part].efficiency if part in ACHIEVED else 1.0)
             label = f"{name} ({where})" if where else name
             source = ACHIEVED[part].source if part in ACHIEVED else "line rate"
-            lines.append(f"| {label} | {shape[0]} | {shape[1]} | {a.bandwidth_Bps / GB:.3g} | {b.bandwidth_Bps / GB:.3g} "
-                         f"| {a.alpha_s * 1e6:.3g} | {source} |")
+            lines.append(f"| {label} | {g} | {nics} | {link.bandwidth_Bps / GB:.3g} | {achieved / GB:.3g} "
+                         f"| {link.alpha_s * 1e6:.3g} | {source} |")
     return "\n".join(lines)
 
 
@@ -156,52 +227,6 @@ def parse_rate(text: str) -> float:
     if not (m and math.isfinite(value) and value > 0):
         raise ValueError(f"a positive rate like 50GB/s, 400Gb/s or 800MB/s (a bare number is GB/s), got {text!r}")
     return value * _UNITS[m.group(2)]
-
-
-def build_network(base: Link | Hierarchy, *, latency_us: float | None = None, bandwidth_Bps: float | None = None,
-                  nominal_Bps: float | None = None, efficiency: float | None = None,
-                  gpus_per_node: int | None = None, nics_per_node: int | None = None,
-                  intra_latency_us: float | None = None, intra_bandwidth_Bps: float | None = None) -> Link | Hierarchy:
-    """``base`` with the given figures replaced. The between-node figures are *one NIC's*
-    (``bandwidth_Bps`` achieved, or ``nominal_Bps x efficiency``); with ``gpus_per_node > 1`` each rank
-    gets ``NICs / GPUs`` of it. ValueError naming the flag at fault."""
-    for flag, value in (("--latency-us", latency_us), ("--intra-latency-us", intra_latency_us)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{flag} must be a number of microseconds >= 0, got {value:g}")
-    for flag, value in (("--gpus-per-node", gpus_per_node), ("--nics-per-node", nics_per_node)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be a whole number >= 1, got {value}")
-    if efficiency is not None and not 0 < efficiency <= 1:
-        raise ValueError(f"--efficiency must be in (0, 1] (achieved / nominal), got {efficiency:g}")
-    if (nominal_Bps is None) != (efficiency is None):
-        raise ValueError("--nominal-bandwidth and --efficiency go together (achieved = nominal x efficiency)")
-    if bandwidth_Bps is not None and nominal_Bps is not None:
-        raise ValueError("give --bandwidth (achieved) or --nominal-bandwidth with --efficiency, not both")
-    was = base if isinstance(base, Hierarchy) else None
-    g = gpus_per_node or (was.ranks_per_node if was else 1)
-    nic = was.inter if was else base  # one rank's share of the NICs: a whole NIC where there is one per GPU
-    if was and (was.name in MACHINES or was.name in NICS_PER_NODE):
-        shared = MACHINES[was.name][3] if was.name in MACHINES else NICS_PER_NODE[was.name]
-        nic = _scaled(nic, was.ranks_per_node / shared, "")  # back to one NIC
-    nics = nics_per_node or g
-    nic_Bps = bandwidth_Bps or (nominal_Bps * efficiency if nominal_Bps else nic.bandwidth_Bps)
-    nic = Link("NIC", nic.alpha_s if latency_us is None else latency_us * 1e-6, nic_Bps,
-               "from the command line" if (bandwidth_Bps or nominal_Bps or latency_us is not None) else nic.source)
-    if g == 1:
-        if was and (intra_latency_us is not None or intra_bandwidth_Bps):
-            raise ValueError("--intra-* figures need --gpus-per-node > 1")
-        return replace(nic, name=base.name if not was else "custom")
-    intra = was.intra if was else None
-    if intra is None and intra_bandwidth_Bps is None:
-        raise ValueError("--gpus-per-node > 1 needs the link inside a node: --intra-bandwidth (and --intra-latency-us), "
-                         "or a machine preset as --network")
-    intra = Link("intra", (intra.alpha_s if intra else 3.4e-6) if intra_latency_us is None else intra_latency_us * 1e-6,
-                 intra_bandwidth_Bps or intra.bandwidth_Bps, intra.source if intra and not intra_bandwidth_Bps else
-                 "from the command line")
-    inter = Link("NIC share", nic.alpha_s, nic.bandwidth_Bps * nics / g, f"{nics} NIC(s) shared by {g} GPUs")
-    return Hierarchy(f"{g} GPUs x {nics} NIC(s) per node", intra, inter, g,
-                     f"inside: {intra.bandwidth_Bps / GB:.3g} GB/s, {intra.alpha_s * 1e6:.3g} us; between nodes "
-                     f"{nic.bandwidth_Bps / GB:.3g} GB/s per NIC, {nic.alpha_s * 1e6:.3g} us")
 
 
 def parse_collective_table(text: str) -> tuple[list[float], list[float], int | None]:
@@ -233,11 +258,15 @@ def _benchmark_json(text: str) -> tuple[list[float], list[float], int | None]:
     return [float(n) for n in fit["sizes"]], [t / 1e3 for t in fit["median_ms"]], fit.get("world_size")
 
 
+def read_collective_table(text: str) -> tuple[list[float], list[float], int | None]:
+    """Sizes, seconds and ranks of an ``all_reduce_perf`` output or a ``validate_simulator.py --json``."""
+    return _benchmark_json(text) if text.lstrip().startswith("{") else parse_collective_table(text)
+
+
 def fit_network_table(text: str, world_size: int | None = None, min_bytes: float = 0) -> Link:
     """A :class:`Link` fitted to an ``all_reduce_perf`` table, or to the all-reduce timings of
     ``benchmarks/validate_simulator.py --json`` (sizes >= ``min_bytes``); ValueError if it cannot."""
-    sizes, seconds, ranks = (_benchmark_json(text) if text.lstrip().startswith("{")
-                             else parse_collective_table(text))
+    sizes, seconds, ranks = read_collective_table(text)
     world = world_size or ranks
     if world is None:
         raise ValueError("the table names no ranks (# Rank lines): give --fit-world")

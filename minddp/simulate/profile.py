@@ -21,6 +21,7 @@ communication shares cores with backward, its gradient times are stretched.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -38,11 +39,31 @@ class Gradient:
     dtype: str = "torch.float32"  # as str(tensor.dtype) writes it
 
 
+# More gradient bytes than this on one rank is a typo or a broken trace (16 TiB: no GPU holds a tenth of it).
+MAX_GRADIENT_BYTES = 2**44
+
+
 @dataclass
 class ComputeProfile:
     forward_ms: float
     gradients: list[Gradient] = field(default_factory=list)
     after_backward_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for g in self.gradients:
+            if not isinstance(g.nbytes, int) or isinstance(g.nbytes, bool) or g.nbytes < 0:
+                raise ValueError(f"gradient {g.name!r} has {g.nbytes!r} bytes"
+                                 + (f" ({g.nbytes / 2**20:.3g} MiB)" if isinstance(g.nbytes, (int, float)) else "")
+                                 + ": a size must be a whole number of bytes >= 0")
+            if not (isinstance(g.ready_ms, (int, float)) and math.isfinite(g.ready_ms)):
+                raise ValueError(f"gradient {g.name!r} is ready at {g.ready_ms!r} ms: must be a finite number")
+        if self.gradient_bytes > MAX_GRADIENT_BYTES:
+            raise ValueError(f"the gradients add up to {self.gradient_bytes:.3g} bytes ({self.gradient_bytes / 2**40:.3g} "
+                             f"TiB), more than any GPU holds (the limit here is {MAX_GRADIENT_BYTES / 2**40:g} TiB)")
+        for name in ("forward_ms", "after_backward_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} is {value!r}: must be a finite number of ms >= 0")
 
     @property
     def backward_ms(self) -> float:
@@ -148,7 +169,11 @@ def _as_dict(profile: ComputeProfile) -> dict:
 
 
 def _from_dict(data: dict) -> ComputeProfile:
-    return ComputeProfile(data["forward_ms"], [Gradient(*g) for g in data["gradients"]], data["after_backward_ms"])
+    try:
+        gradients = [Gradient(*g) for g in data["gradients"]]
+        return ComputeProfile(data["forward_ms"], gradients, data["after_backward_ms"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"a saved compute profile with a missing or malformed field ({e})") from None
 
 
 def save_profile(profile: ComputeProfile, path: str) -> None:
@@ -176,4 +201,7 @@ def load_profile(path: str) -> ComputeProfile:
         return _from_dict(data)
     if not isinstance(data, dict) or "traceEvents" not in data:
         raise ValueError(f"{path} is neither a Chrome trace of MiniDDP(trace=True) nor a saved compute profile")
-    return profile_from_trace(data)
+    try:
+        return profile_from_trace(data)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"a trace event with a missing or malformed field ({type(e).__name__}: {e})") from None

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from minddp import MiniDDP
-from minddp.launch import spawn
+from minddp.launch import RankFailed, spawn
 from minddp.models import MODEL_NAMES, build_model, model_loss
 
 __all__ = ["record_trace", "load_builder", "built_model"]
@@ -62,6 +62,8 @@ def load_builder(spec: str) -> Callable:
             module = importlib.import_module(where)
     except ImportError as e:
         raise ValueError(f"--record: cannot import {where!r} ({e})") from None
+    except Exception as e:  # the user's module raised while it was imported
+        raise ValueError(f"--record: importing {where!r} raised {type(e).__name__}: {e}") from None
     builder = getattr(module, name, None)
     if not callable(builder):
         raise ValueError(f"--record: {where!r} has no function {name!r}")
@@ -86,11 +88,11 @@ def _named_model(name: str, rank: int) -> tuple[torch.nn.Module, tuple, Callable
     return build_model(name), (x,), lambda out: model_loss(name, out, x, y)
 
 
-def _rank(rank: int, world_size: int, spec: str, path: str, steps: int, warmup: int) -> None:
+def _rank(rank: int, world_size: int, spec: str, path: str, steps: int, warmup: int, options: dict) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, inputs, loss_fn = _named_model(spec, rank) if spec in MODEL_NAMES else built_model(spec)
-    ddp = MiniDDP(model, trace=True)
+    ddp = MiniDDP(model, trace=True, **options)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for step in range(warmup + steps):
         if step == warmup:
@@ -101,15 +103,37 @@ def _rank(rank: int, world_size: int, spec: str, path: str, steps: int, warmup: 
     ddp.tracer.export_chrome_trace(path)
 
 
-def record_trace(spec: str, path: str, world_size: int = 1, steps: int = 5, warmup: int = WARMUP_STEPS) -> None:
+def record_trace(spec: str, path: str, world_size: int = 1, steps: int = 5, warmup: int = WARMUP_STEPS,
+                 **options) -> None:
     """Run ``steps`` traced steps (after ``warmup``) of a model on Gloo, write the Chrome trace to ``path``.
 
     ``spec``: a ``minddp.models`` name, or ``module:function`` / ``file.py:function`` (module doc).
-    A builder that cannot be found raises ValueError here, before any rank starts.
+    ``options``: MiniDDP's keyword options the model needs (``find_unused_parameters=True``...).
+    ValueError, in one line, if the builder cannot be found, ``path``'s folder does not exist, or a rank
+    raises (its exception's last line, and the command's flag where one would help).
     """
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {path}: no folder {folder} to write the trace into")
     if spec not in MODEL_NAMES:
         load_builder(spec)
         where, _, name = spec.rpartition(":")
         if where.endswith(".py"):  # the ranks may start elsewhere: name the file absolutely
             spec = f"{os.path.abspath(where)}:{name}"
-    spawn(_rank, world_size, spec, path, steps, warmup, backend="gloo")
+    try:
+        spawn(_rank, world_size, spec, path, steps, warmup, options, backend="gloo")
+    except RankFailed as e:
+        raise ValueError(f"--record {spec}: {_last_line(str(e))}{_hint(str(e))}") from None
+
+
+def _last_line(report: str) -> str:
+    """The exception line of a rank's traceback (its last line that is not a note in parentheses)."""
+    lines = [x.strip() for x in report.splitlines() if x.strip() and not x.strip().startswith("(")]
+    return lines[-1] if lines else report.strip()
+
+
+def _hint(report: str) -> str:
+    for option, flag in (("find_unused_parameters", "--find-unused-parameters"), ("static_graph", "--static-graph")):
+        if option in report:
+            return f" (the command passes {option}=True with {flag})"
+    return ""

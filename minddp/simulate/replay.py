@@ -11,7 +11,8 @@ replay walks the buckets in order, as MiniDDP and torch's DDP launch them:
 3. it starts when it is ready *and* the one before it has finished: strict
    bucket order, one collective on the wire at a time (NCCL and Gloo run a
    process group's collectives one after another);
-4. it lasts ``allreduce_time(wire bytes)``, plus two casts with compression
+4. it lasts ``allreduce_time(wire bytes)`` (NCCL's model,
+   :mod:`minddp.simulate.nccl`, on a :class:`~minddp.simulate.nccl.Cluster`), plus two casts with compression
    (with ``collective="reduce_scatter"``, ZeRO stage 2's way, a ring
    reduce-scatter of the bucket instead: half the time on the wire).
 
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
-from minddp.network import COLLECTIVES, Hierarchy, Link, bytes_sent_per_rank, collective_time
+from minddp.network import COLLECTIVES, Hierarchy, Link, bytes_sent_per_rank
+from minddp.simulate.nccl import collective_time
 from minddp.simulate.overheads import NO_OVERHEADS, ComputeClock, Overheads
 from minddp.simulate.profile import ComputeProfile, Gradient
 
@@ -54,7 +56,7 @@ class DDPPolicy:
     # over it. 100 GB/s is a GPU's memory-bound cast; a CPU core does ~5 GB/s.
     cast_Bps: float = 100e9
     accumulation_steps: int = 1  # k: k-1 steps under no_sync(), then one that communicates
-    algorithm: str = "ring"  # or "tree"; with a Hierarchy network, the one between nodes
+    algorithm: str = "ring"  # or "tree"; with a Hierarchy, the one between nodes; "auto": NCCL's pick (a Cluster)
     overlap: bool = True  # False: communication and compute share the cores (see module doc)
     collective: str = "all_reduce"  # what each bucket does: "reduce_scatter" is ZeRO stage 2's
     overheads: Overheads = NO_OVERHEADS  # costs the bare model misses (minddp.simulate.overheads)

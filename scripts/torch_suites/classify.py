@@ -27,7 +27,7 @@ import functools
 import inspect
 import re
 
-from torch_suites_select import is_private
+from selection import is_private
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
 NO_ATTRIBUTE = re.compile(r"has no attribute '(\w+)'")

@@ -8,15 +8,15 @@ layout; files are found by name). Their helpers ship in torch's wheel
 (``torch.testing._internal``), which needs the ``expecttest`` package::
 
     pip install --target /tmp/deps expecttest
-    PYTHONPATH=$PWD:/tmp/deps python scripts/torch_suites.py DIR            # both runs, then the table
-    PYTHONPATH=$PWD:/tmp/deps python scripts/torch_suites.py DIR --list     # what would run
-    python scripts/torch_suites.py DIR --impl minddp -k checkpointing --jsonl out.jsonl
-    python scripts/torch_suites.py --report torch.jsonl minddp.jsonl        # the table from saved runs
+    PYTHONPATH=$PWD:/tmp/deps python scripts/torch_suites/run.py DIR            # both runs, then the table
+    PYTHONPATH=$PWD:/tmp/deps python scripts/torch_suites/run.py DIR --list     # what would run
+    python scripts/torch_suites/run.py DIR --impl minddp -k checkpointing --jsonl out.jsonl
+    python scripts/torch_suites/run.py --report torch.jsonl minddp.jsonl        # the table from saved runs
 
 Which tests: in the c10d files, every test whose class or own name mentions
 ``ddp`` or ``DistributedDataParallel``; in the ZeRO file, every test. Tests
 torch marks GPU-only are run on the CPU where one device per rank is all they
-ask for (what is patched, and why, is in ``torch_suites_patches.py``).
+ask for (what is patched, and why, is in ``patches.py`` beside this file).
 
 Each implementation runs in its own process (``--impl torch`` is the
 control, ``--impl minddp`` swaps in ``minddp.MiniDDP`` and
@@ -39,10 +39,10 @@ import time
 import unittest
 from pathlib import Path
 
-import torch_suites_classify as classify
-import torch_suites_distributed as distributed
-import torch_suites_patches as patches
-import torch_suites_select as select
+import classify
+import distributed
+import patches
+import selection
 
 SUITE_FILES = ("test_c10d_common.py", "test_c10d_gloo.py", "test_zero_redundancy_optimizer.py")
 ALL_TESTS_FILES = ("test_zero_redundancy_optimizer",)  # every test of these files is selected
@@ -88,7 +88,7 @@ def collect(modules: list, pattern: str | None = None) -> list[unittest.TestCase
                 continue
             for test in loader.loadTestsFromTestCase(cls):
                 name = test.id()
-                if is_selected(module.__name__, cls.__name__, test._testMethodName) and select.matches(name, pattern):
+                if is_selected(module.__name__, cls.__name__, test._testMethodName) and selection.matches(name, pattern):
                     tests.append(test)
     return tests
 
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--into", type=Path, metavar="DOC", help="with --report: write it into DOC's marked section")
     args = parser.parse_args(argv)
     if args.report:
-        command = "python scripts/torch_suites.py " + " ".join(argv or sys.argv[1:])
+        command = "python scripts/torch_suites/run.py " + " ".join(argv or sys.argv[1:])
         text = report(load(args.report[0]), load(args.report[1]), f"Made by `{command}`:" if args.into else "")
         if args.into:
             write_into(args.into, text)

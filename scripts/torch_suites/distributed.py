@@ -8,13 +8,13 @@ process per rank and joins them with a file store) after setting ``BACKEND``,
 2 ranks, the CPU.
 
 Only the tests whose code reaches ``DistributedDataParallel``,
-``SyncBatchNorm`` or ``DistributedSampler`` run (``torch_suites_select.py``).
+``SyncBatchNorm`` or ``DistributedSampler`` run (``torch_suites/selection.py``).
 The class under test is chosen test by test, just before the test starts (its
 ranks are forked, so they inherit the choice): in the ``minddp`` run a test
 gets minddp's class for each of the three it reaches and torch's for the
 rest; the ``torch`` run (the control) always gets torch's. No shim: a
 torch-private method minddp lacks fails the test, and the attempt is recorded
-(``torch_suites_classify.py`` reads the record).
+(``torch_suites/classify.py`` reads the record).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-import torch_suites_patches as patches
-import torch_suites_select as select
+import patches
+import selection
 
 MODULE = "torch.testing._internal.distributed.distributed_test"
 BASE_CLASS = "_DistTestBase"
@@ -74,22 +74,22 @@ def test_class(module: Any) -> type:
     return TestDistBackendWithSpawnGLOO
 
 
-def reaches(module: Any) -> dict[str, select.Reach]:
-    return select.reach_of_tests(Path(module.__file__).read_text(), BASE_CLASS)
+def reaches(module: Any) -> dict[str, selection.Reach]:
+    return selection.reach_of_tests(Path(module.__file__).read_text(), BASE_CLASS)
 
 
-def collect(module: Any, pattern: str | None = None) -> tuple[list[unittest.TestCase], dict[str, select.Reach]]:
+def collect(module: Any, pattern: str | None = None) -> tuple[list[unittest.TestCase], dict[str, selection.Reach]]:
     """The selected tests (each an instance of :func:`test_class`) and what each one reaches."""
     found = reaches(module)
     cls = test_class(module)
-    tests = [cls(name) for name in select.selected(found)]
-    return [t for t in tests if select.matches(t.id(), pattern)], found
+    tests = [cls(name) for name in selection.selected(found)]
+    return [t for t in tests if selection.matches(t.id(), pattern)], found
 
 
 # ------------------------------------------------------------- the class under test, per test
 def _record_missing(owner: str, name: str) -> None:
     path = os.environ.get(MISSING_LOG_ENV)
-    if path and select.is_private(name):
+    if path and selection.is_private(name):
         with open(path, "a") as log:
             log.write(f"{os.environ.get(patches.CURRENT_TEST_ENV, '?')}\t{owner}.{name}\n")
 
@@ -152,7 +152,7 @@ def use_classes(module: Any, impl: str, reached: set[str]) -> dict[str, str]:
     if not _TORCH:
         _TORCH.update(_classes("torch"))
     chosen = {}
-    for name in select.TARGETS:
+    for name in selection.TARGETS:
         side = impl if name in reached else "torch"
         if side == "minddp" and not _MINDDP:
             _MINDDP.update(_classes("minddp"))

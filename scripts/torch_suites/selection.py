@@ -10,7 +10,7 @@ any number of helpers, so ``test_DistributedDataParallel`` counts through
 
 The same walk gives the private names a test's code uses (``model._x``),
 which the classification uses as a second witness when a test fails on a
-torch-private method (see ``torch_suites_classify.py``).
+torch-private method (see ``torch_suites/classify.py``).
 """
 
 from __future__ import annotations

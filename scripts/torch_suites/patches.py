@@ -1,4 +1,4 @@
-"""What ``torch_suites.py`` changes in torch's test files before running them.
+"""What ``run.py`` changes in torch's test files before running them.
 
 Two kinds of change, both installed before a test file is imported (its
 ``from ... import`` lines copy names) and again in every rank the tests spawn

@@ -1,0 +1,36 @@
+"""The collective model against published all_reduce_perf tables (benchmarks/published_nccl.py)."""
+
+import pathlib
+
+import pytest
+from simulate_cli import benchmark
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def published():
+    return benchmark("published_nccl")
+
+
+def test_the_docs_tables_are_the_scripts_output(published):
+    from minddp.simulate.nccl import LAUNCH_US
+
+    assert published.report(LAUNCH_US) in (ROOT / "docs" / "simulator_checked.md").read_text(), (
+        "docs/simulator_checked.md: rerun `python benchmarks/published_nccl.py` and paste its output")
+
+
+def test_every_held_out_row_above_a_mebibyte_is_within_ten_percent(published):
+    from minddp.simulate.nccl import LAUNCH_US
+
+    rows = [(t, n, us) for t in published.tables() if t["set"] == "held out" for n, us in t["rows"] if n > 2**20]
+    assert len(rows) >= 6
+    for t, n, us in rows:
+        assert abs(published.predicted_us(t, n, LAUNCH_US)[0] / us - 1) <= 0.10, (t["name"], n)
+
+
+def test_the_launch_cost_is_fitted_on_the_fitting_table_only(published):
+    from minddp.simulate.nccl import LAUNCH_US
+
+    assert published.fit() == pytest.approx(LAUNCH_US)
+    assert [t["set"] for t in published.tables()].count("fit") == 1
