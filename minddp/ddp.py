@@ -23,13 +23,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _get_device_index
 
 from minddp.bucket_order import LearnedBucketOrder
 from minddp.bucket_planner import AutoBuckets
 from minddp.buckets import BuffersPerBackward
 from minddp.arguments import (check_arguments, refuse_unsupported, warn_broadcast_buffers_deprecated,
                               warn_check_reduction_deprecated)
-from minddp.comm_hooks import builtin_comm_hook, check_comm_hook
+from minddp.comm_hooks import check_comm_hook
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket, CarryBuffers
 from minddp.features.comm_hook import CommHook
@@ -44,13 +45,14 @@ from minddp.features.unused_parameters import UnusedParameters
 from minddp.join import Join, JoinHook
 from minddp.reducer import FIRST_BUCKET_CAP_MB, Reducer, ReducerOptions
 from minddp.replicas import check_same_parameters
+from minddp.torch_ddp_calls import TorchDDPCalls
 from minddp.sync import broadcast_coalesced, module_device, move_to_device, on_device, process_group_of, sync_buffers
 from minddp.trace import StepObserver, StepTimeline, Tracer
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
 
 
-class MiniDDP(nn.Module):
+class MiniDDP(TorchDDPCalls, nn.Module):
     """Wrap ``module`` so that ``backward()`` leaves the average gradient over all ranks.
 
     Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``
@@ -58,8 +60,8 @@ class MiniDDP(nn.Module):
 
     * ``process_group`` or a one-dimensional ``device_mesh``: the ranks to
       average over (default: the whole world).
-    * ``bucket_cap_mb``: gradients travel in flat buckets of at most this many
-      MiB (the first one at most 1 MiB); 0 means one parameter per bucket;
+    * ``bucket_cap_mb``: buckets close once they hold this many MiB (default 25, the first
+      at 1 MiB); 0: one parameter each; one bucket until a backward showed the order (torch's rule);
       ``bucket_cap_mb_list``: one cap per bucket, in launch order (the last
       for every bucket after it). ``"auto"`` (beyond torch): measure the first
       steps and the link, and rebuild the buckets once with the cap the
@@ -152,6 +154,8 @@ class MiniDDP(nn.Module):
         self.module = module
         self.dim = dim  # torch's too: it splits inputs over several devices of one process, which neither does
         self.process_group = process_group_of(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh  # torch's DDP has this attribute only when given one
         self.world_size = dist.get_world_size(self.process_group)
         # torch 2.14's buffer rule: forward_sync_buffers says whether buffers are synchronized at
         # forward (and after a join); they are at construction too, unless the older
@@ -177,6 +181,8 @@ class MiniDDP(nn.Module):
         if bucket_cap_mb_list is not None:  # as torch: the largest is the cap reported
             self.bucket_cap_mb = max(bucket_cap_mb_list)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None
+        given = bucket_cap_mb not in (None, "auto") or bucket_cap_mb_list is not None  # torch: then no 1 MiB first
+        self._first_bucket_cap_mb = self.bucket_cap_mb if given else FIRST_BUCKET_CAP_MB
         self.timeline_asked, self.trace, self.learn_bucket_order = timeline, trace, learn_bucket_order
         # Names a library synchronizes itself (torch's ``_set_params_and_buffers_to_ignore_for_model``).
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -187,6 +193,7 @@ class MiniDDP(nn.Module):
             )
         self.device = module_device(list(module.parameters()), device_ids)
         self._input_device = self.device if device_ids is not None else None
+        self.device_ids = None if device_ids is None else [_get_device_index(d, True) for d in device_ids]
 
         # 1. Same model everywhere, then rank 0's values everywhere (on the
         #    module's GPU, whichever is current: see minddp.sync.on_device).
@@ -211,13 +218,14 @@ class MiniDDP(nn.Module):
         options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, self.gradient_as_bucket_view,
                                  self.find_unused_parameters, self.static_graph, self.reduce_dtype,
                                  self.learn_bucket_order, self.skip_all_reduce_unused_params,
-                                 tuple(self.bucket_cap_mb_list) if self.bucket_cap_mb_list else None)
+                                 tuple(self.bucket_cap_mb_list) if self.bucket_cap_mb_list else None,
+                                 self._first_bucket_cap_mb)
         self.reducer = Reducer(self._params, [name for name, _ in named], self.process_group, options)
         if self.lazy_bucket_allocation:
             self.reducer.use_bucket_storage(BuffersPerBackward())
         self._observer: StepObserver | None = None
         self._stack_features()
-        if self.learn_bucket_order:
+        if self.learn_bucket_order and (self.static_graph or not self.find_unused_parameters):  # torch's rule
             LearnedBucketOrder(self.reducer)  # a policy: watches the first backward's arrivals, then rebuilds
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
@@ -290,9 +298,11 @@ class MiniDDP(nn.Module):
             buffers = self._module_buffers()
             if buffers:
                 sync_buffers(buffers, self.process_group, self.buffer_sync, buffers_from)
-        self.require_forward_param_sync = sync
         output = self.module(*inputs, **kwargs)
-        if sync:
+        # torch reads the flag again here, at the end of the forward (Lightning's manual optimization
+        # lowers it during the forward and arms the reducer itself before its backward).
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self.require_forward_param_sync:
             self.reducer.prepare_for_backward(output)
         return output
 
@@ -307,13 +317,6 @@ class MiniDDP(nn.Module):
     def _module_parameters(self) -> list[nn.Parameter]:
         """Every parameter MiniDDP keeps equal on all ranks (trainable or not; not those left to the user)."""
         return [p for name, p in self.module.named_parameters() if name not in self.parameters_to_ignore]
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
-        """Leave these parameters and buffers (by name) out of MiniDDP, before wrapping ``module``: not
-        broadcast, not averaged, no hook. For state a library keeps in sync itself (e.g. a sharded
-        embedding table). torch's DDP's method of the same (private) name, which such libraries call."""
-        module._ddp_params_and_buffers_to_ignore = list(names)
 
     def _unfinished_backward_error(self) -> RuntimeError:
         missing = self.reducer.abandon_unfinished_backward()
@@ -353,10 +356,6 @@ class MiniDDP(nn.Module):
         check_comm_hook(hook)
         self.reducer.add_layer(CommHook, state=state, hook=hook)
         self.reducer.remove_layer(CarryBuffers)  # a hook need not be a sum: buffers go back to their broadcast
-
-    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
-        """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
-        self.register_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type))
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:

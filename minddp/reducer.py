@@ -40,11 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, bucket_groups, first_guess_limits
 from minddp.buckets import Bucket, BucketStorage
 from minddp.features import Layer
 from minddp.features.observed import ProfilerRanges
 from minddp.reducer_hooks import ReducerHookPoints
+from minddp.torch_reducer_calls import TorchReducerCalls
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer"]
 
@@ -64,13 +65,15 @@ class ReducerOptions:
     learn_bucket_order: bool = True
     skip_all_reduce_unused_params: bool = False
     bucket_caps_mb: tuple[float, ...] | None = None  # one cap per bucket (torch's bucket_cap_mb_list)
+    first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB  # torch's: 1 MiB by default, the cap when one is given
 
 
-class Reducer(ReducerHookPoints):
+class Reducer(ReducerHookPoints, TorchReducerCalls):
     """Averages the gradients of ``params`` over ``process_group`` during backward.
 
     (What policies above may call, ``rebuild``, ``watch_arrivals``, bucket
-    storage, ``bucket_reduced_hook``, is in :class:`~minddp.reducer_hooks.ReducerHookPoints`:
+    storage, ``bucket_reduced_hook``, is in :class:`~minddp.reducer_hooks.ReducerHookPoints`,
+    what frameworks call on torch's reducer in :class:`~minddp.torch_reducer_calls.TorchReducerCalls`:
     methods only; every attribute the path reads is set in ``__init__`` here.)
     """
 
@@ -84,41 +87,43 @@ class Reducer(ReducerHookPoints):
         self.device = params[0].device
         self.divisor = self.world_size  # the average is over this many ranks (join() may lower it)
         self.scale = 1.0 / self.divisor  # what every gradient is multiplied by before the sum
-        self.sync_this_backward = False  # set at each forward: does its backward communicate?
+        self.sync_this_backward = False  # armed by prepare_for_backward, until that backward ends
         # Also set at each synchronized forward: did it run inside a backward pass? (A reentrant
         # checkpoint around the whole model recomputes its forward there: see _on_pass_end.)
         self.forward_inside_backward = False
         self.backward_started = False
         self._end_of_pass_queued = False
         self.backwards_done = 0
+        self.buckets_reduced, self.buckets_reduced_logged = 0, None  # last backward's; as of the last forward
         self.backward_done_callbacks: list[Callable[[], None]] = []
         self.comm_hook: tuple[Any, Callable] | None = None  # (state, hook): minddp.features.comm_hook
         self.globally_used: list[bool] | None = None  # None: every parameter had a gradient somewhere
         self.planned_rebuild: str | None = None  # why the buckets will still change (a policy's plan)
         self.storage = BucketStorage()
-        self.caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
+        self.order_to_learn = False  # set by a policy while the buckets await the order backward shows
+        self.first_guess_limits = first_guess_limits(self.caps, self.per_bucket_caps, options)
         self._index = {p: i for i, p in enumerate(params)}
-        self._build_buckets(list(reversed(range(len(params)))))  # the first guess: reverse registration
+        self._build_buckets(None if options.learn_bucket_order else list(reversed(range(len(params)))))  # 1st guess
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
 
-    def _build_buckets(self, order: list[int]) -> None:
-        """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
-        specs = [TensorSpec(self.params[i].numel(), self.bucket_dtype(i).itemsize, self.bucket_dtype(i),
-                            self.device) for i in order]
-        groups = assign_buckets(specs, *self.caps, per_bucket_caps=self.per_bucket_caps)
-        self.buckets = [self._make_bucket(k, [order[j] for j in group], specs[group[0]].dtype, len(groups))
-                        for k, group in enumerate(groups)]
-        # The plan every hook follows, worked out once here instead of at every
-        # gradient: parameter index -> (its bucket, its position there).
+    def _build_buckets(self, order: list[int] | None) -> None:
+        """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:
+        torch's first guess, before a backward has shown the order (:mod:`minddp.bucket_assignment`)."""
+        self.layout_order = order  # what a layer rebuilds the same buckets from
+        dtypes = [self.bucket_dtype(i) for i in range(len(self.params))]
+        specs = [TensorSpec(p.numel(), dtype.itemsize, dtype, self.device) for p, dtype in zip(self.params, dtypes)]
+        groups = bucket_groups(specs, order, self.caps, self.per_bucket_caps, self.first_guess_limits)
+        self.buckets = [self._make_bucket(k, group, dtypes[group[0]], len(groups)) for k, group in enumerate(groups)]
+        # The plan every hook follows, worked out once: parameter index -> (its bucket, its position there).
         self._indices = [[self._index[p] for p in bucket.params] for bucket in self.buckets]
         self._plan: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket, indices in zip(self.buckets, self._indices):
             for position, i in enumerate(indices):
                 self._plan[i] = (bucket, position)
         self._next_to_launch = 0
-
     def _make_bucket(self, k: int, indices: list[int], dtype: torch.dtype, count: int, extra_numel: int = 0) -> Bucket:
         """Bucket ``k`` of ``count``, for these parameter indices."""
         return Bucket(k, [self.params[i] for i in indices], [self.names[i] for i in indices], dtype, self.storage,
@@ -130,14 +135,17 @@ class Reducer(ReducerHookPoints):
 
     # ------------------------------------------------------- at every forward
     def prepare_for_forward(self, sync: bool, buffers_due: bool) -> int | None:
-        """Before the module's forward: will its backward communicate? Returns the rank whose buffers
+        """Before the module's forward (``sync``: the flag as it reads now). Returns the rank whose buffers
         everyone takes now, or None for no broadcast (``buffers_due``: the last forward synchronized)."""
-        self.sync_this_backward = sync
         self.forward_inside_backward = sync and torch._C._current_graph_task_id() != -1
+        if sync and self.backwards_done:  # torch's logger records the last backward's count here
+            self.buckets_reduced_logged = self.buckets_reduced
         return 0 if buffers_due else None
 
     def prepare_for_backward(self, output: Any) -> None:
-        """After a synchronized forward, with its output (where unused parameters are searched for)."""
+        """Arm the reducer: the next backward averages. At the end of a synchronized forward, with its output
+        (to search for unused parameters), or by a framework (accelerate's ``trigger_sync_in_backward``)."""
+        self.sync_this_backward = True
 
     # ------------------------------------------------ the path of a gradient
     def _autograd_hook(self, index: int, param: nn.Parameter) -> None:
@@ -205,7 +213,7 @@ class Reducer(ReducerHookPoints):
 
     def finish_backward(self) -> None:
         """Every bucket launched? Then wait for each, write ``.grad``, and be ready for the next backward."""
-        self.backward_started = self._end_of_pass_queued = False
+        self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
         if self._next_to_launch < len(self.buckets):
             raise self._missing_gradients_error()
         for bucket in self.buckets:
@@ -213,6 +221,7 @@ class Reducer(ReducerHookPoints):
             bucket.reset()
         self._next_to_launch = 0
         self.backwards_done += 1
+        self.buckets_reduced = len(self.buckets)
         for callback in list(self.backward_done_callbacks):  # a callback may remove itself
             callback()
 
@@ -242,7 +251,7 @@ class Reducer(ReducerHookPoints):
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0
-        self.backward_started = self._end_of_pass_queued = False
+        self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
         return missing
 
     # --------------------------------------------------------------- layers

@@ -89,7 +89,7 @@ class ReducerHookPoints:
         self.storage = storage
         if not storage.keep_buffers:
             self.add_layer(LentBuckets)
-        self._build_buckets(self.bucket_order)
+        self._build_buckets(self.layout_order)
 
     @property
     def bucket_reduced_hook(self) -> Callable | None:

@@ -24,7 +24,7 @@ class BucketViews(Layer):
     def attach(self, sparse: frozenset[int] = frozenset()) -> None:
         self.add_layer(GradientCases)
         self._never_views = sparse  # parameters whose gradients are sparse: never a view
-        self._build_buckets(self.bucket_order)
+        self._build_buckets(self.layout_order)
 
     def detach(self) -> None:
         self._as_view = [False] * len(self.params)

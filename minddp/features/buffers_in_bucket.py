@@ -135,10 +135,10 @@ class CarryBuffers(Layer):
         self.passenger = passenger
         self.passenger_arrived = False  # did the last backward bring it? (delivered at the next forward)
         self.carry_passenger = False  # set at each forward: does this backward carry it?
-        self._build_buckets(self.bucket_order)
+        self._build_buckets(self.layout_order)
 
     def detach(self) -> None:
-        self._build_buckets(self.bucket_order)  # the last bucket without the room
+        self._build_buckets(self.layout_order)  # the last bucket without the room
 
     def _make_bucket(self, k, indices, dtype, count, extra_numel=0):
         if k == count - 1 and self.passenger.fits(dtype):

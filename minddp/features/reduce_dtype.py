@@ -21,7 +21,7 @@ class ReduceDtype(Layer):
 
     def attach(self, dtype: torch.dtype) -> None:
         self._reduce_dtype = dtype
-        self._build_buckets(self.bucket_order)
+        self._build_buckets(self.layout_order)
 
     def bucket_dtype(self, index: int) -> torch.dtype:
         return self._reduce_dtype
