@@ -35,10 +35,12 @@ What to look at
     ran (when each hook fired), each message on the wire for the time the
     alpha-beta model gives it. No clock figure is shown with a link: on a
     shared machine the clock also counts the other programs and a peer
-    arriving late, and the model does not. Then the timeline of one
-    backward on rank 0: when each parameter's hook fired (``^``), while its
-    all-reduce waited for the wire (``.``) and was on it (``=``), and where
-    backward returned (``|``).
+    arriving late, and the model does not. Then the timeline of that same
+    backward on rank 0, in the model's time (``--wait-in-hook`` and
+    ``--link none``: the last backward, by the clock): when each parameter's
+    hook fired (``^``), while its all-reduce waited for the wire (``.``) and
+    was on it (``=``), and where backward returned (``|``). The count of
+    all-reduces that end during backward is read off that drawing.
 
 Try this
     Predict before you run; ``--reveal`` prints the answers.
@@ -112,33 +114,43 @@ def modelled(ddp: WatchedAsyncDDP) -> dict:
     here (when each hook fired, when backward returned), communication as the
     model says (each message on the wire for its modelled time, one at a
     time), not as the clock saw it. A busy machine or a late peer can stretch
-    the clock; it cannot change this comparison of the two ways to wait."""
+    the clock; it cannot change this comparison of the two ways to wait.
+    ``rows`` keeps each all-reduce's (name, launched, on the wire, done) in ms, for ``draw``."""
     t0 = ddp.forward_done
     backward = 1e3 * (ddp.backward_done - t0)
-    wire_free, done = 0.0, []
-    for _, launched, _, message in ddp.timeline:
-        wire_free = max(1e3 * (launched - t0), wire_free) + 1e3 * message.predicted_s
-        done.append(wire_free)
+    wire_free, rows = 0.0, []
+    for name, launched, _, message in ddp.timeline:
+        at = 1e3 * (launched - t0)
+        on_wire = max(at, wire_free)
+        wire_free = on_wire + 1e3 * message.predicted_s
+        rows.append((name, at, on_wire, wire_free))
     wire = sum(1e3 * m.predicted_s for *_, m in ddp.timeline)
     return dict(backward=backward, wire=wire, waiting=backward + wire,  # every message waited for in turn
-                overlap=max(backward, wire_free), hidden=sum(d < backward for d in done))
+                overlap=max(backward, wire_free), hidden=sum(done < backward for *_, done in rows), rows=rows)
 
 
-def draw(ddp: WatchedAsyncDDP, width: int = 56) -> None:
+def clock_rows(ddp: WatchedAsyncDDP) -> tuple[list, float, float]:
+    """The last backward as the clock saw it: (rows in ms as ``modelled``'s, backward returned, all done)."""
     t0 = ddp.forward_done
-    scale = width / (ddp.all_done - t0)
-    col = lambda t: min(width - 1, int((t - t0) * scale))  # noqa: E731
-    end_col = col(ddp.backward_done)
-    print0(f"  {'parameter':<10} 0 ms{' ' * (width - 14)}{(ddp.all_done - t0) * 1e3:6.1f} ms")
-    for name, launched, finished, message in ddp.timeline:
-        on_wire = message.started if message is not None and message.started is not None else launched
+    ms = lambda t: 1e3 * (t - t0)  # noqa: E731
+    rows = [(name, ms(launched), ms(m.started if m is not None and m.started is not None else launched), ms(finished))
+            for name, launched, finished, m in ddp.timeline]
+    return rows, ms(ddp.backward_done), ms(ddp.all_done)
+
+
+def draw(rows: list, backward_ms: float, total_ms: float, width: int = 56) -> None:
+    scale = width / total_ms
+    col = lambda t: min(width - 1, int(t * scale))  # noqa: E731
+    end_col = col(backward_ms)
+    print0(f"  {'parameter':<10} 0 ms{' ' * (width - 14)}{total_ms:6.1f} ms")
+    for name, launched, on_wire, finished in rows:
         row = [" "] * width
         for c in range(col(launched), col(finished) + 1):
             row[c] = "." if c < col(on_wire) else "="
         row[col(launched)] = "^"
         row[end_col] = "|"
         print0(f"  {name:<10} {''.join(row)}")
-    print0(f"  ^ hook fired, all_reduce launched   . queued   = on the wire   | backward returned at {(ddp.backward_done - t0) * 1e3:.1f} ms")
+    print0(f"  ^ hook fired, all_reduce launched   . queued   = on the wire   | backward returned at {backward_ms:.1f} ms")
 
 
 def time_alternately(wrappers: list, per_rank: int, rounds: int = 6) -> tuple[list[float], dict | None]:
@@ -183,9 +195,16 @@ def main(rank: int, world_size: int, args) -> None:
                f"at most min(backward, wire) = {most:.1f} ms")
 
     shown = ddp_waiting if args.wait_in_hook else ddp_overlap
-    if rank == 0:
-        print(f"\nrank 0, the last backward {'waiting in the hook' if args.wait_in_hook else 'with overlap'}, {len(shown.timeline)} parameters:")
-        draw(shown)
+    if model is not None and not args.wait_in_hook:  # the very backward the saving comes from, in the model's time
+        print0(f"\nrank 0, that least disturbed backward with overlap, {len(model['rows'])} parameters, in the link "
+               f"model's time:")
+        draw(model["rows"], model["backward"], model["overlap"])
+        drawn_in_backward = sum(done < model["backward"] for *_, done in model["rows"])
+        assert drawn_in_backward == model["hidden"], "the drawing and the count below are of the same backward"
+    elif rank == 0:
+        print(f"\nrank 0, the last backward {'waiting in the hook' if args.wait_in_hook else 'with overlap'}, "
+              f"{len(shown.timeline)} parameters, by the clock:")
+        draw(*clock_rows(shown))
     assert is_exact(waiting) and is_exact(overlap), "when a sum arrives does not change what it is"
     first_name = shown.timeline[0][0]
     assert first_name.split(".")[0] == str(len(shown.module) - 1), f"backward reaches the last layer first, not {first_name}"
@@ -206,9 +225,10 @@ def main(rank: int, world_size: int, args) -> None:
     if model is None:
         print0("         with no simulated link there is no model of the wire: nothing about time is checked")
     else:
-        print0(f"         in the link model's time {model['hidden']} of {len(shown.timeline)} all-reduces end while backward "
-               f"still runs, and overlap saves {model['waiting'] - model['overlap']:.1f} ms,")
-        print0(f"         over half of the {most:.1f} ms that could hide")
+        print0(f"         in the link model's time {model['hidden']} of {len(model['rows'])} all-reduces end while "
+               f"backward still runs (in the drawing above,")
+        print0(f"         their = end before the |), and overlap saves {model['waiting'] - model['overlap']:.1f} ms, "
+               f"over half of the {most:.1f} ms that could hide")
 
 
 def options(parser) -> None:

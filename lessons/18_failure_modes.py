@@ -54,7 +54,10 @@ Try this
 """
 
 import datetime
+import os
 import re
+import sys
+import tempfile
 import textwrap
 import time
 
@@ -132,6 +135,22 @@ def uneven_inputs(rank: int, timeout_s: float) -> None:
     assert len(set(weights)) == 1
 
 
+def c_stderr(fn) -> str:
+    """Run ``fn`` with this process's stderr (file descriptor 2, where torch's C++ warnings go) caught; its text."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as caught:
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        return caught.read().decode(errors="replace")
+
+
 def unused_parameter(rank: int, timeout_s: float) -> None:
     print0("\n2. a parameter unused on one rank: rank 1 skips the layer 'extra'")
     x = batches(1)[0]
@@ -149,7 +168,16 @@ def unused_parameter(rank: int, timeout_s: float) -> None:
     # torch warns on the ranks that used every parameter ("did not find any
     # unused parameters"): its flag is per run, the unused layer per rank.
     theirs = DistributedDataParallel(TwoHeads(), find_unused_parameters=True)
-    theirs(x, use_extra=used).sum().backward()
+    said = c_stderr(lambda: theirs(x, use_extra=used).sum().backward())
+    warned = [None] * dist.get_world_size()
+    dist.all_gather_object(warned, "did not find any unused parameters" in said)
+    users_ranks = [r for r in range(dist.get_world_size()) if r != 1]
+    assert [r for r, w in enumerate(warned) if w] == users_ranks, f"torch warned on {warned}, expected {users_ranks}"
+    if rank == 0:
+        print(said.rstrip(), file=sys.stderr, flush=True)  # torch's own words, as it printed them
+    print0(f"   (that Warning is torch's DDP on rank(s) {users_ranks}, those that used every parameter in this backward:")
+    print0("   find_unused_parameters is one flag for every rank, and there its extra walk of the autograd graph")
+    print0("   found nothing unused. Harmless here: rank 1 needs the flag)")
     # The formula, from each rank's own gradient (zero where 'extra' was unused).
     alone = TwoHeads()
     alone(x, use_extra=used).sum().backward()

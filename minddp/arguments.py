@@ -59,10 +59,11 @@ from typing import Any
 
 import torch
 
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB
 from minddp.sync import BUFFER_POLICIES
 
-__all__ = ["buffer_rule", "check_arguments", "refuse_unsupported", "warn_broadcast_buffers_deprecated",
-           "warn_check_reduction_deprecated"]
+__all__ = ["buffer_rule", "check_arguments", "first_bucket_cap_mb", "refuse_unsupported",
+           "warn_broadcast_buffers_deprecated", "warn_check_reduction_deprecated"]
 
 
 def check_arguments(buffer_sync: str, check_sync_every: int, bucket_cap_mb: Any, bucket_cap_mb_list: Any,
@@ -94,6 +95,12 @@ def buffer_rule(broadcast_buffers: bool | None, forward_sync_buffers: bool | Non
     if forward_sync_buffers is not None:
         return forward_sync_buffers, True
     return broadcast_buffers is not False, broadcast_buffers is not False
+
+
+def first_bucket_cap_mb(bucket_cap_mb: Any, bucket_cap_mb_list: Any, cap_mb: Any) -> Any:
+    """torch's first bucket: 1 MiB (``FIRST_BUCKET_CAP_MB``) when no cap was given, else the cap itself."""
+    given = bucket_cap_mb not in (None, "auto") or bucket_cap_mb_list is not None
+    return cap_mb if given else FIRST_BUCKET_CAP_MB
 
 
 def warn_broadcast_buffers_deprecated(forward_sync_buffers_given: bool, stacklevel: int = 3) -> None:

@@ -129,7 +129,8 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: b
     candidates.append((everything, everything))
     results = []
     for order, (cap, first) in enumerate(candidates):
-        step = simulate_step(profile, link, world_size, DDPPolicy(cap, first, overlap=overlap))
+        policy = DDPPolicy(cap, first, overlap=overlap, buckets_may_pass_cap=True)  # the buckets MiniDDP builds
+        step = simulate_step(profile, link, world_size, policy)
         results.append((round(step.step_ms, 9), len(step.buckets), order, cap, first))
     default = results[0]
     best = min(results)

@@ -21,9 +21,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _get_device_index
 
-from minddp.arguments import buffer_rule, check_arguments, refuse_unsupported, warn_check_reduction_deprecated
-import minddp.torch_surface as torch_surface
+from minddp.arguments import (buffer_rule, check_arguments, first_bucket_cap_mb, refuse_unsupported,
+                              warn_check_reduction_deprecated)
+import minddp.torch_ddp_calls as torch_ddp_calls
 from minddp.features.bucket_views import BucketViews
 from minddp.features.buffers_in_bucket import BuffersInLastBucket
 import minddp.features.comm_hook as comm_hook
@@ -100,6 +102,8 @@ class MiniDDP(nn.Module):
         self.module = module
         self.dim = dim  # torch's too: it splits inputs over several devices of one process, which neither does
         self.process_group = process_group_of(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh  # torch's DDP has this attribute only when given one
         self.world_size = dist.get_world_size(self.process_group)
         self.forward_sync_buffers, init_sync_buffers = buffer_rule(broadcast_buffers, forward_sync_buffers)
         self.broadcast_buffers = self.forward_sync_buffers  # torch keeps the old name as an alias
@@ -117,6 +121,7 @@ class MiniDDP(nn.Module):
         if bucket_cap_mb_list is not None:  # as torch: the largest is the cap reported
             self.bucket_cap_mb = max(bucket_cap_mb_list)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None
+        self._first_bucket_cap_mb = first_bucket_cap_mb(bucket_cap_mb, bucket_cap_mb_list, self.bucket_cap_mb)
         self.timeline_asked, self.trace, self.learn_bucket_order = timeline, trace, learn_bucket_order
         # Names a library synchronizes itself (torch's ``_set_params_and_buffers_to_ignore_for_model``).
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -127,6 +132,7 @@ class MiniDDP(nn.Module):
             )
         self.device = module_device(list(module.parameters()), device_ids)
         self._input_device = self.device if device_ids is not None else None
+        self.device_ids = None if device_ids is None else [_get_device_index(d, True) for d in device_ids]
 
         # 1. Same model everywhere, then rank 0's values everywhere (on the
         #    module's GPU, whichever is current: see minddp.sync.on_device).
@@ -148,10 +154,9 @@ class MiniDDP(nn.Module):
                  if p.requires_grad and name not in self.parameters_to_ignore]
         params, count = [p for _, p in named], len(named)
         auto_buckets = self.bucket_cap_mb == "auto"
-        options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, self.gradient_as_bucket_view,
-                                 self.find_unused_parameters, self.static_graph, self.reduce_dtype,
-                                 self.learn_bucket_order, self.skip_all_reduce_unused_params,
-                                 tuple(self.bucket_cap_mb_list) if self.bucket_cap_mb_list else None)
+        options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, self.find_unused_parameters,
+                                 self.static_graph, self.reduce_dtype, self.learn_bucket_order,
+                                 tuple(self.bucket_cap_mb_list or ()) or None, self._first_bucket_cap_mb)
         # When is a parameter ready? At its hook (the plain part), or:
         readiness = None
         if self.static_graph:
@@ -185,7 +190,7 @@ class MiniDDP(nn.Module):
         if self.lazy_bucket_allocation:
             lend_buckets(self.reducer, BuffersPerBackward())
         # The policies above the reducer, through its interface:
-        if self.learn_bucket_order:
+        if self.learn_bucket_order and (self.static_graph or not self.find_unused_parameters):  # torch's rule
             LearnedBucketOrder(self.reducer, ArrivalLog())  # watches the first backward's arrivals, then rebuilds
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
@@ -201,14 +206,18 @@ class MiniDDP(nn.Module):
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
         self.join_context: Join | None = None  # set by Join inside ``with model.join():``
 
-    # ------------------ torch's DDP beyond the path of a gradient (minddp/torch_surface.py)
-    __getstate__ = torch_surface.getstate  # pickling and copying: the reducer is built again
-    __setstate__ = torch_surface.setstate
-    _set_params_and_buffers_to_ignore_for_model = staticmethod(torch_surface.ignore_params_and_buffers)
-    _register_builtin_comm_hook = torch_surface.register_builtin_comm_hook
-    join = torch_surface.join  # with model.join(): uneven inputs (the Joinable protocol, with join_hook)
-    join_process_group = property(torch_surface.join_process_group)
-    join_device = property(torch_surface.join_device)
+    # ------------------ torch's DDP beyond the path of a gradient (minddp/torch_ddp_calls.py)
+    __getstate__ = torch_ddp_calls.getstate  # pickling and copying: the reducer is built again
+    __setstate__ = torch_ddp_calls.setstate
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(torch_ddp_calls.ignore_params_and_buffers)
+    _register_builtin_comm_hook = torch_ddp_calls.register_builtin_comm_hook
+    _get_ddp_logging_data = torch_ddp_calls.ddp_logging_data
+    bucket_bytes_cap = property(torch_ddp_calls.bucket_bytes_cap)
+    bucket_bytes_cap_list = property(torch_ddp_calls.bucket_bytes_cap_list)
+    bucket_bytes_cap_default = property(torch_ddp_calls.bucket_bytes_cap_default)
+    join = torch_ddp_calls.join  # with model.join(): uneven inputs (the Joinable protocol, with join_hook)
+    join_process_group = property(torch_ddp_calls.join_process_group)
+    join_device = property(torch_ddp_calls.join_device)
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
@@ -236,9 +245,11 @@ class MiniDDP(nn.Module):
             self.buffer_policy.before_forward(buffers_from)
         for observer in self.reducer.observers:
             observer.forward_started()
-        self.require_forward_param_sync = sync
         output = self.module(*inputs, **kwargs)
-        if sync:
+        # torch reads the flag again here, at the end of the forward (Lightning's manual optimization
+        # lowers it during the forward and arms the reducer itself before its backward).
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self.require_forward_param_sync:
             if torch.autograd._profiler_enabled():  # a torch.profiler records: name the launches and the wait
                 self.reducer.add_observer(self._profiler_ranges)
             self.reducer.prepare_for_backward(output)

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
+import minddp.torch_reducer_calls as torch_reducer_calls
+from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, bucket_groups, first_guess_limits
 from minddp.buckets import Bucket, BucketStorage
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer", "EveryHookReady", "CopyGradients", "AllReduce",
@@ -57,13 +58,12 @@ class ReducerOptions:
     """How gradients are bucketed and reduced (MiniDDP's arguments of the same names)."""
 
     bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
     static_graph: bool = False
     reduce_dtype: torch.dtype | None = None
     learn_bucket_order: bool = True
-    skip_all_reduce_unused_params: bool = False
     bucket_caps_mb: tuple[float, ...] | None = None  # one cap per bucket (torch's bucket_cap_mb_list)
+    first_bucket_cap_mb: float = FIRST_BUCKET_CAP_MB  # torch's: 1 MiB by default, the cap when one is given
 
 
 # ------------------------------------------------------------- the plain parts
@@ -72,27 +72,19 @@ class EveryHookReady:
 
     used_on_some_rank: list[bool] | None = None  # None: every parameter had a gradient
 
-    def prepare_for_backward(self, reducer: Reducer, output: Any) -> None:
-        """After a synchronized forward, with its output."""
+    def prepare_for_backward(self, reducer: Reducer, output: Any) -> None: ...  # after a synchronized forward
+    def backward_ending(self, reducer: Reducer) -> None: ...  # before the check that every bucket was launched
+    def shadow_backward(self, reducer: Reducer) -> None: ...  # a joined rank's stand-in: beyond the buckets
 
     def is_ready(self, reducer: Reducer, index: int) -> bool:
         return True
-
-    def backward_ending(self, reducer: Reducer) -> None:
-        """The backward pass is over; before the reducer checks that every bucket was launched."""
-
-    def shadow_backward(self, reducer: Reducer) -> None:
-        """A joined rank's stand-in for a backward: what this part communicates beyond the buckets."""
 
 
 class CopyGradients:
     """Gradients in and out, plain: one batched copy into the complete bucket, one batched copy back."""
 
-    def buckets_built(self, reducer: Reducer) -> None:
-        """The buckets were (re)built."""
-
-    def gradient_ready(self, bucket: Bucket, position: int, param: nn.Parameter) -> None:
-        """At the hook: nothing to do yet, the copy waits until the bucket is complete."""
+    def buckets_built(self, reducer: Reducer) -> None: ...  # the buckets were (re)built
+    def gradient_ready(self, bucket: Bucket, position: int, param: nn.Parameter) -> None: ...  # the copy waits
 
     def fill_bucket(self, bucket: Bucket, scale: float) -> None:
         """Every gradient of a complete bucket into its slot, times ``scale`` (1/N)."""
@@ -174,21 +166,25 @@ class Reducer:
         self.backward_started = False
         self._end_of_pass_queued = False
         self.backwards_done = 0
+        self.buckets_reduced, self.buckets_reduced_logged = 0, None  # last backward's; as of the last forward
         self.backward_done_callbacks: list[Callable[[], None]] = []
         self.planned_rebuild: str | None = None  # why the buckets will still change (a policy's plan)
         self.storage = BucketStorage()
-        self.caps = (int(options.bucket_cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+        self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
-        self._build_buckets(list(reversed(range(len(params)))))  # the first guess: reverse registration
+        self.order_to_learn = False  # set by a policy while the buckets await the order backward shows
+        self.first_guess_limits = first_guess_limits(self.caps, self.per_bucket_caps, options)
+        self._build_buckets(None if options.learn_bucket_order else list(reversed(range(len(params)))))  # 1st guess
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
             p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
 
-    def _build_buckets(self, order: list[int]) -> None:
-        """(Re)build the buckets for parameter indices in expected-arrival ``order``."""
+    def _build_buckets(self, order: list[int] | None) -> None:
+        """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:
+        torch's first guess, before a backward has shown the order (:mod:`minddp.bucket_assignment`)."""
+        self.layout_order = order  # what the same buckets are rebuilt from (with room, or other storage)
         dtypes = [self.options.reduce_dtype or p.dtype for p in self.params]  # what each gradient is reduced in
-        specs = [TensorSpec(self.params[i].numel(), dtypes[i].itemsize, dtypes[i], self.device) for i in order]
-        groups = [[order[j] for j in group] for group in assign_buckets(specs, *self.caps,
-                                                                         per_bucket_caps=self.per_bucket_caps)]
+        specs = [TensorSpec(p.numel(), dtype.itemsize, dtype, self.device) for p, dtype in zip(self.params, dtypes)]
+        groups = bucket_groups(specs, order, self.caps, self.per_bucket_caps, self.first_guess_limits)
         self.buckets = [Bucket(k, [self.params[i] for i in group], [self.names[i] for i in group], dtypes[group[0]],
                                self.storage, self._room_in(k, len(groups), dtypes[group[0]]), indices=group)
                         for k, group in enumerate(groups)]
@@ -211,6 +207,8 @@ class Reducer:
         its output (where unused parameters are searched for)."""
         self.sync_this_backward = True
         self.forward_inside_backward = torch._C._current_graph_task_id() != -1
+        if self.backwards_done:  # torch's logger records the last backward's count at a synchronized forward
+            self.buckets_reduced_logged = self.buckets_reduced
         for observer in self.observers:
             observer.forward_done()
         self.readiness.prepare_for_backward(self, output)
@@ -294,6 +292,7 @@ class Reducer:
             bucket.reset()
         self._next_to_launch = 0
         self.backwards_done += 1
+        self.buckets_reduced = len(self.buckets)
         for observer in self.observers:
             observer.backward_done()
         for callback in list(self.backward_done_callbacks):  # a callback may remove itself
@@ -317,6 +316,10 @@ class Reducer:
         self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
         return missing
 
+    # --------------------------- what frameworks call on torch's reducer (minddp/torch_reducer_calls.py)
+    _rebuild_buckets = torch_reducer_calls.rebuild_buckets
+    _delay_all_reduce = torch_reducer_calls.delay_all_reduce
+
     # ------------------------------------------ the interface for policies
     def average_over(self, ranks: int) -> None:
         """Average over ``ranks`` ranks (the world; fewer under ``join()``): gradients are multiplied by
@@ -337,7 +340,7 @@ class Reducer:
     def set_passenger(self, passenger: Any) -> None:
         """What rides in the last bucket (None: nothing): the buckets are rebuilt with its room."""
         self.passenger = passenger
-        self._build_buckets(self.bucket_order)
+        self._build_buckets(self.layout_order)
 
     def add_observer(self, observer: Observer) -> None:
         if observer not in self.observers:
@@ -345,11 +348,6 @@ class Reducer:
 
     def remove_observer(self, observer: Observer) -> None:
         self.observers = tuple(o for o in self.observers if o is not observer)
-
-    @property
-    def comm_hook(self) -> tuple[Any, Callable] | None:
-        """``(state, hook)`` once a comm hook is registered, else None."""
-        return self.communication.comm_hook
 
     def ranks_averaged_over(self) -> int:
         """How many ranks the average is over: the world, or fewer under ``join()``."""
@@ -383,4 +381,4 @@ class Reducer:
         for bucket in self.buckets:
             bucket.release()
         self.storage = storage
-        self._build_buckets(self.bucket_order)
+        self._build_buckets(self.layout_order)

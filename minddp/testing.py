@@ -62,8 +62,8 @@ def _serve(rank: int, conn: Connection, world_size: int, port: int, init_group: 
     while True:
         try:
             message = conn.recv()
-        except EOFError:
-            return
+        except EOFError:  # the parent is gone: leave the group all the same (a clean exit)
+            break
         if message is None:
             break
         fn, args, kwargs = message

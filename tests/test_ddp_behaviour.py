@@ -259,7 +259,7 @@ class OutOfOrder(nn.Module):
 
 
 def _learned_order(rank, world_size):
-    model = MiniDDP(OutOfOrder(), bucket_cap_mb=1e-3)  # 1 KiB: one parameter per bucket
+    model = MiniDDP(OutOfOrder(), bucket_cap_mb=1e-3)  # 1 KiB: a bucket closes at each 4 KiB weight
     before = model.bucket_names
     model(torch.randn(4, 32)).sum().backward()
     return before, model.bucket_names
@@ -267,9 +267,9 @@ def _learned_order(rank, world_size):
 
 def test_buckets_are_rebuilt_in_the_order_gradients_arrived(ranks):
     for before, after in ranks(2).run(_learned_order):
-        assert [n[0] for n in before] == ["c.bias", "c.weight", "b.bias", "b.weight", "a.bias", "a.weight"]
-        # Backward meets b first (the last layer run), then a, then c.
-        assert [n[0].split(".")[0] for n in after] == ["b", "b", "a", "a", "c", "c"]
+        assert before == [["a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"]]  # one, until known
+        # Backward meets b first (the last layer run), then a, then c; each weight passes the cap.
+        assert [sorted(n) for n in after] == [["b.bias", "b.weight"], ["a.bias", "a.weight"], ["c.bias", "c.weight"]]
 
 
 # ------------------------------------------------------------- state dict

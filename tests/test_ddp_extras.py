@@ -107,7 +107,8 @@ def test_trace_exports_a_chrome_trace_with_a_track_per_rank(ranks, tmp_path):
     for rank in (0, 1):
         mine = [e for e in events if e["pid"] == rank]
         comm = [e for e in mine if e.get("name", "").startswith("all_reduce bucket")]
-        assert len(comm) == 2 * n_buckets and all(e["dur"] >= 0 for e in comm)
+        # one bucket in the first step (the order is not known yet), the learned buckets in the second
+        assert len(comm) == 1 + n_buckets and all(e["dur"] >= 0 for e in comm)
         assert sum(1 for e in mine if e.get("name", "").startswith("grad ")) == 2 * 6
         names = {e["args"]["name"] for e in mine if e["ph"] == "M"}
         assert names == {f"rank {rank}", "backward", "communication"}

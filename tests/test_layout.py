@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "minddp"
-# Above the core: the training program, what the examples train on, and the
-# simulator's command-line helper that runs an example model to trace it.
-UPPER_FLOOR = ("minddp.train", "minddp.data", "minddp.models", "minddp.simulate.record")
+# Above the core: the training program, what the examples train on, the
+# simulator's command-line helper that runs an example model to trace it, and
+# MiniDDP inside accelerate and Lightning (each imports its framework).
+UPPER_FLOOR = ("minddp.train", "minddp.data", "minddp.models", "minddp.simulate.record", "minddp.frameworks")
 
 
 def _module_name(path: Path, package_dir: Path) -> str:

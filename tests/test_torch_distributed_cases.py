@@ -332,9 +332,10 @@ def _per_bucket_caps(rank, world_size):
 
 
 def test_bucket_cap_mb_list_gives_each_bucket_its_own_cap(ranks):
-    # gradients arrive last layer first: bias 256 B, weight 16 KiB. Cap 1: 10 KiB holds one bias
-    # and no weight; cap 2: 20 KiB holds a weight and a bias; cap 3 (and on): 1 MiB holds the rest.
-    assert ranks(2).run(_per_bucket_caps)[0] == [1, 2, 5]
+    # Before the first backward, torch fills the caps in registration order (weight 16 KiB, bias 256 B)
+    # and launches the last bucket first. Cap 1 (10 KiB) closes after the first weight; cap 2 (20 KiB)
+    # after the bias, a weight, a bias and the weight that passes it; cap 3 (1 MiB) holds the rest.
+    assert ranks(2).run(_per_bucket_caps)[0] == [3, 4, 1]
 
 
 def test_bucket_cap_mb_list_trains_like_torch(ranks):

@@ -113,7 +113,7 @@ def _reduce_scatter_transients(rank, world_size):
     model = MiniDDP(module, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, ddp=model, lr=1e-3,
                                   shard_gradients=True, overlap_comm=False)
-    state, hook = model.reducer.comm_hook
+    state, hook = model.reducer.communication.comm_hook
     transients = []
 
     def profiled(state, bucket):

@@ -4,9 +4,14 @@ Write ``ring_all_reduce`` below; then, from the repository's root:
 
     python -m lessons.grade 03
 
-The grader runs it on 3 Gloo ranks, on tensors of several sizes (some that 3
-does not divide), compares with ``dist.all_reduce``, and counts the numbers
-each rank sends.
+The grader runs it on 3 Gloo ranks, on tensors of shapes (12,), (7,), (4, 5)
+and (2,) -- 3 divides only the first -- and checks three things: the result
+is ``dist.all_reduce``'s sum; only point-to-point messages carried it; no rank
+sent more numbers than a ring does. A ring's rank sends 2 (p - 1) of the p
+chunks, all but two, about 2 (p - 1) / p of the tensor; the grader allows
+the uneven chunks that ``tensor_split`` cuts, of the flattened tensor or
+along dim 0 (as lesson 03 does): for (4, 5) on 3 ranks, 30 of the 40
+numbers two whole tensors would be.
 """
 
 import torch
@@ -17,9 +22,10 @@ def ring_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Return the sum of ``x`` over all ranks, computed around a ring; leave ``x`` unchanged.
 
     Only point-to-point messages (``dist.send``, ``dist.recv``, ``dist.isend``,
-    ``dist.irecv``): no collective. Rank r sends to rank r + 1 and receives
-    from rank r - 1 (modulo p). Cut the tensor into p chunks
-    (``tensor_split``), then:
+    ``dist.irecv``, or ``dist.batch_isend_irecv``): no collective. Rank r
+    sends to rank r + 1 and receives from rank r - 1 (modulo p). Cut the
+    tensor into p chunks (``tensor_split``, of ``x.reshape(-1)`` or along
+    dim 0), then:
 
     1. reduce-scatter, p - 1 steps: at step s send chunk (r - s) mod p and add
        the chunk (r - s - 1) mod p that arrives to your own. After it, rank r
@@ -27,6 +33,7 @@ def ring_all_reduce(x: torch.Tensor) -> torch.Tensor:
     2. all-gather, p - 1 steps: pass the finished chunks on; an arriving chunk
        replaces yours.
 
-    Each rank sends 2 (p - 1) / p of the tensor's numbers in all.
+    Each rank sends 2 (p - 1) chunks in all: 2 (p - 1) / p of the tensor's
+    numbers when p divides them, a little more or less when it does not.
     """
     raise NotImplementedError

@@ -8,7 +8,11 @@ The grader trains the lessons' bench model through ``AsyncAverager`` on 3
 ranks and compares with one process on the whole batch. It watches every
 ``dist.all_reduce`` call: each must be launched during backward without
 waiting there, and waited for in ``finish()``, which the grader calls after
-every backward (before the optimizer step).
+every backward (before the optimizer step). Its all-reduce delivers the sum
+into your tensor when you call ``wait()`` and not before (a real one may
+still be running until then), so reading or dividing a gradient before its
+``wait()`` is caught every time; and after ``finish()`` your code must hold
+no handle any more (one kept per step is memory and work that grow).
 """
 
 import torch

@@ -9,8 +9,9 @@ The grader trains two models through ``BucketAverager`` on 3 ranks and
 compares with one process on the whole batch: the lessons' bench model, and
 one whose ranks compute two branches in different orders, so that their
 gradients (and full buckets) arrive in different orders on different ranks.
-It counts the all-reduces (one per bucket) and checks that the first leaves
-while backward is still running.
+It counts the all-reduces of every step (one per bucket) and checks that the
+first leaves while backward is still running; as in exercise 06, a sum
+reaches its tensor at ``wait()``, and ``finish()`` must leave nothing held.
 """
 
 import torch

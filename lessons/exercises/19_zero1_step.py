@@ -8,7 +8,9 @@ piece only. Write ``step``; then, from the repository's root:
 
 The grader trains the lessons' bench model for 3 AdamW steps on 3 ranks
 (averaging the gradients itself before every ``step``) and compares the
-parameters with plain AdamW stepping all of them.
+parameters with plain AdamW stepping all of them. It also weighs the
+optimizer state each rank keeps (in every optimizer your object holds): no
+more than AdamW's state for this rank's piece, the memory ZeRO-1 saves.
 """
 
 import torch

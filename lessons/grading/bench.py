@@ -3,22 +3,24 @@
 Every rank builds the bench's model (``lessons/_common.make_model``), takes its
 slice of the same global batch, runs backward through the learner's wrapper and
 compares the gradients with those one process computes on the whole batch.
-What it measures is chosen to tell mistakes apart: the ratio of the
-gradients to the right ones (p: nothing divided), their distance from this
-rank's own gradients (never averaged), the spread of the weights before the
-first step (nothing broadcast).
+What it measures is chosen to tell mistakes apart: the spread of the weights
+before the first step (nothing broadcast); at the first step whose gradients
+are wrong, what each parameter's gradient holds instead (``diagnose``: this
+rank's own, rank 0's, the sum, the largest...); the ReduceOps the learner named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lessons._common import CLASSES, FEATURES, make_model
+from lessons._common import CLASSES, make_model
+from lessons.grading.diagnose import explain_gradients, what_each_holds
 
 PER_RANK, STEPS, LR = 8, 3, 0.1
 # Bound once: a grader may watch dist.all_reduce for the learner's calls, and must not count its own.
@@ -28,11 +30,14 @@ _all_reduce = dist.all_reduce
 @dataclass
 class Seen:
     start_spread: float = 0.0  # max |weight - rank 0's| after wrapping, worst rank
-    grad_ratio: float = 1.0  # <grad, right> / <right, right> in the first step, worst rank
+    start_from: int | None = None  # after wrapping every rank holds this rank's starting weights (None: no one's)
+    start_off: list = field(default_factory=list)  # the parameters that differ from rank 0's after wrapping
+    start_same: list = field(default_factory=list)  # and those that agree, when some differ
     grad_error: float = 0.0  # max |grad - one process's|, over steps, worst rank
-    own_grad_error: float = 0.0  # max |grad - this rank's own slice's gradient|, first step, worst rank
+    wrong_gradients: str = ""  # at the first wrong step: which parameters hold what (``diagnose``)
     weight_error: float = 0.0  # after the last step, worst rank
     ranks_agree: bool = True  # bit-identical weights at the end
+    ops: set = field(default_factory=set)  # the ReduceOps the learner's dist.all_reduce calls named
 
     def exact(self, tolerance: float = 1e-5) -> bool:
         return (self.start_spread == 0 and self.grad_error < tolerance and self.weight_error < tolerance
@@ -59,15 +64,44 @@ def agree(weights: torch.Tensor) -> bool:
     return worst(float(not torch.equal(highest, weights))) == 0.0
 
 
+@contextlib.contextmanager
+def ops_named(ops: set):
+    """Note, in ``ops``, the ReduceOp of every dist.all_reduce the learner calls (SUM when none is named)."""
+    inner = dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        ops.add(getattr(op, "name", str(op).split(".")[-1]))
+        return inner(tensor, op, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = inner
+
+
+def slice_gradients(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, loss_fn) -> list[list[torch.Tensor]]:
+    """Every rank's own gradients at ``model``'s weights: [rank][parameter], micro-batches accumulated."""
+    probe = copy.deepcopy(model)
+    everyone = []
+    for x, y in zip(xs, ys):  # one rank's micro-batches
+        probe.zero_grad()
+        for xi, yi in zip(x, y):
+            (loss_fn(probe(xi), yi) / len(x)).backward()
+        everyone.append([p.grad.clone() for p in probe.parameters()])
+    return everyone
+
+
 def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: bool = False,
-                         micro_batches: int = 1, steps: int = STEPS) -> Seen:
+                         micro_batches: int = 1, steps: int = STEPS, step_starts=None) -> Seen:
     """``steps`` SGD steps of ``wrap(model)`` on this rank's slice against one process on every slice.
 
     ``wrap(module)`` returns an object with ``forward`` (or ``__call__``), an
     optional ``require_sync`` switch and an optional ``finish()`` called after
     each backward. ``own_seeds``: every rank starts from its own random
     weights (the wrapper must broadcast rank 0's). ``backward_done()`` is
-    called right after each synchronizing backward returns, before ``finish``.
+    called right after each synchronizing backward returns, before ``finish``;
+    ``step_starts(step)`` before each step's first forward.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     base = model if model is not None else make_model(seed=0)
@@ -81,38 +115,48 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
         return module
 
     mine, single = start(rank), start(0)  # one process starts from rank 0's weights
-    wrapper = wrap(mine)
-    seen = Seen(start_spread=worst(max((p - q).abs().max().item() for p, q in zip(mine.parameters(), single.parameters()))))
-    own = copy.deepcopy(base)  # this rank's weights and its slice alone: what "never averaged" gives
-    own.load_state_dict(mine.state_dict())
+    seen = Seen()
+    with ops_named(seen.ops):
+        wrapper = wrap(mine)
+    seen.start_spread = worst(max((p - q).abs().max().item() for p, q in zip(mine.parameters(), single.parameters())))
+    if seen.start_spread > 0:  # which parameters differ, and whose weights each rank holds (a wrong src?)
+        names = [name for name, _ in single.named_parameters()]
+        spreads = [worst((p - q).abs().max().item()) for p, q in zip(mine.parameters(), single.parameters())]
+        seen.start_off = [n for n, spread in zip(names, spreads) if spread > 0]
+        seen.start_same = [n for n, spread in zip(names, spreads) if spread == 0]
+        holds = next((k for k in range(world_size) if torch.equal(flat_weights(mine), flat_weights(start(k)))), -1)
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, holds)
+        seen.start_from = everyone[0] if len(set(everyone)) == 1 and everyone[0] >= 0 else None
     opt, opt_single = torch.optim.SGD(mine.parameters(), lr=LR), torch.optim.SGD(single.parameters(), lr=LR)
     loss_fn = nn.CrossEntropyLoss()
     data = torch.Generator().manual_seed(1234)
     finish = getattr(wrapper, "finish", lambda: None)
     in_features = next(base.parameters()).shape[1]
+    names = [name for name, _ in single.named_parameters()]
     for step in range(steps):
         x = torch.randn(world_size, micro_batches, PER_RANK, in_features, generator=data)
         y = torch.randint(0, CLASSES, (world_size, micro_batches, PER_RANK), generator=data)
+        if step_starts is not None:
+            step_starts(step)
         opt.zero_grad()
-        for i in range(micro_batches):
-            last = i == micro_batches - 1
-            if hasattr(wrapper, "require_sync"):
-                wrapper.require_sync = last
-            (loss_fn(wrapper(x[rank, i]), y[rank, i]) / micro_batches).backward()
-            if last and backward_done is not None:
-                backward_done()
-            finish()
+        with ops_named(seen.ops):
+            for i in range(micro_batches):
+                last = i == micro_batches - 1
+                if hasattr(wrapper, "require_sync"):
+                    wrapper.require_sync = last
+                (loss_fn(wrapper(x[rank, i]), y[rank, i]) / micro_batches).backward()
+                if last and backward_done is not None:
+                    backward_done()
+                finish()
         opt_single.zero_grad()
         loss_fn(single(x.reshape(-1, in_features)), y.reshape(-1)).backward()
-        mine_g, right = flat_grads(mine), flat_grads(single)
-        if step == 0:
-            for i in range(micro_batches):
-                (loss_fn(own(x[rank, i]), y[rank, i]) / micro_batches).backward()
-            seen.own_grad_error = worst((mine_g - flat_grads(own)).abs().max().item())
-            ratios = [None] * world_size
-            dist.all_gather_object(ratios, (mine_g @ right / (right @ right)).item())
-            seen.grad_ratio = max(ratios, key=lambda r: abs(r - 1))  # the rank farthest from right
-        seen.grad_error = max(seen.grad_error, worst((mine_g - right).abs().max().item()))
+        error = worst((flat_grads(mine) - flat_grads(single)).abs().max().item())
+        if error >= 1e-5 and not seen.wrong_gradients:  # the first wrong step: say what each parameter holds
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine.parameters()]
+            held = what_each_holds(names, grads, slice_gradients(single, x, y, loss_fn))
+            seen.wrong_gradients = explain_gradients(held, world_size, seen.ops, step, error)
+        seen.grad_error = max(seen.grad_error, error)
         opt.step()
         opt_single.step()
     seen.weight_error = worst((flat_weights(mine) - flat_weights(single)).abs().max().item())
@@ -124,20 +168,17 @@ def explain(seen: Seen, world_size: int, what: str = "") -> list[str]:
     """The failures a Seen shows, most telling first, in a learner's words."""
     if seen.exact():
         return []
-    p = world_size
+    if seen.start_spread > 0 and seen.start_from is not None:
+        return [f"{what}before the first step every rank holds rank {seen.start_from}'s starting weights, not rank "
+                f"0's: broadcast from src=0 (one process on the whole batch starts from rank 0's)"]
+    if seen.start_spread > 0 and seen.start_same:
+        return [f"{what}before the first step the ranks' {', '.join(seen.start_off)} differ from rank 0's (by up to "
+                f"{seen.start_spread:.2g}) while {', '.join(seen.start_same)} agree: broadcast every parameter"]
     if seen.start_spread > 0:
         return [f"{what}the ranks' weights differ from rank 0's before the first step (by up to {seen.start_spread:.2g}): "
                 f"nothing was broadcast, so each rank trains its own model"]
-    if seen.own_grad_error < 1e-6:
-        return [f"{what}each rank's gradients are its own slice's, never averaged: after backward every .grad must "
-                f"hold the average over the {p} ranks"]
-    if abs(seen.grad_ratio - p) < 1e-3 * p:
-        return [f"{what}gradients are {p}x the single-process ones: did you divide by the world size?"]
-    if abs(seen.grad_ratio - 1 / p) < 1e-3:
-        return [f"{what}gradients are 1/{p} of the single-process ones: did you divide by the world size twice?"]
-    if seen.grad_error >= 1e-5:
-        return [f"{what}gradients differ from one process on the whole batch by up to {seen.grad_error:.2g} "
-                f"(on the first step they are {seen.grad_ratio:.3g}x the right ones)"]
+    if seen.wrong_gradients:
+        return [f"{what}{seen.wrong_gradients}"]
     if not seen.ranks_agree:
         return [f"{what}the ranks' weights differ after training: every rank must apply the same averaged gradient"]
     return [f"{what}the weights differ from one process on the whole batch by {seen.weight_error:.2g} after {STEPS} steps"]

@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from lessons.grading.bench import gather_failures
 from lessons.grading.runner import load
@@ -17,8 +18,14 @@ _all_reduce = dist.all_reduce  # the grader's own, never watched
 
 @contextlib.contextmanager
 def watched_messages(used: set, sent: list):
-    """Record the collectives called (in ``used``) and the numbers sent point to point (appended to ``sent``)."""
-    originals = {name: getattr(dist, name) for name in COLLECTIVES + ["send", "isend"] if hasattr(dist, name)}
+    """Record the collectives called (in ``used``) and the numbers sent point to point (appended to ``sent``).
+
+    Every send goes through ``distributed_c10d.isend`` (``dist.send`` calls it; so does
+    ``batch_isend_irecv``, whose ``P2POp`` checks it is given that very function):
+    one wrapper, put in both modules, counts each message once.
+    """
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    isend = c10d.isend
 
     def collective(name):
         def call(*args, **kwargs):
@@ -26,26 +33,44 @@ def watched_messages(used: set, sent: list):
             return originals[name](*args, **kwargs)
         return call
 
-    def sending(name):
-        def call(tensor, *args, **kwargs):
-            sent.append(tensor.numel())
-            return originals[name](tensor, *args, **kwargs)
-        return call
+    def counted_isend(tensor, *args, **kwargs):
+        sent.append(tensor.numel())
+        return isend(tensor, *args, **kwargs)
 
     for name in originals:
-        setattr(dist, name, sending(name) if name in ("send", "isend") else collective(name))
+        setattr(dist, name, collective(name))
+    dist.isend = c10d.isend = counted_isend
     try:
         yield
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        dist.isend = c10d.isend = isend
+
+
+SHAPES = [(12,), (7,), (4, 5), (2,)]
+
+
+def ring_allowance(shape: tuple, p: int) -> int:
+    """The most numbers one rank of a ring sends for a tensor of ``shape``, for the cuts the stub invites.
+
+    A ring's rank sends every chunk but one in the reduce-scatter and every chunk
+    but one other in the all-gather: 2 n less two chunks. With p chunks of n / p
+    that is 2 (p - 1) n / p; ``tensor_split`` of the flat tensor, or along dim 0
+    (lesson 03's cut), may leave smaller chunks, so the allowance is the largest
+    over both cuts: 2 n less the two smallest chunks.
+    """
+    n = torch.Size(shape).numel()
+    cuts = [[len(c) for c in torch.arange(n).tensor_split(p)],
+            [len(c) * n // shape[0] for c in torch.arange(shape[0]).tensor_split(p)]]
+    return max(2 * n - sum(sorted(sizes)[:2]) if p > 2 else n for sizes in cuts)
 
 
 def check_03(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     p = world_size
     failures = []
-    for shape in [(12,), (7,), (4, 5), (2,)]:
+    for shape in SHAPES:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(10 * rank + len(shape)))
         before = x.clone()
         used, sent = set(), []
@@ -59,10 +84,14 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
                             f"from send and recv alone")
         if not torch.equal(x, before):
             failures.append("your function changed x: sum into a copy (x.clone()) and return that")
+        if isinstance(result, tuple) and result and isinstance(result[0], torch.Tensor):
+            failures.append(f"you returned a tuple of {len(result)}: return the summed tensor alone (lesson 03's "
+                            f"function also returns the count it sent; the exercise's does not)")
+            break
         if not isinstance(result, torch.Tensor) or result.shape != x.shape:
             got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
             failures.append(f"for a tensor of shape {tuple(shape)} you returned {got}: return a tensor shaped like x")
-            continue
+            break
         if not torch.allclose(result, right, atol=1e-5):
             if torch.allclose(result, x):
                 failures.append(f"for shape {tuple(shape)} the result is this rank's own x: nothing was added")
@@ -74,11 +103,12 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
                                 f"all-gather must hand every finished chunk to every rank")
         everyone = [None] * p
         dist.all_gather_object(everyone, sum(sent))
-        ring = -(-n // p) * 2 * (p - 1)  # at most: 2 (p - 1) chunks of ceil(n / p)
-        if not used and max(everyone) > ring:
-            failures.append(f"for a tensor of {n} numbers the ranks sent {everyone} numbers: a ring sends at most "
-                            f"{ring} per rank (2 (p - 1) chunks of n / p); sending whole tensors, or everything to "
-                            f"one rank (a parameter server), sends more")
+        allowed = ring_allowance(shape, p)
+        if not used and max(everyone) > allowed:
+            failures.append(f"for a tensor of shape {tuple(shape)} ({n} numbers) the ranks sent {everyone} numbers: "
+                            f"a ring sends at most {allowed} per rank here (2 (p - 1) of the p chunks tensor_split "
+                            f"cuts, about 2 (p - 1) / p of the tensor); sending whole tensors, or everything to one "
+                            f"rank (a parameter server), sends more")
         if failures:
             break
     return gather_failures(failures)

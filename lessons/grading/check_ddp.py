@@ -2,76 +2,24 @@
 
 Each ``check_NN(rank, world_size, path)`` runs on every rank and returns the
 same list of failures everywhere. Exercises 06 and 07 also watch every
-``dist.all_reduce`` call (``Watch``): when it was launched, whether it was
-asynchronous, and when its handle was waited for.
+``dist.all_reduce`` call (``watch.Watch``): when and in which step it was
+launched, whether it was asynchronous, when its handle was waited for, what
+was written into its tensor before that, and which handles are still held
+after ``finish()``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lessons._common import FEATURES, make_model
-from lessons.grading.bench import explain, gather_failures, train_vs_one_process, worst
+from lessons.grading.bench import STEPS, explain, gather_failures, train_vs_one_process, worst
 from lessons.grading.runner import load
-
-
-class Watch:
-    """While active, every dist.all_reduce is recorded: (launched at, async?); each handle's waits too."""
-
-    def __init__(self):
-        self.launches, self.waits, self.bytes = [], [], []
-
-    @contextlib.contextmanager
-    def active(self):
-        original = dist.all_reduce
-
-        def all_reduce(tensor, *args, async_op=False, **kwargs):
-            self.launches.append((time.perf_counter(), async_op))
-            self.bytes.append(tensor.numel())
-            work = original(tensor, *args, async_op=async_op, **kwargs)
-            return _WatchedWork(work, self.waits) if async_op else work
-
-        dist.all_reduce = all_reduce
-        try:
-            yield self
-        finally:
-            dist.all_reduce = original
-
-
-class _WatchedWork:
-    def __init__(self, work, waits: list):
-        self._work, self._waits = work, waits
-
-    def wait(self, *args, **kwargs):
-        self._waits.append(time.perf_counter())
-        return self._work.wait(*args, **kwargs)
-
-    def get_future(self):
-        return _WatchedFuture(self._work.get_future(), self._waits)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-class _WatchedFuture:
-    def __init__(self, future, waits: list):
-        self._future, self._waits = future, waits
-
-    def wait(self):
-        self._waits.append(time.perf_counter())
-        return self._future.wait()
-
-    def value(self):
-        self._waits.append(time.perf_counter())
-        return self._future.value()
-
-    def __getattr__(self, name):
-        return getattr(self._future, name)
+from lessons.grading.watch import Watch
 
 
 class _HandWrapper:
@@ -90,10 +38,20 @@ class _HandWrapper:
             self.exercise.average_gradients(self.module)
 
 
+def _never_waited(watch: Watch) -> list[str]:
+    """An async all-reduce nobody waited for: its sum never reaches the tensor (the grader holds it until wait())."""
+    unwaited = sum(launch.is_async for launch in watch.launches)
+    if unwaited and not watch.waits:
+        return [f"{unwaited} all-reduces were launched with async_op=True and never waited for: the sum is in the "
+                f"tensor only once its handle's wait() has returned. Wait for each, or launch without async_op"]
+    return []
+
+
 def check_04(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True)
-    return gather_failures(explain(seen, world_size))
+    with Watch().active() as watch:  # an async all-reduce's sum lands at wait(), never by luck
+        seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True)
+    return gather_failures(_never_waited(watch) + explain(seen, world_size))
 
 
 def check_05(rank: int, world_size: int, path: str) -> list[str]:
@@ -109,8 +67,10 @@ def check_05(rank: int, world_size: int, path: str) -> list[str]:
     if worst((model[-1].weight - before).abs().max().item()) > 0:
         failures.append("backward changed the weights: your hook averaged the parameter itself. A post-accumulate "
                         "hook receives the parameter, not its gradient: average param.grad (lesson 05's mistake B)")
-    one = train_vs_one_process(exercise.HookAverager)
-    two = train_vs_one_process(exercise.HookAverager, micro_batches=2)
+    with Watch().active() as watch:  # an async all-reduce's sum lands at wait(), never by luck
+        one = train_vs_one_process(exercise.HookAverager)
+        two = train_vs_one_process(exercise.HookAverager, micro_batches=2)
+    failures += _never_waited(watch)
     if not failures:
         if one.exact() and not two.exact():
             failures.append("right with one backward per step, wrong when 2 micro-batches accumulate: your hook saw "
@@ -133,36 +93,74 @@ def check_05(rank: int, world_size: int, path: str) -> list[str]:
 
 
 def _watched_training(make, model=None) -> tuple:
-    """Train through ``make`` on the bench with every all-reduce watched; (seen, watch, backward end times)."""
-    watch, ends = Watch(), []
+    """Train through ``make`` on the bench with every all-reduce watched.
+
+    Returns (seen, watch, backward end times, handles held after each finish()).
+    """
+    watch, ends, held = Watch(), [], []
+
+    def made(module):
+        wrapper = make(module)
+        finish = wrapper.finish
+
+        def finish_then_count():
+            finish()
+            gc.collect()  # what is left is what the learner's objects still refer to
+            held.append(sorted(h.step for h in watch.handles()))
+        wrapper.finish = finish_then_count
+        return wrapper
+
+    def step_starts(step):
+        watch.step = step
+
     with watch.active():
-        seen = train_vs_one_process(make, lambda: ends.append(time.perf_counter()), model=model)
-    return seen, watch, ends
+        seen = train_vs_one_process(made, lambda: ends.append(time.perf_counter()), model=model,
+                                    step_starts=step_starts)
+    return seen, watch, ends, held
 
 
 def _launch_failures(watch: Watch, ends: list, where: str) -> list[str]:
     failures = []
-    if any(not is_async for _, is_async in watch.launches):
+    if any(not launch.is_async for launch in watch.launches):
         failures.append(f"an all-reduce was called without async_op=True: {where} waits for it, so backward stands "
                         f"still while it travels")
     if not watch.waits:
         failures.append("nothing ever waited for the all-reduces: finish() must wait for each (handle.wait()) "
-                        "before reading the sums, or it may read a half-summed gradient")
+                        "before reading the sums, or it reads gradients the sum has not reached")
     elif watch.waits[0] < ends[0]:
         failures.append(f"{where} waited for its all-reduce inside backward: backward stands still until the sum "
                         f"arrives, so nothing overlaps. Launch with async_op=True and wait in finish()")
     return failures
 
 
+def _holding_failures(watch: Watch, held: list) -> list[str]:
+    """Handles kept after finish(), and tensors written before their wait()."""
+    failures = []
+    kept = next(((step, steps) for step, steps in enumerate(held) if steps), None)
+    if kept:
+        step, steps = kept
+        launched = sorted({s + 1 for s in steps})
+        failures.append(f"after step {step + 1}'s finish() your code still held {len(steps)} all-reduce handles "
+                        f"(launched in step{'s' if len(launched) > 1 else ''} {', '.join(map(str, launched))}): "
+                        f"finish() must let go of what it waited for (clear self.pending), or every step keeps "
+                        f"its handles and buffers alive and the next finish() goes over them again")
+    if watch.changed_before_wait:
+        failures.append(f"{watch.changed_before_wait} tensors were written (divided?) after their all-reduce was "
+                        f"launched and before waiting for it: until wait() returns the sum has not arrived, and "
+                        f"when it does it overwrites what you wrote. Wait first, then divide")
+    return failures
+
+
 def check_06(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    seen, watch, ends = _watched_training(exercise.AsyncAverager)
+    seen, watch, ends, held = _watched_training(exercise.AsyncAverager)
     n_params = len(list(make_model(seed=0).parameters()))
     failures = _launch_failures(watch, ends, "the hook")
-    launched_in_backward = sum(t < ends[0] for t, _ in watch.launches)
+    launched_in_backward = sum(launch.at < ends[0] for launch in watch.launches)
     if not failures and launched_in_backward < n_params:
         failures.append(f"only {launched_in_backward} of the {n_params} all-reduces of the first step were launched "
                         f"during backward: the hook must launch each gradient's sum as soon as it is ready")
+    failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
     return gather_failures(failures)
 
@@ -191,19 +189,24 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     cap = 4096  # the bench model: 4 buckets
     made = []
-    seen, watch, ends = _watched_training(lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
+    seen, watch, ends, held = _watched_training(lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
     buckets = len(made[0].buckets)
     failures = _launch_failures(watch, ends, "a bucket")
-    per_step = len(watch.launches) / 3
-    if per_step != buckets:
-        failures.append(f"{per_step:g} all-reduces per step for {buckets} buckets: each bucket is sent as one flat "
-                        f"tensor, once per step")
-    elif not failures and watch.launches[0][0] > ends[0]:
+    per_step = watch.per_step(STEPS)
+    off = next((step for step, count in enumerate(per_step) if count != buckets), None)
+    if off is not None:
+        before = f" (step {off} sent {per_step[off - 1]})" if off else ""
+        why = ("is something the step before left behind (self.ready, self.next_bucket) not reset at the end of "
+               "finish()?" if off and per_step[off] < buckets else
+               "each bucket is sent as one flat tensor (torch.cat of its gradients), once per step")
+        failures.append(f"step {off + 1} sent {per_step[off]} all-reduces for {buckets} buckets{before}: {why}")
+    elif not failures and watch.launches[0].at > ends[0]:
         failures.append("every bucket left after backward had returned: launch a bucket from the hook as soon as it "
                         "(and every bucket before it) is full, so it travels while backward goes on")
+    failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
     if not failures:  # in-order launching: ranks that fill buckets in different orders
-        swapped, _, _ = _watched_training(lambda m: exercise.BucketAverager(m, 16 * FEATURES * 4),
+        swapped, *_ = _watched_training(lambda m: exercise.BucketAverager(m, 16 * FEATURES * 4),
                                           model=TwoBranches(swap=rank % 2 == 1))
         if not swapped.exact():
             failures.append("wrong when ranks fill their buckets in different orders (odd ranks compute branch b "

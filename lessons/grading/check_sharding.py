@@ -34,26 +34,81 @@ def check_19(rank: int, world_size: int, path: str) -> list[str]:
         sharded.step()
         reference.step()
         after, right = flat_weights(mine), flat_weights(plain)
-        if worst((after - right).abs().max().item()) < 1e-6:
-            continue
-        piece = sharded.piece
-        pieces = [slice(r * piece, min((r + 1) * piece, after.numel())) for r in range(world_size)]
-        moved = [not torch.equal(after[s], before[s]) for s in pieces]
-        if not any(moved):
-            failures.append("the parameters did not move: give self.shard its gradient (this rank's piece of every "
-                            "p.grad, laid end to end), step self.optimizer, and copy the updated pieces back")
-        elif moved[rank] and torch.allclose(after[pieces[rank]], right[pieces[rank]], atol=1e-6) and \
-                not any(moved[r] for r in range(world_size) if r != rank):
-            failures.append(f"rank {rank} updated only its own piece of the parameters; the others kept their old "
-                            f"values, so the ranks' weights differ after the step: all-gather every rank's updated "
-                            f"piece and copy them into the parameters")
-        else:
-            failures.append(f"after step {step + 1} the parameters differ from plain AdamW's on every element by up "
-                            f"to {(after - right).abs().max():.2g}")
-        break
-    if not failures and not sharded.optimizer.state:
-        failures.append("self.optimizer never stepped: the optimizer state of this rank's piece lives there")
+        if worst((after - right).abs().max().item()) >= 1e-6:
+            failures.append(_wrong_step(step, before, after, right, sharded.piece, rank, world_size))
+            break
+    failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)
     return gather_failures(failures)
+
+
+def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: torch.Tensor, piece: int, rank: int,
+                world_size: int) -> str:
+    """What went wrong in a step whose parameters differ from plain AdamW's: which piece holds what."""
+    numel = after.numel()
+    pieces = [slice(r * piece, min((r + 1) * piece, numel)) for r in range(world_size)]
+    moved = [not torch.equal(after[s], before[s]) for s in pieces]
+    close = lambda a, b: torch.allclose(a, b, atol=1e-6)  # noqa: E731
+    if not any(moved):
+        return ("the parameters did not move: give self.shard its gradient (this rank's piece of every p.grad, "
+                "laid end to end), step self.optimizer, and copy the updated pieces back")
+    if moved[rank] and close(after[pieces[rank]], right[pieces[rank]]) and \
+            not any(moved[r] for r in range(world_size) if r != rank):
+        return (f"rank {rank} updated only its own piece of the parameters; the others kept their old values, so "
+                f"the ranks' weights differ after the step: all-gather every rank's updated piece and copy them "
+                f"into the parameters")
+    padded = nn.functional.pad(right, (0, piece * world_size - numel))
+    landed = {}  # slot -> the rank whose right piece it holds
+    for slot, where in enumerate(pieces):
+        length = where.stop - where.start
+        landed[slot] = next((r for r in range(world_size)
+                             if close(after[where], padded[r * piece:r * piece + length])), None)
+    if all(r is not None for r in landed.values()) and any(r != slot for slot, r in landed.items()):
+        misplaced = [f"rank {slot}'s piece holds rank {r}'s" for slot, r in landed.items() if r != slot]
+        placed = [str(slot) for slot, r in landed.items() if r == slot]
+        return (f"after step {step + 1} the updated pieces landed in the wrong places: {', '.join(misplaced)}"
+                + (f" (rank {', '.join(placed)}'s {'is' if len(placed) == 1 else 'are'} right)" if placed else "")
+                + f": all_gather fills its list in rank order (tensor r receives rank r's piece), and rank r's "
+                  f"piece belongs at elements r * {piece} onward")
+    wrong = [r for r, where in enumerate(pieces) if not close(after[where], right[where])]
+    return (f"after step {step + 1} the parameters differ from plain AdamW's by up to "
+            f"{(after - right).abs().max():.2g}, in the pieces of rank{'s' if len(wrong) > 1 else ''} "
+            f"{', '.join(map(str, wrong))} (the others are right)")
+
+
+def _optimizers(owner) -> dict[str, torch.optim.Optimizer]:
+    """The optimizers an object holds in its attributes (or in lists and dicts there), by where they are."""
+    found = {}
+    for name, value in vars(owner).items():
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else []
+        if isinstance(value, torch.optim.Optimizer):
+            found[f"self.{name}"] = value
+        found.update({f"self.{name}[{key!r}]": v for key, v in items if isinstance(v, torch.optim.Optimizer)})
+    return found
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)  # the step counters aside
+
+
+def _state_failures(sharded, optimizer_class, **defaults) -> list[str]:
+    """ZeRO-1's point: this rank keeps optimizer state for its piece only. Compare with one optimizer on the piece."""
+    optimizers = _optimizers(sharded)
+    held = sum(_state_bytes(o) for o in optimizers.values())
+    if not held:
+        return ["self.optimizer never stepped: the optimizer state of this rank's piece lives there"]
+    piece = torch.zeros(sharded.piece, requires_grad=True)
+    piece.grad = torch.zeros_like(piece)
+    alone = optimizer_class([piece], **defaults)
+    alone.step()
+    allowed = _state_bytes(alone)
+    if held <= allowed:
+        return []
+    elements = sum(p.numel() for o in optimizers.values() for g in o.param_groups for p in g["params"])
+    return [f"rank {dist.get_rank()} holds {held:,} bytes of optimizer state (in {', '.join(optimizers)}, over "
+            f"{elements:,} elements): {held / allowed:.1f}x the {allowed:,} bytes of this rank's piece of "
+            f"{sharded.piece:,} elements. ZeRO-1 saves memory by keeping each rank's optimizer state for its piece "
+            f"only: step self.shard with the optimizer __init__ built, not every parameter"]
 
 
 class Watched:
@@ -116,6 +171,10 @@ def check_21(rank: int, world_size: int, path: str) -> list[str]:
             if abs(ratio - world_size) < 1e-3 * world_size:
                 failures.append(f"the shards' gradients are {world_size}x the single-process ones: did you divide "
                                 f"by the world size? (reduce-scatter sums)")
+                break
+            if abs(ratio - 1 / world_size) < 1e-3:
+                failures.append(f"the shards' gradients are 1/{world_size} of the single-process ones: did you "
+                                f"divide by the world size twice?")
                 break
         opt.step()
         ref_opt.step()

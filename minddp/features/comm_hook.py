@@ -21,7 +21,7 @@ def register_comm_hook(ddp, state: Any, hook: Callable) -> None:
     """``MiniDDP.register_comm_hook``: replace the all-reduce of each bucket by ``hook(state, bucket) ->
     Future[Tensor]``. torch's contract: once, before the first backward; the hook does the averaging
     (MiniDDP no longer divides by the world size for it)."""
-    if ddp.reducer.comm_hook is not None:
+    if ddp.reducer.communication.comm_hook is not None:
         raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
     if ddp.reducer.backwards_done or ddp.reducer.backward_started:
         raise RuntimeError("register_comm_hook must be called before the first backward")

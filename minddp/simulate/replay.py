@@ -60,6 +60,9 @@ class DDPPolicy:
     overlap: bool = True  # False: communication and compute share the cores (see module doc)
     collective: str = "all_reduce"  # what each bucket does: "reduce_scatter" is ZeRO stage 2's
     overheads: Overheads = NO_OVERHEADS  # costs the bare model misses (minddp.simulate.overheads)
+    # True: torch's rule, a bucket closes after the gradient that reaches its cap (what MiniDDP builds,
+    # and bucket_cap_mb="auto" plans with); False: the older rule the checked tables were made with.
+    buckets_may_pass_cap: bool = False
 
     def __post_init__(self) -> None:
         if self.collective not in ("all_reduce", "reduce_scatter"):
@@ -126,13 +129,14 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _buckets(gradients: list[Gradient], policy: DDPPolicy) -> list[list[Gradient]]:
-    """The same buckets MiniDDP builds, by the package's own rule (never re-implemented here)."""
+    """Buckets by the package's own function (never re-implemented here), with the policy's cap rule."""
     specs = []
     for g in gradients:
         dtype = _dtype(g.dtype)
         size = torch.empty((), dtype=dtype).element_size()
         specs.append(TensorSpec(g.nbytes // size, size, dtype, torch.device("cpu")))
-    groups = assign_buckets(specs, int(policy.bucket_cap_mb * MiB), int(policy.first_bucket_cap_mb * MiB))
+    groups = assign_buckets(specs, int(policy.bucket_cap_mb * MiB), int(policy.first_bucket_cap_mb * MiB),
+                            may_pass_cap=policy.buckets_may_pass_cap)
     return [[gradients[i] for i in group] for group in groups]
 
 

@@ -120,8 +120,8 @@ class GradientPeak:
         """Count ``model``'s (and ``optimizer``'s) gradients from now on; after any comm hook is registered."""
         self._count = lambda: gradient_bytes(model, optimizer)
         reducer = getattr(model, "reducer", None)
-        if reducer is not None and reducer.comm_hook is not None:
-            state, hook = reducer.comm_hook
+        if reducer is not None and reducer.communication.comm_hook is not None:
+            state, hook = reducer.communication.comm_hook
 
             def sampled(state, bucket):
                 self.sample()

@@ -25,8 +25,9 @@ __all__ = ["attach_allreduce"]
 def attach_allreduce(zero, ddp) -> bool:
     """Register the hook on ``ddp`` (a MiniDDP without a comm hook); False where it cannot."""
     reducer = getattr(ddp, "reducer", None)
-    # torch's DDP has a reducer too (its C++ one, without a comm_hook attribute).
-    if reducer is None or getattr(reducer, "comm_hook", True) is not None or not hasattr(ddp, "register_comm_hook"):
+    # torch's DDP has a reducer too (its C++ one, without a communication part).
+    communication = getattr(reducer, "communication", None)
+    if communication is None or communication.comm_hook is not None or not hasattr(ddp, "register_comm_hook"):
         return False  # torch's DDP, or a hook already there: the optimizer reads .grad at step()
     ddp.register_comm_hook(zero, allreduce_into_shards_hook)
     return True

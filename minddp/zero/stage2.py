@@ -138,8 +138,7 @@ def use_pool(zero) -> None:
 
 def _provisional(zero) -> bool:
     """Will MiniDDP rebuild its buckets at the end of this backward?"""
-    reducer = zero.ddp.reducer
-    return reducer.options.learn_bucket_order and reducer.backwards_done == 0
+    return zero.ddp.reducer.order_to_learn
 
 
 def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
