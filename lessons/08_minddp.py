@@ -77,6 +77,9 @@ DIFFS = [
 # Every part in minddp/features/ (and the observers beside the path), with what picks it and the lesson
 # that explains the feature. The slot is read from the class (show_the_parts).
 PARTS = {
+    "EveryHookReady": ("default (the plain path: ready at its hook)", "07b"),
+    "CopyGradients": ("default (reduce_dtype sets only the buckets' dtype)", "07b, 13"),
+    "AllReduce": ("default", "07b"),
     "UnusedParameters": ("find_unused_parameters=True", "18"),
     "StaticGraph": ("static_graph=True", "08 (docs/reading_the_code.md)"),
     "MissingGradients": ("find_unused_parameters or static_graph", "18"),
@@ -117,6 +120,8 @@ def show_the_diffs() -> None:
 
 
 def slot_of(part: type) -> str:
+    if part is Observer:
+        return ""  # the base of the observers, not one
     if issubclass(part, Observer):
         return "observer"
     return next((slot for method, slot in SLOTS if hasattr(part, method)), "")
@@ -129,7 +134,7 @@ def show_the_parts() -> list:
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and slot_of(obj):
                 found[name] = (slot_of(obj), module.__name__.replace(".", "/") + ".py")
-    print0("\nThe parts beside the plain path, each chosen at construction (or by the call that asks for it):")
+    print0("\nThe parts (the plain ones too), each chosen at construction or by the call that asks for it:")
     for name, (slot, path) in sorted(found.items(), key=lambda item: item[1]):
         asked, lesson = PARTS.get(name, ("?", "?"))
         print0(f"  {slot:<13} {name:<19} {path:<38} {asked:<58} lesson {lesson}")
