@@ -21,7 +21,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _get_device_index
 
 from minddp.arguments import (buffer_rule, check_arguments, first_bucket_cap_mb, refuse_unsupported,
                               warn_check_reduction_deprecated)
@@ -132,7 +131,6 @@ class MiniDDP(nn.Module):
             )
         self.device = module_device(list(module.parameters()), device_ids)
         self._input_device = self.device if device_ids is not None else None
-        self.device_ids = None if device_ids is None else [_get_device_index(d, True) for d in device_ids]
 
         # 1. Same model everywhere, then rank 0's values everywhere (on the
         #    module's GPU, whichever is current: see minddp.sync.on_device).
@@ -215,6 +213,7 @@ class MiniDDP(nn.Module):
     bucket_bytes_cap = property(torch_ddp_calls.bucket_bytes_cap)
     bucket_bytes_cap_list = property(torch_ddp_calls.bucket_bytes_cap_list)
     bucket_bytes_cap_default = property(torch_ddp_calls.bucket_bytes_cap_default)
+    device_ids = property(torch_ddp_calls.device_ids)
     join = torch_ddp_calls.join  # with model.join(): uneven inputs (the Joinable protocol, with join_hook)
     join_process_group = property(torch_ddp_calls.join_process_group)
     join_device = property(torch_ddp_calls.join_device)

@@ -106,6 +106,11 @@ def bucket_bytes_cap_default(ddp) -> bool:
     return ddp._first_bucket_cap_mb * MiB < bucket_bytes_cap(ddp)
 
 
+def device_ids(ddp) -> list[int] | None:
+    """torch's attribute: ``[the GPU's index]`` when ``device_ids`` was given for a GPU module, else None."""
+    return None if ddp._input_device is None or ddp.device.type == "cpu" else [ddp.device.index]
+
+
 def ddp_logging_data(ddp) -> dict[str, int | str]:
     params = ddp.reducer.params
     data: dict[str, int | str] = {

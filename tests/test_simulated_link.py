@@ -87,10 +87,14 @@ def _ddp_with_link(rank, world_size):
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     reference = MiniDDP(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)))
     reference.module.load_state_dict(model.state_dict())
-    ddp = MiniDDP(model, bucket_cap_mb=0.0005)  # several buckets
+    ddp = MiniDDP(model, bucket_cap_mb=0.0001)  # several buckets (each closes after the gradient that reaches 104 B)
     link = SimulatedLink(SLOW)
     ddp.register_comm_hook(link, simulated_allreduce_hook)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    ddp(x).sum().backward()  # the first backward: one bucket, then the buckets are cut at the cap (torch's rule)
+    for m in (model, reference):
+        m.zero_grad()
+    link.messages.clear()
     ddp(x).sum().backward()
     reference(x).sum().backward()
     same = all(torch.allclose(a.grad, b.grad, atol=1e-6) for a, b in zip(model.parameters(), reference.parameters()))
