@@ -61,7 +61,9 @@ def accumulate(use_no_sync: bool, k: int, rank: int, world_size: int, forward_ou
     torch.manual_seed(0)
     model = make_model()
     single = copy.deepcopy(model)
-    ddp = MiniDDP(model, bucket_cap_mb=0.01)  # a few buckets, to count
+    # A few buckets, to count, cut at the cap from the first backward on (by default the first
+    # backward sends one bucket, torch's first guess, and only then learns the order and cuts).
+    ddp = MiniDDP(model, bucket_cap_mb=0.01, learn_bucket_order=False)
     state = {"calls": 0}
     ddp.register_comm_hook(state, counting_allreduce)
 
