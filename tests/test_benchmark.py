@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import _bound  # noqa: E402
-import _spread  # noqa: E402
+from benchlib import bound  # noqa: E402
+from benchlib import spread  # noqa: E402
 from minddp.trace_view import read_steps  # noqa: E402
 
 WRAPPERS = [f"{impl}_{view}" for impl in ("torch", "minddp") for view in ("copy", "view")]
@@ -119,7 +119,7 @@ def test_overhead_is_paired_by_round_and_spread_is_over_runs():
         return [{"model": "m", "bucket_cap_mb": 25.0, "block_ms": blocks, "max_param_diff": 0.0}]
 
     memory = [{"model": "m", "bucket_cap_mb": 25.0, "peak_mb": {"torch_copy": 1.0, "minddp_copy": 2.0}}]
-    (row,) = _spread.make_rows(cfg, [run(0.9), run(1.2), run(1.0)], memory)
+    (row,) = spread.make_rows(cfg, [run(0.9), run(1.2), run(1.0)], memory)
     assert row["overhead_torch_copy_ms"] == 2.0  # rounds: 2, 1, 3 (medians would say 31 - 30 = 1)
     assert row["overhead_minddp_copy_ms"] == 1.0  # rounds: 1, 0.5, 1
     assert row["overhead_gap_copy_ms"] == -1.0  # rounds: -1, -0.5, -2
@@ -138,26 +138,26 @@ def test_overhead_is_paired_by_round_and_spread_is_over_runs():
 
 def test_bound_is_the_sum_without_a_spare_core_and_the_max_with_one():
     """2 ranks of 1 thread on 2 cores: Gloo's thread takes turns with backward, nothing overlaps."""
-    assert _bound.bound_rule("cpu", 2, 1, cpu_count=2) == "sum"
-    assert _bound.bound_rule("cpu", 2, 1, cpu_count=4) == "max"
-    assert _bound.bound_rule("cpu", 2, 2, cpu_count=4) == "sum"  # 2 compute threads per rank fill the cores
-    assert _bound.bound_rule("cuda", 8, 1, cpu_count=2) == "max"  # NCCL runs on the GPU's own streams
+    assert bound.bound_rule("cpu", 2, 1, cpu_count=2) == "sum"
+    assert bound.bound_rule("cpu", 2, 1, cpu_count=4) == "max"
+    assert bound.bound_rule("cpu", 2, 2, cpu_count=4) == "sum"  # 2 compute threads per rank fill the cores
+    assert bound.bound_rule("cuda", 8, 1, cpu_count=2) == "max"  # NCCL runs on the GPU's own streams
     blocks = {"local": [10.0, 12.0, 11.0], "allreduce_flat": [3.0, 20.0, 3.0], "torch_copy": [15.0, 25.0, 16.0]}
-    summed = _bound.bound_figures(blocks, "sum", ["torch_copy"])
+    summed = bound.bound_figures(blocks, "sum", ["torch_copy"])
     assert (summed["bound_ms"], summed["over_bound_torch_copy_ms"]) == (14.0, 2.0)  # rounds: 13, 32, 14; 2, -7, 2
-    most = _bound.bound_figures(blocks, "max", ["torch_copy"])
+    most = bound.bound_figures(blocks, "max", ["torch_copy"])
     assert (most["bound_ms"], most["over_bound_torch_copy_ms"]) == (11.0, 5.0)  # rounds: 10, 20, 11; 5, 5, 5
     with pytest.raises(ValueError, match="bound rule"):
-        _bound.bound_figures(blocks, "min", [])
+        bound.bound_figures(blocks, "min", [])
 
 
 def test_ratio_auto_is_auto_over_torch_at_its_defaults():
     """MiniDDP(bucket_cap_mb="auto") is set against torch's DDP with gradient_as_bucket_view=False."""
     blocks = {"local": [10.0], "allreduce": [5.0], "naive": [30.0], "torch_copy": [20.0], "minddp_copy": [21.0],
               "torch_view": [18.0], "minddp_view": [19.0], "minddp_auto": [17.0]}  # fmt: skip
-    figures = _spread.run_figures(blocks, ["copy", "view"])
+    figures = spread.run_figures(blocks, ["copy", "view"])
     assert figures["ratio_auto"] == 17.0 / 20.0
-    assert "ratio_auto" not in _spread.run_figures({k: v for k, v in blocks.items() if k != "minddp_auto"}, ["copy"])
+    assert "ratio_auto" not in spread.run_figures({k: v for k, v in blocks.items() if k != "minddp_auto"}, ["copy"])
 
 
 def test_show_reads_a_json_written_before_the_bound(tmp_path, capsys):
@@ -269,7 +269,7 @@ def test_link_option_parses_a_rate_or_loopback_and_sweeps_the_caps_on_a_link(cap
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "'1gbt' does not parse" in err and "100mbit" in err and "10gbit" in err and "loopback" in err
     # on a link the all-reduce waits on the wire: the bound is the max, whatever the cores
-    assert _bound.bound_rule("cpu", 2, 1, cpu_count=2, link="1gbit") == "max"
+    assert bound.bound_rule("cpu", 2, 1, cpu_count=2, link="1gbit") == "max"
 
 
 def test_hidden_fraction_comes_with_its_spread_over_runs_and_the_prediction_is_carried():
@@ -280,7 +280,7 @@ def test_hidden_fraction_comes_with_its_spread_over_runs_and_the_prediction_is_c
         return [{"model": "m", "bucket_cap_mb": 1.0, "block_ms": blocks, "max_param_diff": 0.0, "predicted_ms": step}]
 
     memory = [{"model": "m", "bucket_cap_mb": 1.0, "peak_mb": {"torch_copy": 1.0, "minddp_copy": 1.0}}]
-    (row,) = _spread.make_rows(cfg, [run(30.0), run(20.0), run(26.0)], memory)
+    (row,) = spread.make_rows(cfg, [run(30.0), run(20.0), run(26.0)], memory)
     assert row["per_run"]["hidden_fraction_torch_copy"] == pytest.approx([0.0, 0.5, 0.2])  # (10 + 20 - t) / 20
     assert (row["hidden_fraction_torch_copy"], row["hidden_fraction_torch_copy_min"],
             row["hidden_fraction_torch_copy_max"]) == pytest.approx((0.2, 0.0, 0.5))  # fmt: skip

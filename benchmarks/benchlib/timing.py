@@ -13,7 +13,7 @@ the same initial state, the things it can step:
                          asynchronously, then waited for. With a compression
                          hook the buffers are in the wire dtype (fp16/bf16)
 ``allreduce_flat``       one ``all_reduce`` of all those bytes in one flat
-                         buffer: with ``local``, the bound (``_bound.py``)
+                         buffer: with ``local``, the bound (``benchlib/bound.py``)
 ``naive``                the bare model, then a blocking ``all_reduce`` of
                          every ``.grad`` after backward (no buckets, no
                          overlap), SGD step
@@ -40,7 +40,7 @@ each implementation in turn, ranks starting together after a barrier; the
 order rotates by one every round, so slow drift of the machine and "who ran
 just before" hit every implementation alike. A block's time per step is the
 *slowest rank's* (a step is over when every rank is). Every block's time goes
-back to the parent (``_spread.py`` turns them into medians, ratios and
+back to the parent (``benchlib/spread.py`` turns them into medians, ratios and
 overheads, and those over ``--runs`` into medians with min-max). In a bucket
 sweep, ``naive`` does not depend on the cap: it is measured at a model's
 first cap only.
@@ -52,8 +52,8 @@ the largest absolute difference between their parameters, over all ranks and
 pairs, is reported.
 
 Peak memory is measured in separate processes after timing (``memory_main``;
-why, in ``_memory.py``). The ``--learned-order`` measurement and the
-``--trace`` steps run after the table's timings, in ``_overlap.py``.
+why, in ``benchlib/memory.py``). The ``--learned-order`` measurement and the
+``--trace`` steps run after the table's timings, in ``benchlib/overlap.py``.
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from minddp import MiniDDP
 
-import _bound
-import _memory
-import _models
-import _overlap
-import _prediction
-from _wrappers import AUTO, NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
+from benchlib import bound
+from benchlib import memory
+from benchlib import models
+from benchlib import overlap
+from benchlib import prediction
+from benchlib.wrappers import AUTO, NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
 
 LR = 0.01
 
@@ -90,15 +90,15 @@ class Runner:
         self.cfg, self.name, self.cap_mb = cfg, model_name, cap_mb
         self.rank, self.world_size, self.device = rank, world_size, device
         torch.manual_seed(0)  # same initial weights on every rank, for every copy
-        self.init_state = copy.deepcopy(_models.build(model_name).state_dict())
-        self.batches = _models.batches(model_name, rank, device)
+        self.init_state = copy.deepcopy(models.build(model_name).state_dict())
+        self.batches = models.batches(model_name, rank, device)
         self.torch_hook, self.minddp_hook = comm_hooks(cfg["comm_hook"])
         # NCCL only reduces CUDA tensors; Gloo reduces both.
         self.comm_device = device if cfg["backend"] == "nccl" else torch.device("cpu")
 
     # -- builders ------------------------------------------------------------
     def fresh(self) -> torch.nn.Module:
-        model = _models.build(self.name)
+        model = models.build(self.name)
         model.load_state_dict(self.init_state)
         return model.to(self.device)
 
@@ -138,7 +138,7 @@ class Runner:
             x, y = self.batches[count[0] % len(self.batches)]
             count[0] += 1
             opt.zero_grad()
-            _models.loss(self.name, module, x, y).backward()
+            models.loss(self.name, module, x, y).backward()
             if after_backward is not None:
                 after_backward()
             opt.step()
@@ -159,11 +159,11 @@ class Runner:
         return sync
 
     def allreduce_step(self, flat: bool = False) -> Callable[[], None]:
-        """The gradient bytes alone, in DDP-like buckets; ``flat``: in one buffer (``_bound.py``)."""
+        """The gradient bytes alone, in DDP-like buckets; ``flat``: in one buffer (``benchlib/bound.py``)."""
         params = [p for p in self.fresh().parameters() if p.requires_grad]
         dtype = wire_dtype(self.cfg["comm_hook"], params[0].dtype)
         if flat:
-            return _bound.flat_allreduce_step(params, dtype, self.device)
+            return bound.flat_allreduce_step(params, dtype, self.device)
         buffers = [torch.zeros(n, dtype=dtype, device=self.device) for n in bucket_sizes(params, self.cap_mb)]
 
         def step() -> None:
@@ -212,7 +212,7 @@ class Runner:
     def measure(self, with_naive: bool = True) -> dict:
         """Every block time of every implementation, and each torch/MiniDDP pair's parameter gap."""
         steps = {"local": self.stepper(self.fresh()), "allreduce": self.allreduce_step(),
-                 _bound.FLAT: self.allreduce_step(flat=True)}
+                 bound.FLAT: self.allreduce_step(flat=True)}
         if with_naive:
             naive_model = self.fresh()
             steps["naive"] = self.stepper(naive_model, self.naive_sync(naive_model))
@@ -240,7 +240,7 @@ class Runner:
             out.update(max_param_diff_auto=diff_t[1].item(), auto_buckets=len(steps[AUTO].module.bucket_names),
                        auto_decision=decisions[-1] if decisions else "")
         del steps
-        _memory.release()
+        memory.release()
         return out
 
     def peak_memory(self, n_steps: int | None = None) -> dict:
@@ -260,8 +260,8 @@ class Runner:
                     after_step()
                 del step
 
-            out.append(_memory.peak_delta_mb(run, self.device))
-            _memory.release()
+            out.append(memory.peak_delta_mb(run, self.device))
+            memory.release()
         t = torch.tensor(out, dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return dict(zip(names, t.tolist()))
@@ -293,7 +293,7 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     for name, cap in _cases(cfg):
         if name not in inputs and device.type == "cpu":
             _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: {name}: the simulator's inputs (compute profile, link) ...")
-            inputs[name] = _prediction.measure_inputs(Runner(cfg, name, cap, rank, world_size, device), solos[rank])
+            inputs[name] = prediction.measure_inputs(Runner(cfg, name, cap, rank, world_size, device), solos[rank])
         _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: timing {name}, bucket cap {cap:g} MB ...")
         result = Runner(cfg, name, cap, rank, world_size, device).measure(with_naive=name not in seen)
         if name not in seen and cfg["run"] == 0 and result.get("auto_decision"):
@@ -301,7 +301,7 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
         seen.add(name)
         if inputs.get(name) is not None:
             local_ms = statistics.median(result["block_ms"]["local"])
-            result["predicted_ms"] = _prediction.predicted_step(inputs[name], cap, local_ms, world_size,
+            result["predicted_ms"] = prediction.predicted_step(inputs[name], cap, local_ms, world_size,
                                                                 overlap=cfg["bound_rule"] == "max")
         out.append({"model": name, "bucket_cap_mb": cap, **result})
 
@@ -310,8 +310,8 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
 
     learned = []
     if cfg["extras"]:
-        learned = [_overlap.learned_order_row(cfg, make_runner)] if cfg.get("learned_order_cap_mb") else []
-        _overlap.record_traces(cfg, make_runner)
+        learned = [overlap.learned_order_row(cfg, make_runner)] if cfg.get("learned_order_cap_mb") else []
+        overlap.record_traces(cfg, make_runner)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"rows": out, "learned_order": learned}, f)
@@ -319,7 +319,7 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
 
 def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     """Every rank of the memory run: fresh processes, started with the
-    allocator setting of ``_memory.ALLOCATOR_ENV`` (see ``_memory.py``)."""
+    allocator setting of ``memory.ALLOCATOR_ENV`` (see ``benchlib/memory.py``)."""
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
     _say(rank, "peak memory ...")
@@ -327,7 +327,7 @@ def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
         out = _peak_memory_rows(cfg, rank, world_size, device)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"memory": out, "method": _memory.method(device)}, f)
+            json.dump({"memory": out, "method": memory.method(device)}, f)
 
 
 def _peak_memory_rows(cfg: dict, rank: int, world_size: int, device: torch.device) -> list[dict]:

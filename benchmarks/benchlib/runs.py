@@ -38,8 +38,8 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
     run's output), or None when a rank failed."""
     import torch.multiprocessing as mp
 
-    import _memory
-    from _timing import memory_main, timing_main
+    from benchlib import memory
+    from benchlib.timing import memory_main, timing_main
     from minddp.launch import RankFailed, spawn
 
     runs, learned = [], []
@@ -56,8 +56,8 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
                 runs.append(timed["rows"])
                 learned += timed["learned_order"]
             # Fresh processes for memory, with the allocator setting that
-            # makes RSS follow live tensors (_memory.py says why).
-            os.environ.update(_memory.ALLOCATOR_ENV)
+            # makes RSS follow live tensors (benchlib/memory.py says why).
+            os.environ.update(memory.ALLOCATOR_ENV)
             spawn(memory_main, cfg["world_size"], cfg, mem_path, backend=cfg["backend"], link=cfg.get("link"))
         except (RankFailed, mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             print(f"error: a rank failed:\n{e}", file=sys.stderr)
@@ -66,5 +66,5 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
             os.environ.clear()
             os.environ.update(saved)
         with open(mem_path) as f:
-            memory = json.load(f)
-    return runs, learned, memory
+            peaks = json.load(f)
+    return runs, learned, peaks
