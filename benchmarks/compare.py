@@ -13,10 +13,16 @@
 namespace of its own, joined to the others by links shaped to that rate
 (``minddp/links.py``; needs root and iproute2), so that communication waits
 on a wire instead of sharing the cores with backward. Then the bucket caps
-default to a sweep of 1, 5 and 25 MB, and a further table sets beside each
-measured step the simulator's (``benchlib/prediction.py``) and each wrapper's hidden
-fraction with its spread. While it runs, one progress line per round, and
-``bucket_cap_mb="auto"``'s decision once per model.
+default to a sweep of 0.25, 1, 5 and 25 MB, and a further table sets beside
+each measured step the simulator's (``benchlib/prediction.py``) and each
+wrapper's hidden fraction with its spread.
+
+While it runs: one live progress line on a terminal (elsewhere, in a pipe or
+CI, one plain line per model and run; ``benchlib/progress.py``), and
+``bucket_cap_mb="auto"``'s decision once per model. At the end, first a
+summary, one line per model: the ratios with their spread and what the
+spread lets one say (faster, slower, even; ``benchlib/summary.py``); then the
+tables below (all of them also in ``--json``).
 
 The whole timing runs ``--runs`` times, each in fresh rank processes; every
 figure below is first taken within a run, then reported as the median over
@@ -29,12 +35,16 @@ medians over rounds, each block's time the slowest rank's:
 * ``local``: forward + backward + SGD step with no communication;
 * ``allreduce``: all-reducing the gradient bytes alone, in DDP-like buckets;
 * ``ideal`` = max(local, allreduce), the step with perfect overlap;
-* ``bound``: the floor under any DDP step here, from ``local`` and
-  ``allreduce_flat`` (one all-reduce of every gradient in one flat buffer),
-  timed in the same rounds: their sum where the ranks have no core to spare
-  (2 ranks on 2 cores: communication cannot overlap compute), else their
-  max; the header says which (``benchlib/bound.py``). A table of its own gives every
-  wrapper's ``ms over bound``, paired by round, median [min, max] over runs;
+* ``bound``: the floor under any DDP step here, from ``forward`` (the
+  forward pass alone), ``local`` and ``allreduce_flat`` (one all-reduce of
+  every gradient in one flat buffer), timed in the same rounds: local + flat
+  where the ranks have no core to spare (2 ranks on 2 cores: communication
+  cannot overlap compute), else the DDP overlap bound, forward +
+  max(backward and step, flat) with backward and step = local - forward (on
+  a real link, a GPU, a spare core); the header says which
+  (``benchlib/bound.py``). A table of its own gives every wrapper's step as
+  a multiple of it and in ms above it, paired by round, median [min, max]
+  over runs;
 * ``naive``: a blocking all-reduce of every gradient after backward;
 * ``torch copy``/``torch view`` and ``minddp copy``/``minddp view``: full
   steps with each wrapper, same bucket cap, ``gradient_as_bucket_view``
@@ -104,14 +114,11 @@ import sys
 import time
 
 
-from benchlib import bound  # noqa: E402
-from benchlib import report  # noqa: E402
-from benchlib import runs  # noqa: E402
-from benchlib import spread  # noqa: E402
-from benchlib.models import ALL_MODELS, DEFAULT_MODELS  # noqa: E402
-from benchlib.wrappers import like_for_like_hook  # noqa: E402
-from minddp import links  # noqa: E402
-from minddp.bucket_planner import MEASURED_BACKWARDS  # noqa: E402
+from benchlib import bound, report, runs, spread, summary
+from benchlib.models import ALL_MODELS, DEFAULT_MODELS
+from benchlib.wrappers import like_for_like_hook
+from minddp import links
+from minddp.bucket_planner import MEASURED_BACKWARDS
 
 # The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
 # run's ratio moved by +-10% between runs on the shared 2-core machine; five
@@ -133,7 +140,7 @@ def _floats(text: str) -> list[float]:
     return values
 
 
-LINK_SWEEP_MB = [1.0, 5.0, 25.0]  # --link without --bucket-sweep: the U of bucket sizes on the wire
+LINK_SWEEP_MB = [0.25, 1.0, 5.0, 25.0]  # --link without --bucket-sweep: the U of bucket sizes on the wire
 
 
 def _link(text: str) -> str:
@@ -301,6 +308,9 @@ def config(args: argparse.Namespace) -> dict:
 
 
 def show(cfg: dict, rows: list[dict], learned: list[dict]) -> None:
+    """The summary a person reads first, then every table."""
+    print(summary.summary(cfg, rows))
+    print()
     print(report.all_tables(cfg, rows))
     if learned:
         print()

@@ -86,7 +86,7 @@ def table(cfg: dict, rows: list[dict]) -> str:
     auto = all("ratio_auto" in r for r in rows)
     where = "loopback" if cfg.get("link", "loopback") == "loopback" else f"links shaped to {cfg['link']} (minddp/links.py)"
     titles = ["model", "cap MB", "local", "allreduce", "simulated", "torch copy", "minddp copy", "minddp / torch",
-              "sim error torch", "hidden torch", "hidden minddp"] + (["auto (buckets)", "auto / torch"] if auto else [])
+              "sim error torch", "hidden torch", "hidden minddp"] + (["auto (buckets)", "auto predicted", "auto / torch"] if auto else [])
     cells_all = []
     for r in rows:
         sim, t, m = r["predicted_ms"], r["torch_copy_ms"], r["minddp_copy_ms"]
@@ -94,13 +94,15 @@ def table(cfg: dict, rows: list[dict]) -> str:
                  f"{sim:.1f}", f"{t:.1f}", f"{m:.1f}", with_spread(r, "ratio_copy", "{:.3f}"), f"{sim / t - 1:+.0%}",
                  with_spread(r, "hidden_fraction_torch_copy", "{:.2f}"), with_spread(r, "hidden_fraction_minddp_copy", "{:.2f}")]
         if auto:
-            cells += [f"{r['minddp_auto_ms']:.1f} ({r['auto_buckets']:g})", with_spread(r, "ratio_auto", "{:.3f}")]
+            predicted = f"{r['auto_predicted_ms']:.1f}" if "auto_predicted_ms" in r else "-"
+            cells += [f"{r['minddp_auto_ms']:.1f} ({r['auto_buckets']:g})", predicted, with_spread(r, "ratio_auto", "{:.3f}")]
         cells_all.append(cells)
     lines = [
         f"On {where}, {cfg['world_size']} ranks: ms per step, median over runs (ratios and hidden: median [min, max]);",
         "  simulated: minddp.simulate's step from this run's compute profile (scaled to local) and link fit (benchlib/prediction.py),",
         f"  communication {'beside' if cfg['bound_rule'] == 'max' else 'sharing the cores with'} backward; sim error against torch copy;",
-        "  hidden = (local + allreduce - step) / allreduce; auto / torch: MiniDDP(bucket_cap_mb='auto') against torch's",
-        "  DDP at this row's cap (the 25 MB row: torch's default)",
+        "  hidden = (local + allreduce - step) / allreduce; auto predicted: the step bucket_cap_mb='auto''s planner",
+        "  predicted for the buckets it chose (rank 0, minddp/bucket_planner.py); auto / torch: MiniDDP(bucket_cap_mb='auto')",
+        "  against torch's DDP at this row's cap (the 25 MB row: torch's default)",
     ]
     return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)

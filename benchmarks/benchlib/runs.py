@@ -6,7 +6,9 @@ import json
 import os
 import sys
 import tempfile
+import time
 
+from benchlib.progress import Progress, clock, total_units
 from minddp import trace_view
 
 
@@ -35,13 +37,15 @@ def report_traces(cfg: dict, plot: bool) -> None:
 def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
     """Every timing run (fresh rank processes each), then the memory run.
     Returns (each run's timed entries, the learned-order entries, the memory
-    run's output), or None when a rank failed."""
+    run's output), or None when a rank failed. Rank 0 of each shows how far
+    the whole is (``benchlib/progress.py``), counting from now."""
     import torch.multiprocessing as mp
 
     from benchlib import memory
     from benchlib.timing import memory_main, timing_main
     from minddp.launch import RankFailed, spawn
 
+    cfg = {**cfg, "started": time.time()}  # for the progress line's elapsed and remaining time
     runs, learned = [], []
     with tempfile.TemporaryDirectory(prefix="minddp-compare-") as tmp:
         timed_path, mem_path = os.path.join(tmp, "timed.json"), os.path.join(tmp, "memory.json")
@@ -67,4 +71,5 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
             os.environ.update(saved)
         with open(mem_path) as f:
             peaks = json.load(f)
+    Progress(total_units(cfg), cfg["started"]).finish(f"measured in {clock(time.time() - cfg['started'])}")
     return runs, learned, peaks

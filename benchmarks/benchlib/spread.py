@@ -70,7 +70,7 @@ def run_figures(blocks: dict[str, list[float]], views: list[str], bound_rule: st
     return out
 
 
-SPREAD_PREFIXES = ("ratio_", "overhead_", "bound_", "over_bound_", "hidden_fraction_")  # the figures reported with _min and _max
+SPREAD_PREFIXES = ("ratio_", "overhead_", "bound_", "over_bound_", "x_bound_", "hidden_fraction_")  # the figures reported with _min and _max
 
 
 def make_row(cfg: dict, per_run: list[dict], max_param_diff: float, peak_mb: dict[str, float]) -> dict:
@@ -125,6 +125,8 @@ def make_rows(cfg: dict, runs: list[list[dict]], memory: list[dict]) -> list[dic
                 figures["predicted_ms"] = entry["predicted_ms"]
             if "auto_buckets" in entry:  # how many buckets bucket_cap_mb="auto" chose in this run
                 figures["auto_buckets"] = entry["auto_buckets"]
+                if "auto_predicted_ms" in entry:  # and the step its planner predicted for them
+                    figures["auto_predicted_ms"] = entry["auto_predicted_ms"]
                 auto_diff = max(auto_diff or 0.0, entry["max_param_diff_auto"])
             per_run.append({"model": entry["model"], "bucket_cap_mb": entry["bucket_cap_mb"], **figures})
             diff = max(diff, entry["max_param_diff"])
