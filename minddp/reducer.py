@@ -108,6 +108,9 @@ class Reducer(ReducerHookPoints):
         specs = [TensorSpec(self.params[i].numel(), self.bucket_dtype(i).itemsize, self.bucket_dtype(i),
                             self.device) for i in order]
         groups = assign_buckets(specs, *self.caps, per_bucket_caps=self.per_bucket_caps)
+        # Let go of the old buckets first, so that their buffers (a whole copy of the gradients) are
+        # freed before the new ones are taken; a .grad that is a slot of one keeps that one alive.
+        self.buckets, self._plan = [], []
         self.buckets = [self._make_bucket(k, [order[j] for j in group], specs[group[0]].dtype, len(groups))
                         for k, group in enumerate(groups)]
         # The plan every hook follows, worked out once here instead of at every
