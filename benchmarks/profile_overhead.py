@@ -63,10 +63,10 @@ def timed_sections(totals: dict, calls: dict):
     (patched on the classes, since the reducer registers its hooks at construction)."""
 
     def timed(key, original):
-        def method(self, *args):
+        def method(self, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return original(self, *args)
+                return original(self, *args, **kwargs)
             finally:
                 totals[key] += time.perf_counter() - t0
                 calls[key] += 1

@@ -85,3 +85,12 @@ def test_one_line_per_model_at_the_main_cap_with_auto_against_torchs_best_cap_of
     assert "torch default 0.820 [0.800, 0.850] faster" in mlp
     assert "auto / torch's best cap (1 MB) 1.040 [1.020, 1.060] slower" in mlp  # 90 ms at 1 MB beats 120 at 25
     assert "copy 1.020 [1.010, 1.030] slower" in gpt and "torch's best cap (25 MB) 0.960 [0.900, 1.010] even" in gpt
+
+
+def test_the_fastest_cap_is_read_against_the_bound_of_the_same_rounds_where_there_is_one():
+    """The machine slowed down while the 25 MB row ran: its step is longer, but closer to its bound."""
+    rows = [_row("mlp", 1.0, (1, 1, 1), (1, 1, 1), torch_ms=100.0, x_bound_torch_copy=1.20),
+            _row("mlp", 25.0, (1, 1, 1), (1, 1, 1), torch_ms=150.0, x_bound_torch_copy=1.10)]
+    assert summary.fastest(rows, "torch_copy")["bucket_cap_mb"] == 25.0
+    del rows[0]["x_bound_torch_copy"]  # not every row has it: the step times decide
+    assert summary.fastest(rows, "torch_copy")["bucket_cap_mb"] == 1.0

@@ -33,8 +33,9 @@ def _bound_line(cfg: dict) -> list[str]:
     why = {"sum": "no core to spare per rank, so communication cannot overlap compute",
            "max": "a core to spare per rank, a GPU or a real link: the all-reduce can hide under backward and the "
                   "step, never under forward"}[cfg["bound_rule"]]  # fmt: skip
-    return [f"  bound      {RULES[cfg['bound_rule']]}, from forward alone, the bare step (local) and one all_reduce "
-            f"of every gradient in one flat buffer ({why})"]
+    parts = {"sum": "the bare step (local)", "max": "forward alone, the bare step (local)"}[cfg["bound_rule"]]
+    return [f"  bound      {RULES[cfg['bound_rule']]}, from {parts} and one all_reduce of every gradient in one flat "
+            f"buffer, timed in the same rounds ({why})"]
 
 
 def header(cfg: dict) -> str:

@@ -11,7 +11,9 @@ Per model, at the main bucket cap (``--bucket-cap-mb``, torch's default 25 MB,
 or the largest of a sweep): ``copy`` and ``view`` (``gradient_as_bucket_view``
 False and True on both sides), and ``auto`` (``MiniDDP(bucket_cap_mb="auto")``)
 against torch's DDP at its defaults. With a sweep, also ``auto`` against torch's
-DDP at its fastest cap of the sweep (the cap whose median step is lowest); with
+DDP at its fastest cap of the sweep (the lowest step over the bound of the same
+rounds, where the bound was timed: rows are timed one after another and a
+loaded machine drifts between them; else the lowest median step); with
 the overlap bound (a real link, a GPU, a spare core: ``benchlib/bound.py``),
 MiniDDP's best step and ``auto``'s as multiples of it; and the step ``auto``'s
 planner predicted beside the one measured.
@@ -46,26 +48,36 @@ def main_row(cfg: dict, rows: list[dict]) -> dict:
     return at_cap[0] if at_cap else max(rows, key=lambda r: r["bucket_cap_mb"])
 
 
+def fastest(rows: list[dict], wrapper: str) -> dict:
+    """The row (bucket cap) where ``wrapper`` is fastest. Rows are timed one after another, and a loaded
+    machine drifts between them, so where every row has it the step over the bound *of the same rounds*
+    decides (``benchlib/bound.py``), else the step time itself."""
+    key = f"x_bound_{wrapper}" if all(f"x_bound_{wrapper}" in r for r in rows) else f"{wrapper}_ms"
+    return min(rows, key=lambda r: r[key])
+
+
 def model_line(cfg: dict, rows: list[dict]) -> str:
     """One model's line (``rows``: its rows, one per bucket cap)."""
     row = main_row(cfg, rows)
     parts = [f"{v} {_ratio(row, f'ratio_{v}')}" for v in cfg["bucket_views"] if f"ratio_{v}" in row]
     auto = "ratio_auto" in row
     if auto:
-        parts.append(f"auto ({row['auto_buckets']:g} buckets) / torch default {_ratio(row, 'ratio_auto')}")
+        buckets = f"{row['auto_buckets']:g} bucket" + ("" if row["auto_buckets"] == 1 else "s")
+        parts.append(f"auto ({buckets}) / torch default {_ratio(row, 'ratio_auto')}")
     if auto and len(rows) > 1:
-        best = min(rows, key=lambda r: r["torch_copy_ms"])
+        best = fastest(rows, "torch_copy")
         parts.append(f"auto / torch's best cap ({best['bucket_cap_mb']:g} MB) {_ratio(best, 'ratio_auto')}")
     if cfg.get("bound_rule") == "max" and all("x_bound_minddp_copy" in r for r in rows):
-        best = min(rows, key=lambda r: r["minddp_copy_ms"])
+        best = fastest(rows, "minddp_copy")
         bound = [f"minddp's best ({best['bucket_cap_mb']:g} MB) {best['x_bound_minddp_copy']:.2f}x"]
         if "x_bound_minddp_auto" in row:
             bound.append(f"auto {row['x_bound_minddp_auto']:.2f}x")
-        bound.append(f"torch's best {min(r['x_bound_torch_copy'] for r in rows):.2f}x")
+        torch_best = fastest(rows, "torch_copy")
+        bound.append(f"torch's best ({torch_best['bucket_cap_mb']:g} MB) {torch_best['x_bound_torch_copy']:.2f}x")
         parts.append("bound " + ", ".join(bound))
     if "auto_predicted_ms" in row:
         predicted, measured = row["auto_predicted_ms"], row["minddp_auto_ms"]
-        parts.append(f"auto predicted {predicted:.1f} ms, measured {measured:.1f} ({predicted / measured - 1:+.0%})")
+        parts.append(f"auto predicted {predicted:.1f} ms, measured {measured:.1f} (prediction {predicted / measured - 1:+.0%})")
     return f"  {row['model']:<6} {row['bucket_cap_mb']:g} MB: " + "; ".join(parts)
 
 
