@@ -37,14 +37,7 @@ finally calls ``rebuild``. :class:`~minddp.ddp.MiniDDP` sets it up when
    under 0.1). A machine so loaded that a loopback all-reduce gets less
    than :data:`WAITING_CPU_SHARE` of a core would be read as waiting: the
    price of a probe that costs no extra collectives;
-4. **contention**: an all-reduce that overlaps backward still takes some
-   CPU (Gloo's thread copies and sums, the kernel moves the bytes): on a CPU
-   with no core to spare, that time is taken from backward. The probe
-   measured it (the CPU seconds of its largest all-reduces), so the replay
-   charges it per byte sent while backward runs
-   (``Overheads.contention_us_per_MB``, :func:`contention_from_probe`);
-   without it the prediction was optimistic on a 1 Gbit/s link;
-5. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
+4. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
    :func:`minddp.simulate.simulate_step`; the smallest predicted step wins.
 
 Rank 0 decides and broadcasts its choice (as with the learned bucket order),
@@ -71,14 +64,13 @@ import torch
 import torch.distributed as dist
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
-from minddp.network import Link, bytes_sent_per_rank, fit_link
-from minddp.simulate.overheads import Overheads
+from minddp.network import Link, fit_link
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.sync import global_rank
 
-__all__ = ["CANDIDATE_CAPS_MB", "BucketChoice", "choose_plan", "communication_overlaps", "contention_from_probe",
-           "AutoBuckets", "MEASURED_BACKWARDS"]
+__all__ = ["CANDIDATE_CAPS_MB", "BucketChoice", "choose_plan", "communication_overlaps", "AutoBuckets",
+           "MEASURED_BACKWARDS"]
 
 DEFAULT_CAP_MB = 25.0  # torch's
 # Caps tried, each with torch's 1 MiB first bucket and with no smaller first
@@ -110,7 +102,6 @@ class BucketChoice:
     link: Link
     overlap: bool
     cpu_share: float | None = None  # how busy this process's CPU was during the link probe's all-reduces
-    contention_us_per_MB: float = 0.0  # CPU an overlapping all-reduce takes from backward, per MB sent
 
     def describe(self) -> str:
         """The one line MiniDDP prints when it rebuilds its buckets."""
@@ -122,16 +113,12 @@ class BucketChoice:
             f"{self.link.bandwidth_Bps / 1e9:.3g} GB/s; communication "
             f"{'overlaps' if self.overlap else 'does not overlap'} compute here"
             + ("" if self.cpu_share is None else f" (the CPU was busy {self.cpu_share:.0%} of an all-reduce)")
-            + (f", {self.contention_us_per_MB:.0f} us of backward's CPU per MB sent beside it"
-               if self.contention_us_per_MB else "")
         )
 
 
 def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: bool,
-                cpu_share: float | None = None, contention_us_per_MB: float = 0.0) -> BucketChoice:
-    """The candidate bucket plan with the smallest predicted step (fewer buckets on a tie).
-    ``contention_us_per_MB``: backward's CPU time an all-reduce running beside it takes, per MB it sends."""
-    costs = Overheads(contention_us_per_MB=contention_us_per_MB, source="the link probe's CPU time")
+                cpu_share: float | None = None) -> BucketChoice:
+    """The candidate bucket plan with the smallest predicted step (fewer buckets on a tie)."""
     total_mb = profile.gradient_bytes / MiB
     candidates = [(DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)]
     for cap in CANDIDATE_CAPS_MB:
@@ -140,18 +127,11 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: b
     candidates.append((everything, everything))
     results = []
     for order, (cap, first) in enumerate(candidates):
-        step = simulate_step(profile, link, world_size, DDPPolicy(cap, first, overlap=overlap, overheads=costs))
+        step = simulate_step(profile, link, world_size, DDPPolicy(cap, first, overlap=overlap))
         results.append((round(step.step_ms, 9), len(step.buckets), order, cap, first))
     default = results[0]
     best = min(results)
-    return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, overlap, cpu_share,
-                        contention_us_per_MB)
-
-
-def contention_from_probe(cpu_seconds: float, nbytes: float, world_size: int) -> float:
-    """us of CPU per MB sent, from the CPU seconds one all-reduce of ``nbytes`` took on this rank."""
-    sent_mb = bytes_sent_per_rank("all_reduce", nbytes, world_size) / 1e6
-    return cpu_seconds * 1e6 / sent_mb if sent_mb > 0 else 0.0
+    return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, overlap, cpu_share)
 
 
 # ----------------------------------------------------------- measuring it
@@ -255,10 +235,7 @@ class AutoBuckets:
         if not is_rank0:
             return None
         link = fit_latency_bandwidth([float(b.nbytes) for b in buffers], seconds, world_size)
-        contention = 0.0  # a GPU's host, or a core to spare per rank: backward loses nothing to Gloo's thread
-        if overlap and device.type == "cpu" and not spare_core_per_rank(world_size):
-            contention = contention_from_probe(statistics.median(cpu for _, cpu in timings[-1]), total, world_size)
-        self.choice = choose_plan(self.profile(), link, world_size, overlap, cpu_share, contention)
+        self.choice = choose_plan(self.profile(), link, world_size, overlap, cpu_share)
         return self.choice
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.bucket_planner import MEASURED_BACKWARDS, choose_plan, communication_overlaps, contention_from_probe
+from minddp.bucket_planner import MEASURED_BACKWARDS, choose_plan, communication_overlaps
 from minddp.network import Link
 from minddp.simulate import ComputeProfile, Gradient
 from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
@@ -60,27 +60,6 @@ def test_without_overlap_every_extra_bucket_only_adds_latency():
     # spare) hides nothing: the fewest buckets win even on a fast link.
     link = Link("fast", alpha_s=10e-6, bandwidth_Bps=100e6)
     assert choose_plan(_step(), link, world_size=2, overlap=False).buckets == 1
-
-
-def test_cpu_an_overlapping_all_reduce_takes_from_backward_is_charged_to_the_step():
-    # 10 us latency, 100 MB/s: several buckets hide under backward when communication is free.
-    link = Link("wire", alpha_s=10e-6, bandwidth_Bps=100e6)
-    free = choose_plan(_step(), link, world_size=2, overlap=True)
-    light = choose_plan(_step(), link, world_size=2, overlap=True, contention_us_per_MB=1000.0)
-    assert free.buckets > 1 and light.buckets > 1
-    assert light.predicted_ms > free.predicted_ms, "backward loses CPU to every bucket sent beside it"
-    assert light.contention_us_per_MB == 1000.0 and "1000 us of backward's CPU per MB" in light.describe()
-    # An all-reduce that keeps a core busy all the time it runs (1 s of CPU per second on the wire:
-    # 1e12 / bandwidth us per MB at 2 ranks, where a rank sends every byte once) hides nothing.
-    busy = choose_plan(_step(), link, world_size=2, overlap=True, contention_us_per_MB=1e12 / 100e6)
-    assert busy.buckets == choose_plan(_step(), link, world_size=2, overlap=False).buckets == 1
-
-
-def test_contention_is_the_probes_cpu_time_per_mb_each_rank_sends():
-    # A ring all-reduce of 25 MB sends 2 (p - 1) / p of it per rank: 25 MB at 2 ranks, 37.5 MB at 4.
-    assert contention_from_probe(0.012, 25e6, world_size=2) == pytest.approx(480.0)
-    assert contention_from_probe(0.012, 25e6, world_size=4) == pytest.approx(320.0)
-    assert contention_from_probe(0.012, 25e6, world_size=1) == 0.0  # alone: nothing is sent
 
 
 def test_overlap_on_cpu_needs_a_spare_core_or_an_all_reduce_that_mostly_waits(monkeypatch):
