@@ -34,6 +34,8 @@ from minddp.bucket_planner import fit_latency_bandwidth
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step
 
 PROFILE_STEPS = 4  # traced steps after the warm-up ones
+# How the simulated step placed communication, by the bound's rule (a file from before the rule: not recorded).
+SIMULATED_WITH = {"max": "beside", "sum": "sharing the cores with"}
 PROBE_BYTES = 64 * 1024
 PROBE_TRIES = 3
 
@@ -100,7 +102,7 @@ def table(cfg: dict, rows: list[dict]) -> str:
     lines = [
         f"On {where}, {cfg['world_size']} ranks: ms per step, median over runs (ratios and hidden: median [min, max]);",
         "  simulated: minddp.simulate's step from this run's compute profile (scaled to local) and link fit (benchlib/prediction.py),",
-        f"  communication {'beside' if cfg['bound_rule'] == 'max' else 'sharing the cores with'} backward; sim error against torch copy;",
+        f"  communication {SIMULATED_WITH.get(cfg.get('bound_rule'), 'beside or with')} backward; sim error against torch copy;",
         "  hidden = (local + allreduce - step) / allreduce; auto predicted: the step bucket_cap_mb='auto''s planner",
         "  predicted for the buckets it chose (rank 0, minddp/bucket_planner.py); auto / torch: MiniDDP(bucket_cap_mb='auto')",
         "  against torch's DDP at this row's cap (the 25 MB row: torch's default)",
