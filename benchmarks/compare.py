@@ -13,14 +13,20 @@
 namespace of its own, joined to the others by links shaped to that rate
 (``minddp/links.py``; needs root and iproute2), so that communication waits
 on a wire instead of sharing the cores with backward. Then the bucket caps
-default to a sweep of 1, 5 and 25 MB, and a further table sets beside each
-measured step the simulator's (``_prediction.py``) and each wrapper's hidden
-fraction with its spread. While it runs, one progress line per round, and
-``bucket_cap_mb="auto"``'s decision once per model.
+default to a sweep of 0.25, 1, 5 and 25 MB, and a further table sets beside
+each measured step the simulator's (``benchlib/prediction.py``) and each
+wrapper's hidden fraction with its spread.
+
+While it runs: one live progress line on a terminal (elsewhere, in a pipe or
+CI, one plain line per model and run; ``benchlib/progress.py``), and
+``bucket_cap_mb="auto"``'s decision once per model. At the end, first a
+summary, one line per model: the ratios with their spread and what the
+spread lets one say (faster, slower, even; ``benchlib/summary.py``); then the
+tables below (all of them also in ``--json``).
 
 The whole timing runs ``--runs`` times, each in fresh rank processes; every
 figure below is first taken within a run, then reported as the median over
-runs with its minimum and maximum (``_spread.py``). One run's ratio is
+runs with its minimum and maximum (``benchlib/spread.py``). One run's ratio is
 mostly noise on a shared machine; the spread says how much.
 
 For every model (and bucket cap) one table row, all times in ms per step,
@@ -29,12 +35,16 @@ medians over rounds, each block's time the slowest rank's:
 * ``local``: forward + backward + SGD step with no communication;
 * ``allreduce``: all-reducing the gradient bytes alone, in DDP-like buckets;
 * ``ideal`` = max(local, allreduce), the step with perfect overlap;
-* ``bound``: the floor under any DDP step here, from ``local`` and
-  ``allreduce_flat`` (one all-reduce of every gradient in one flat buffer),
-  timed in the same rounds: their sum where the ranks have no core to spare
-  (2 ranks on 2 cores: communication cannot overlap compute), else their
-  max; the header says which (``_bound.py``). A table of its own gives every
-  wrapper's ``ms over bound``, paired by round, median [min, max] over runs;
+* ``bound``: the floor under any DDP step here, from ``forward`` (the
+  forward pass alone), ``local`` and ``allreduce_flat`` (one all-reduce of
+  every gradient in one flat buffer), timed in the same rounds: local + flat
+  where the ranks have no core to spare (2 ranks on 2 cores: communication
+  cannot overlap compute), else the DDP overlap bound, forward +
+  max(backward and step, flat) with backward and step = local - forward (on
+  a real link, a GPU, a spare core); the header says which
+  (``benchlib/bound.py``). A table of its own gives every wrapper's step as
+  a multiple of it and in ms above it, paired by round, median [min, max]
+  over runs;
 * ``naive``: a blocking all-reduce of every gradient after backward;
 * ``torch copy``/``torch view`` and ``minddp copy``/``minddp view``: full
   steps with each wrapper, same bucket cap, ``gradient_as_bucket_view``
@@ -54,7 +64,7 @@ medians over rounds, each block's time the slowest rank's:
 
 A second table, the **wrapper overhead** (skip it with ``--no-overhead``):
 the four wrappers again, each with a communication hook that returns its
-bucket at once (``_wrappers.return_bucket``), so what a step costs beyond the
+bucket at once (``wrappers.return_bucket``), so what a step costs beyond the
 bare model's step of the same round is the wrapper's own work: hooks,
 copies, callbacks, the buffer broadcast. In ms and as a fraction of
 ``local``; and MiniDDP minus torch's DDP, paired the same way. Where this
@@ -62,20 +72,20 @@ figure goes, ``profile_overhead.py`` shows.
 
 A third: the peak memory each wrapper adds (construction + steps, in fresh
 windows: ``torch.cuda.max_memory_allocated`` on GPU, peak RSS on CPU; see
-``_memory.py`` for why ``ru_maxrss`` alone would be unfair), and the fraction
+``benchlib/memory.py`` for why ``ru_maxrss`` alone would be unfair), and the fraction
 of the all-reduce each wrapper hid behind compute::
 
       hidden = (local + allreduce - t) / allreduce, clipped to [0, 1]
 
 How it runs: the ranks are spawned processes (``minddp.launch.spawn``), each
 with ``--threads-per-rank`` intra-op threads; the rank side is
-``_timing.py`` (wrappers in ``_wrappers.py``, models and their batches in
-``_models.py``), the statistics ``_spread.py``, the tables/JSON/plot
-``_report.py``. Data are fixed random tensors (images of MNIST shape, or
+``benchlib/timing.py`` (wrappers in ``benchlib/wrappers.py``, models and their batches in
+``benchlib/models.py``), the statistics ``benchlib/spread.py``, the tables/JSON/plot
+``benchlib/report.py``. Data are fixed random tensors (images of MNIST shape, or
 token sequences for ``gpt``), seeded per rank: this measures steps, not
 learning.
 
-Two extras (rank side in ``_overlap.py``, reading traces in ``minddp/trace_view.py``):
+Two extras (rank side in ``benchlib/overlap.py``, reading traces in ``minddp/trace_view.py``):
 
 * ``--trace PATH.json``: after the timings, a few more steps of
   ``MiniDDP(trace=True)`` per model, written as a Chrome trace (open it in
@@ -103,16 +113,12 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _bound  # noqa: E402
-import _report  # noqa: E402
-import _runs  # noqa: E402
-import _spread  # noqa: E402
-from _models import ALL_MODELS, DEFAULT_MODELS  # noqa: E402
-from _wrappers import like_for_like_hook  # noqa: E402
-from minddp import links  # noqa: E402
-from minddp.bucket_planner import MEASURED_BACKWARDS  # noqa: E402
+from benchlib import bound, report, runs, spread, summary
+from benchlib.models import ALL_MODELS, DEFAULT_MODELS
+from benchlib.wrappers import like_for_like_hook
+from minddp import links
+from minddp.bucket_planner import MEASURED_BACKWARDS
 
 # The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
 # run's ratio moved by +-10% between runs on the shared 2-core machine; five
@@ -134,7 +140,7 @@ def _floats(text: str) -> list[float]:
     return values
 
 
-LINK_SWEEP_MB = [1.0, 5.0, 25.0]  # --link without --bucket-sweep: the U of bucket sizes on the wire
+LINK_SWEEP_MB = [0.25, 1.0, 5.0, 25.0]  # --link without --bucket-sweep: the U of bucket sizes on the wire
 
 
 def _link(text: str) -> str:
@@ -241,8 +247,8 @@ def check_environment(args: argparse.Namespace) -> list[str]:
     if args.link != "loopback" and links.missing():
         print(f"error: --link {args.link}: {links.missing()}", file=sys.stderr)
         sys.exit(2)
-    if args.plot and not _report.have_matplotlib():
-        print(f"error: {_report.PLOT_INSTALL_HINT}", file=sys.stderr)
+    if args.plot and not report.have_matplotlib():
+        print(f"error: {report.PLOT_INSTALL_HINT}", file=sys.stderr)
         sys.exit(2)
     if args.device == "cuda":
         import torch
@@ -287,10 +293,10 @@ def config(args: argparse.Namespace) -> dict:
         "overhead": not args.no_overhead,
         "auto": auto,
         "link": args.link,
-        "bound_rule": _bound.bound_rule(args.device, args.world_size, args.threads_per_rank, link=args.link),
+        "bound_rule": bound.bound_rule(args.device, args.world_size, args.threads_per_rank, link=args.link),
         "quick": args.quick,
         "learned_order_cap_mb": args.learned_order,  # None: not measured
-        "trace_files": _runs.trace_files(args.trace, args.models) if args.trace else {},
+        "trace_files": runs.trace_files(args.trace, args.models) if args.trace else {},
         "trace_steps": TRACE_STEPS,
         "torch_version": torch.__version__,
         "python": platform.python_version(),
@@ -302,10 +308,13 @@ def config(args: argparse.Namespace) -> dict:
 
 
 def show(cfg: dict, rows: list[dict], learned: list[dict]) -> None:
-    print(_report.all_tables(cfg, rows))
+    """The summary a person reads first, then every table."""
+    print(summary.summary(cfg, rows))
+    print()
+    print(report.all_tables(cfg, rows))
     if learned:
         print()
-        print(_report.learned_order_text(learned))
+        print(report.learned_order_text(learned))
 
 
 def footer(cfg: dict) -> str:
@@ -326,26 +335,26 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = config(args)
     started = time.perf_counter()
-    measured = _runs.measure(cfg)
+    measured = runs.measure(cfg)
     if measured is None:
         return 1
-    runs, learned_timed, memory = measured
-    rows = _spread.make_rows(cfg, runs, memory["memory"])
-    learned = [_report.make_learned_order_row(r) for r in learned_timed]
-    cfg["memory_method"] = memory["method"]
+    timed_runs, learned_timed, peaks = measured
+    rows = spread.make_rows(cfg, timed_runs, peaks["memory"])
+    learned = [report.make_learned_order_row(r) for r in learned_timed]
+    cfg["memory_method"] = peaks["method"]
     cfg["wall_s"] = round(time.perf_counter() - started, 1)
     cfg["notes"] = notes
 
     show(cfg, rows, learned)
     if cfg["trace_files"]:
         print()
-        _runs.report_traces(cfg, plot=bool(args.plot))
+        runs.report_traces(cfg, plot=bool(args.plot))
     print(f"\n{footer(cfg)}")
     if args.json:
-        _report.write_json(args.json, cfg, rows, learned)
+        report.write_json(args.json, cfg, rows, learned)
         print(f"wrote {args.json}")
     if args.plot:
-        _report.plot(args.plot, cfg, rows)
+        report.plot(args.plot, cfg, rows)
         print(f"wrote {args.plot}")
     return 0
 

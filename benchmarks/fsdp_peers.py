@@ -8,12 +8,12 @@
 
 ``minddp.models.GPT`` (8 blocks, 0.95 M parameters, head tied to the token
 embedding), AdamW in fp32, 4 sequences of 64 tokens per rank, Gloo on CPU,
-one intra-op thread per rank. The setups are ``_fsdp_setups.py``'s: torch's
+one intra-op thread per rank. The setups are ``benchlib/fsdp_setups.py``'s: torch's
 DDP, MiniDDP, ZeRO stage 1 and 2 on MiniDDP, ``minddp.fsdp`` (stage 3) and
 torch's ``fully_shard`` (FSDP2), both per block then the root.
 
 **Memory, measured**: for each setup, in rank processes of its own, inside a
-:class:`_live_bytes.LiveBytes` window (a ``TorchDispatchMode`` that counts
+:class:`live_bytes.LiveBytes` window (a ``TorchDispatchMode`` that counts
 every storage an operation creates while it lives): one step to warm up,
 then the peak over one whole step (``zero_grad``, forward, backward,
 ``step``), the maximum over ranks. Two figures: every live tensor
@@ -21,7 +21,7 @@ then the peak over one whole step (``zero_grad``, forward, backward,
 gradients, optimizer state and the wrapper's communication buffers (buckets,
 send and receive buffers), apart from activations (what autograd saved, the
 gradients flowing between layers in backward, operators' temporaries; the
-rule is ``_live_bytes.py``'s). Beside it the
+rule is ``benchlib/live_bytes.py``'s). Beside it the
 ZeRO paper's formula with fp32 AdamW's constants, 4 bytes of parameter, 4 of
 gradient, K = 8 of state (the paper's mixed-precision 2 + 2 + 12 also make
 16 bytes, split otherwise): DDP 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N,
@@ -54,15 +54,14 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _fsdp_setups import SETUPS, build, gpt_config, have_stage3, train_step, units  # noqa: E402
-from _live_bytes import LiveBytes  # noqa: E402
-from _outputs import emit, ranks_json  # noqa: E402
+from benchlib.fsdp_setups import SETUPS, build, gpt_config, have_stage3, train_step, units  # noqa: E402
+from benchlib.live_bytes import LiveBytes  # noqa: E402
+from benchlib.outputs import emit, ranks_json  # noqa: E402
 from minddp import links  # noqa: E402
 
 MiB = 2**20

@@ -30,14 +30,13 @@ import statistics
 import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _fsdp_setups import build, collectives_made_local, gpt_config, train_step  # noqa: E402
-from _outputs import emit, ranks_json  # noqa: E402
+from benchlib.fsdp_setups import build, collectives_made_local, gpt_config, train_step  # noqa: E402
+from benchlib.outputs import emit, ranks_json  # noqa: E402
 
 SETUPS = ("torch-ddp", "stage3", "stage3 local")
 GROUPS = ("main", "gloo_tcp_loop", "pt_gloo_runloop", "other")

@@ -30,13 +30,12 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _outputs import emit, ranks_json  # noqa: E402
+from benchlib.outputs import emit, ranks_json  # noqa: E402
 from minddp.zero import pairwise  # noqa: E402
 
 

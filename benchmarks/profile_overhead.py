@@ -3,7 +3,7 @@
     python benchmarks/profile_overhead.py                      # mlp,cnn,ae,gpt, both settings
     python benchmarks/profile_overhead.py --models gpt --view copy --steps 100
 
-Both wrappers run with ``_wrappers.return_bucket`` as their communication hook
+Both wrappers run with ``wrappers.return_bucket`` as their communication hook
 (the overhead mode of ``compare.py``), on 2 Gloo ranks; rank 0 reports. Three
 views of the same steps, per model and ``gradient_as_bucket_view`` setting:
 
@@ -34,7 +34,6 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -44,9 +43,9 @@ from minddp import MiniDDP  # noqa: E402
 from minddp.launch import spawn  # noqa: E402
 from minddp.reducer import Reducer  # noqa: E402
 
-import _models  # noqa: E402
-from _timing import Runner  # noqa: E402
-from _wrappers import return_bucket  # noqa: E402
+from benchlib import models  # noqa: E402
+from benchlib.timing import Runner  # noqa: E402
+from benchlib.wrappers import return_bucket  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(minddp.__file__)) + os.sep
 SECTIONS = {  # (class, method) -> what the report calls it
@@ -64,10 +63,10 @@ def timed_sections(totals: dict, calls: dict):
     (patched on the classes, since the reducer registers its hooks at construction)."""
 
     def timed(key, original):
-        def method(self, *args):
+        def method(self, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return original(self, *args)
+                return original(self, *args, **kwargs)
             finally:
                 totals[key] += time.perf_counter() - t0
                 calls[key] += 1
@@ -179,7 +178,7 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(_models.DEFAULT_MODELS))
+    p.add_argument("--models", default=",".join(models.DEFAULT_MODELS))
     p.add_argument("--view", choices=["both", "copy", "view"], default="both")
     p.add_argument("--steps", type=int, default=30, help="profiled steps per view (after 3 warm-up steps)")
     p.add_argument("--top", type=int, default=12, help="rows per profile")

@@ -41,13 +41,12 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _outputs import emit, ranks_json  # noqa: E402
-from _timing import Runner  # noqa: E402  (the benchmark's models, batches and step: same as compare.py)
+from benchlib.outputs import emit, ranks_json  # noqa: E402
+from benchlib.timing import Runner  # noqa: E402  (the benchmark's models, batches and step: same as compare.py)
 from minddp import links  # noqa: E402
 from minddp.network import fit_link  # noqa: E402
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step  # noqa: E402

@@ -16,7 +16,7 @@ in rounds (so that a shared machine's load drifts over all of it alike):
    (what is not in a block is the root unit's: embeddings, final norm, head,
    loss) and AdamW's step over all the parameters: how the compute splits
    among the units. How much there is comes from the stage-3 step itself
-   with its collectives made local (``_fsdp_setups.collectives_made_local``:
+   with its collectives made local (``fsdp_setups.collectives_made_local``:
    no communication, all else as it is, the hooks' Python and the sharded
    optimizer included): every unit's times are scaled to add up to it
    (isolated blocks leave out the hooks and the shards' bookkeeping);
@@ -49,8 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _fsdp_setups import collectives_made_local  # noqa: E402
-from _outputs import emit, ranks_json  # noqa: E402
+from benchlib.fsdp_setups import collectives_made_local  # noqa: E402
+from benchlib.outputs import emit, ranks_json  # noqa: E402
 from minddp.fsdp.collectives import all_gather, gloo_collectives, start_reduce_scatter  # noqa: E402
 from minddp.models import GPT, GPTConfig  # noqa: E402
 from minddp.network import fit_link  # noqa: E402

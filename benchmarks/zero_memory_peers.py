@@ -7,13 +7,13 @@ Two tables. The first (``--table defaults``, issue 39): stage 2 at minddp's
 defaults (``MiniDDP(model)``, 25 MB buckets) on ``minddp.models.GPT()`` and
 the 10.9 M GPT below, beside DeepSpeed's stage 2 with its reduce bucket the
 size of the model (and, once, at its default 5e8 elements), every setup in
-rank processes of its own under :class:`_live_bytes.LiveBytes` from before
+rank processes of its own under :class:`live_bytes.LiveBytes` from before
 the model exists: the peak of model state and of every storage in the third
 of five steps, the parts held after its backward, what is alive between
 steps, and whether the parameters equal the first row's after five steps.
 A row "copied at launch" sets the pool's ``slots_at_hook`` off: each
 ``.grad`` copied into its bucket when the bucket is complete. (Its code:
-``benchmarks/_zero_defaults.py``.)
+``benchmarks/benchlib/zero_defaults.py``.)
 
 The second (``--table tuned``): one spawned job per (setup, world size), on ``minddp.models.GPT`` grown to
 ~10.8 M parameters (n_embd 384, 6 blocks), AdamW, 4 MB buckets (DeepSpeed:
@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minddp.launch import spawn  # noqa: E402
-from _zero_defaults import DEFAULT_SETUPS, defaults_table  # noqa: E402
+from benchlib.zero_defaults import DEFAULT_SETUPS, defaults_table  # noqa: E402
 
 SETUPS = ("minddp DDP, bucket views", "minddp stage 2", "minddp stage 2, views", "minddp stage 2, no overlap",
           "DeepSpeed stage 2, no overlap", "DeepSpeed stage 2, overlap")

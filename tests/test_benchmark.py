@@ -21,20 +21,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import _bound  # noqa: E402
-import _spread  # noqa: E402
+from benchlib import bound  # noqa: E402
+from benchlib import spread  # noqa: E402
 from minddp.trace_view import read_steps  # noqa: E402
 
 WRAPPERS = [f"{impl}_{view}" for impl in ("torch", "minddp") for view in ("copy", "view")]
 SPREAD = [f"ratio_{v}" for v in ("copy", "view", "auto")] + [f"overhead_{w}_ms" for w in WRAPPERS]
 SPREAD += [f"overhead_gap_{v}_ms" for v in ("copy", "view")]
-SPREAD += ["bound_ms"] + [f"over_bound_{w}_ms" for w in [*WRAPPERS, "minddp_auto"]]
+SPREAD += ["bound_ms"] + [f"{k}_{w}{u}" for w in [*WRAPPERS, "minddp_auto"] for k, u in (("over_bound", "_ms"), ("x_bound", ""))]
 SPREAD += [f"hidden_fraction_{w}" for w in [*WRAPPERS, "minddp_auto"]]
-AUTO_FIELDS = {"minddp_auto_ms", "peak_mem_minddp_auto_mb", "auto_buckets",
+AUTO_FIELDS = {"minddp_auto_ms", "peak_mem_minddp_auto_mb", "auto_buckets", "auto_predicted_ms",
                "max_param_diff_auto"}  # MiniDDP(bucket_cap_mb="auto") against torch_copy
 RESULT_FIELDS = {
     "model", "backend", "device", "world_size", "bucket_cap_mb", "runs",
-    "local_ms", "allreduce_ms", "ideal_ms", "naive_ms", "max_param_diff", "per_run",
+    "local_ms", "forward_ms", "allreduce_ms", "ideal_ms", "naive_ms", "max_param_diff", "per_run",
     *(f"{w}_ms" for w in WRAPPERS), *(f"{w}_nocomm_ms" for w in WRAPPERS),
     *(f"peak_mem_{w}_mb" for w in WRAPPERS), "predicted_ms",
     *(f"overhead_{w}_fraction" for w in WRAPPERS), "allreduce_flat_ms", "bound_rule",
@@ -65,11 +65,18 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     assert proc.returncode == 0, f"compare.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
     assert "| model" in proc.stdout and "Wrapper overhead" in proc.stdout  # the tables were printed
     assert "ratio auto" in proc.stdout  # the column
-    # why: the planner's decision once per model (not once per run and row), and a progress line per round
+    # why: the planner's decision once per model (not once per run and row); not a terminal, so one
+    # progress line per model and run (not one per round), then the memory run and the end
     assert proc.stderr.count("MiniDDP bucket_cap_mb='auto'") == len(MODELS), proc.stderr
-    assert proc.stderr.count("gpt, cap 25 MB: round ") == RUNS * 2, proc.stderr
+    assert proc.stderr.count("gpt, cap 25 MB (") == RUNS and "round" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("peak memory (") == 1 and "\r" not in proc.stderr, proc.stderr
+    # the summary comes first, one line per model with a verdict, then the tables
+    assert proc.stdout.lstrip().startswith("Summary"), proc.stdout[:400]
+    summary = proc.stdout[: proc.stdout.index("| model")]
+    for model in MODELS:
+        assert sum(line.lstrip().startswith(model + " ") for line in summary.splitlines()) == 1, summary
     assert "simulated" in proc.stdout and "sim error torch" in proc.stdout  # the simulator beside each step
-    assert "| bound (" in proc.stdout and "ms over bound" in proc.stdout  # the floor, and every wrapper's distance
+    assert "| bound (" in proc.stdout and "Against the bound" in proc.stdout  # the floor, and every wrapper as a multiple of it
 
     data = json.loads(out.read_text())
     assert set(data) == {"config", "results", "learned_order"}  # the last only with --learned-order
@@ -99,7 +106,7 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     check_traces(tmp_path, proc.stdout)
     shown = subprocess.run([sys.executable, COMPARE, "--show", str(out)], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "| gpt " in shown.stdout and "Wrapper overhead" in shown.stdout, shown.stderr
-    assert "ms over bound" in shown.stdout
+    assert "Against the bound" in shown.stdout and shown.stdout.startswith("Summary")
 
 
 def test_overhead_is_paired_by_round_and_spread_is_over_runs():
@@ -119,7 +126,7 @@ def test_overhead_is_paired_by_round_and_spread_is_over_runs():
         return [{"model": "m", "bucket_cap_mb": 25.0, "block_ms": blocks, "max_param_diff": 0.0}]
 
     memory = [{"model": "m", "bucket_cap_mb": 25.0, "peak_mb": {"torch_copy": 1.0, "minddp_copy": 2.0}}]
-    (row,) = _spread.make_rows(cfg, [run(0.9), run(1.2), run(1.0)], memory)
+    (row,) = spread.make_rows(cfg, [run(0.9), run(1.2), run(1.0)], memory)
     assert row["overhead_torch_copy_ms"] == 2.0  # rounds: 2, 1, 3 (medians would say 31 - 30 = 1)
     assert row["overhead_minddp_copy_ms"] == 1.0  # rounds: 1, 0.5, 1
     assert row["overhead_gap_copy_ms"] == -1.0  # rounds: -1, -0.5, -2
@@ -138,26 +145,31 @@ def test_overhead_is_paired_by_round_and_spread_is_over_runs():
 
 def test_bound_is_the_sum_without_a_spare_core_and_the_max_with_one():
     """2 ranks of 1 thread on 2 cores: Gloo's thread takes turns with backward, nothing overlaps."""
-    assert _bound.bound_rule("cpu", 2, 1, cpu_count=2) == "sum"
-    assert _bound.bound_rule("cpu", 2, 1, cpu_count=4) == "max"
-    assert _bound.bound_rule("cpu", 2, 2, cpu_count=4) == "sum"  # 2 compute threads per rank fill the cores
-    assert _bound.bound_rule("cuda", 8, 1, cpu_count=2) == "max"  # NCCL runs on the GPU's own streams
+    assert bound.bound_rule("cpu", 2, 1, cpu_count=2) == "sum"
+    assert bound.bound_rule("cpu", 2, 1, cpu_count=4) == "max"
+    assert bound.bound_rule("cpu", 2, 2, cpu_count=4) == "sum"  # 2 compute threads per rank fill the cores
+    assert bound.bound_rule("cuda", 8, 1, cpu_count=2) == "max"  # NCCL runs on the GPU's own streams
     blocks = {"local": [10.0, 12.0, 11.0], "allreduce_flat": [3.0, 20.0, 3.0], "torch_copy": [15.0, 25.0, 16.0]}
-    summed = _bound.bound_figures(blocks, "sum", ["torch_copy"])
+    summed = bound.bound_figures(blocks, "sum", ["torch_copy"])
     assert (summed["bound_ms"], summed["over_bound_torch_copy_ms"]) == (14.0, 2.0)  # rounds: 13, 32, 14; 2, -7, 2
-    most = _bound.bound_figures(blocks, "max", ["torch_copy"])
-    assert (most["bound_ms"], most["over_bound_torch_copy_ms"]) == (11.0, 5.0)  # rounds: 10, 20, 11; 5, 5, 5
+    with pytest.raises(ValueError, match="forward"):  # the overlap bound needs the forward pass timed alone
+        bound.bound_figures(blocks, "max", ["torch_copy"])
+    # With overlap only backward (and the step) can hide the all-reduce: forward + max(local - forward, flat).
+    blocks.update(forward=[4.0, 5.0, 4.0], allreduce_flat=[3.0, 20.0, 9.0])
+    most = bound.bound_figures(blocks, "max", ["torch_copy"])
+    assert (most["bound_ms"], most["over_bound_torch_copy_ms"]) == (13.0, 3.0)  # rounds: 10, 25, 13; 5, 0, 3
+    assert bound.RULES["max"] == "forward + max(backward and step, allreduce_flat)"
     with pytest.raises(ValueError, match="bound rule"):
-        _bound.bound_figures(blocks, "min", [])
+        bound.bound_figures(blocks, "min", [])
 
 
 def test_ratio_auto_is_auto_over_torch_at_its_defaults():
     """MiniDDP(bucket_cap_mb="auto") is set against torch's DDP with gradient_as_bucket_view=False."""
     blocks = {"local": [10.0], "allreduce": [5.0], "naive": [30.0], "torch_copy": [20.0], "minddp_copy": [21.0],
               "torch_view": [18.0], "minddp_view": [19.0], "minddp_auto": [17.0]}  # fmt: skip
-    figures = _spread.run_figures(blocks, ["copy", "view"])
+    figures = spread.run_figures(blocks, ["copy", "view"])
     assert figures["ratio_auto"] == 17.0 / 20.0
-    assert "ratio_auto" not in _spread.run_figures({k: v for k, v in blocks.items() if k != "minddp_auto"}, ["copy"])
+    assert "ratio_auto" not in spread.run_figures({k: v for k, v in blocks.items() if k != "minddp_auto"}, ["copy"])
 
 
 def test_show_reads_a_json_written_before_the_bound(tmp_path, capsys):
@@ -261,7 +273,7 @@ def test_link_option_parses_a_rate_or_loopback_and_sweeps_the_caps_on_a_link(cap
     import compare
 
     args = compare.parse_args(["--link", "1Gbit"])
-    assert args.link == "1gbit" and args.bucket_sweep == [1.0, 5.0, 25.0]
+    assert args.link == "1gbit" and args.bucket_sweep == [0.25, 1.0, 5.0, 25.0]
     assert compare.parse_args(["--link", "10gbit", "--bucket-sweep", "2"]).bucket_sweep == [2.0]
     assert compare.parse_args([]).link == "loopback" and compare.parse_args([]).bucket_sweep is None
     with pytest.raises(SystemExit):
@@ -269,7 +281,7 @@ def test_link_option_parses_a_rate_or_loopback_and_sweeps_the_caps_on_a_link(cap
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "'1gbt' does not parse" in err and "100mbit" in err and "10gbit" in err and "loopback" in err
     # on a link the all-reduce waits on the wire: the bound is the max, whatever the cores
-    assert _bound.bound_rule("cpu", 2, 1, cpu_count=2, link="1gbit") == "max"
+    assert bound.bound_rule("cpu", 2, 1, cpu_count=2, link="1gbit") == "max"
 
 
 def test_hidden_fraction_comes_with_its_spread_over_runs_and_the_prediction_is_carried():
@@ -280,7 +292,7 @@ def test_hidden_fraction_comes_with_its_spread_over_runs_and_the_prediction_is_c
         return [{"model": "m", "bucket_cap_mb": 1.0, "block_ms": blocks, "max_param_diff": 0.0, "predicted_ms": step}]
 
     memory = [{"model": "m", "bucket_cap_mb": 1.0, "peak_mb": {"torch_copy": 1.0, "minddp_copy": 1.0}}]
-    (row,) = _spread.make_rows(cfg, [run(30.0), run(20.0), run(26.0)], memory)
+    (row,) = spread.make_rows(cfg, [run(30.0), run(20.0), run(26.0)], memory)
     assert row["per_run"]["hidden_fraction_torch_copy"] == pytest.approx([0.0, 0.5, 0.2])  # (10 + 20 - t) / 20
     assert (row["hidden_fraction_torch_copy"], row["hidden_fraction_torch_copy_min"],
             row["hidden_fraction_torch_copy_max"]) == pytest.approx((0.2, 0.0, 0.5))  # fmt: skip

@@ -233,7 +233,7 @@ def _all_reduces_per_step(rank, world_size, names):
     import torch.distributed as dist
 
     import compare
-    from _timing import Runner
+    from benchlib.timing import Runner
 
     args = compare.parse_args(["--world-size", "1", "--models", "mlp"])
     notes = compare.check_environment(args)

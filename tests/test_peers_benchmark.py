@@ -1,6 +1,6 @@
 """benchmarks/fsdp_peers.py: its memory tracker counted on tensors made by hand, and a --quick run end to end.
 
-The tracker (``benchmarks/_live_bytes.py``) is checked without processes: exact byte counts for
+The tracker (``benchmarks/benchlib/live_bytes.py``) is checked without processes: exact byte counts for
 allocations, views, frees, in-place storage resizes (FSDP2's way of freeing), tensor subclasses,
 and model state (parameters, gradients, communication buffers) kept apart from activations. The --quick run (a 2-block GPT, 2 ranks, one round)
 checks that every setup trains to the same parameters as torch's DDP and that the memory table
@@ -18,7 +18,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _live_bytes import LiveBytes  # noqa: E402
+from benchlib.live_bytes import LiveBytes  # noqa: E402
 
 KiB = 1024
 
@@ -122,7 +122,7 @@ def test_thread_cpu_reader_charges_work_to_the_thread_that_did_it():
 
 
 def _a_step_made_local(rank, world_size):
-    from _fsdp_setups import collectives_made_local
+    from benchlib.fsdp_setups import collectives_made_local
     from c10d_calls import RecordedCollectives
     from minddp.fsdp import fully_shard, unit
 

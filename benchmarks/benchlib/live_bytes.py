@@ -1,7 +1,7 @@
 """Peak live tensor bytes over a window, from every allocation: a ``TorchDispatchMode``.
 
 Why not the allocator or RSS: on CPU there is no ``max_memory_allocated``,
-and RSS keeps freed blocks (see ``_memory.py``). A dispatch mode sees every
+and RSS keeps freed blocks (see ``benchlib/memory.py``). A dispatch mode sees every
 aten operation a rank runs, so it sees every tensor created: this one adds a
 storage's bytes when an operation first returns it and subtracts them when
 the storage's Python object dies (a weak reference; torch keeps one Python

@@ -7,7 +7,7 @@ and the small ``GPT``; the benchmark adds two names of its own:
   (~0.95 M parameters, the head tied to the token embedding), fed random
   token sequences. Many small tensors (LayerNorm weights, biases) are where a
   wrapper's per-parameter cost shows;
-* ``shuffled_mlp``: :class:`_overlap.ShuffledMLP`, for ``--learned-order``.
+* ``shuffled_mlp``: :class:`overlap.ShuffledMLP`, for ``--learned-order``.
 
 Data are fixed random tensors, different per rank: this measures steps, not learning.
 """
@@ -18,10 +18,10 @@ import torch
 
 from minddp.models import GPT, MODEL_NAMES, GPTConfig, build_model, model_loss
 
-import _overlap
+from benchlib import overlap
 
 GPT_NAME = "gpt"
-ALL_MODELS = (*MODEL_NAMES, GPT_NAME, _overlap.SHUFFLED)
+ALL_MODELS = (*MODEL_NAMES, GPT_NAME, overlap.SHUFFLED)
 DEFAULT_MODELS = ["mlp", "cnn", "ae", GPT_NAME]
 
 # Per-rank batch size: the MLP is meant to be communication-bound (many
@@ -29,7 +29,7 @@ DEFAULT_MODELS = ["mlp", "cnn", "ae", GPT_NAME]
 # autoencoder with the 128-image batches of a typical MNIST autoencoder
 # tutorial; gpt: 4 sequences of 64 tokens, a step
 # of about the CNN's length on one core.
-BATCH_SIZE = {"mlp": 32, "cnn": 32, "ae": 128, "resnet": 32, _overlap.SHUFFLED: 32, GPT_NAME: 4}
+BATCH_SIZE = {"mlp": 32, "cnn": 32, "ae": 128, "resnet": 32, overlap.SHUFFLED: 32, GPT_NAME: 4}
 N_BATCHES = 4  # fixed random batches per rank, cycled
 
 
@@ -37,8 +37,8 @@ def build(name: str) -> torch.nn.Module:
     """A fresh model (initialized from torch's global RNG: seed it first)."""
     if name == GPT_NAME:
         return GPT(GPTConfig())
-    if name == _overlap.SHUFFLED:
-        return _overlap.ShuffledMLP()
+    if name == overlap.SHUFFLED:
+        return overlap.ShuffledMLP()
     return build_model(name)
 
 
@@ -63,4 +63,4 @@ def loss(name: str, module: torch.nn.Module, inputs: torch.Tensor, targets: torc
     if name == GPT_NAME:
         return module(inputs, targets)  # GPT computes its own cross-entropy
     # shuffled_mlp is a classifier like mlp: cross-entropy
-    return model_loss("mlp" if name == _overlap.SHUFFLED else name, module(inputs), inputs, targets)
+    return model_loss("mlp" if name == overlap.SHUFFLED else name, module(inputs), inputs, targets)

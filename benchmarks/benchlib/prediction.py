@@ -15,7 +15,7 @@ as the timed steps:
 
 After each row's timing, rank 0 replays its bucket cap, the profile's
 compute scaled to that row's measured bare step (``local``). Whether communication may run beside
-backward is the bound's rule (``_bound.py``): on a real link (``--link``) it
+backward is the bound's rule (``benchlib/bound.py``): on a real link (``--link``) it
 mostly waits on the wire (``overlap=True``); on loopback with no core to
 spare it competes with backward (``overlap=False``). The simulator models a
 DDP, not one implementation: one prediction per row, set beside both
@@ -29,10 +29,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchlib.tables import markdown_table, with_spread
 from minddp.bucket_planner import fit_latency_bandwidth
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step
 
 PROFILE_STEPS = 4  # traced steps after the warm-up ones
+# How the simulated step placed communication, by the bound's rule (a file from before the rule: not recorded).
+SIMULATED_WITH = {"max": "beside", "sum": "sharing the cores with"}
 PROBE_BYTES = 64 * 1024
 PROBE_TRIES = 3
 
@@ -82,26 +85,26 @@ def predicted_step(inputs, cap_mb: float, local_ms: float, world_size: int, over
 
 def table(cfg: dict, rows: list[dict]) -> str:
     """Measured against simulated, and how much of the all-reduce each wrapper hid, per model and cap."""
-    from _report import _spread, markdown_table
-
     auto = all("ratio_auto" in r for r in rows)
     where = "loopback" if cfg.get("link", "loopback") == "loopback" else f"links shaped to {cfg['link']} (minddp/links.py)"
     titles = ["model", "cap MB", "local", "allreduce", "simulated", "torch copy", "minddp copy", "minddp / torch",
-              "sim error torch", "hidden torch", "hidden minddp"] + (["auto (buckets)", "auto / torch"] if auto else [])
+              "sim error torch", "hidden torch", "hidden minddp"] + (["auto (buckets)", "auto predicted", "auto / torch"] if auto else [])
     cells_all = []
     for r in rows:
         sim, t, m = r["predicted_ms"], r["torch_copy_ms"], r["minddp_copy_ms"]
         cells = [r["model"], f"{r['bucket_cap_mb']:g}", f"{r['local_ms']:.1f}", f"{r['allreduce_ms']:.1f}",
-                 f"{sim:.1f}", f"{t:.1f}", f"{m:.1f}", _spread(r, "ratio_copy", "{:.3f}"), f"{sim / t - 1:+.0%}",
-                 _spread(r, "hidden_fraction_torch_copy", "{:.2f}"), _spread(r, "hidden_fraction_minddp_copy", "{:.2f}")]
+                 f"{sim:.1f}", f"{t:.1f}", f"{m:.1f}", with_spread(r, "ratio_copy", "{:.3f}"), f"{sim / t - 1:+.0%}",
+                 with_spread(r, "hidden_fraction_torch_copy", "{:.2f}"), with_spread(r, "hidden_fraction_minddp_copy", "{:.2f}")]
         if auto:
-            cells += [f"{r['minddp_auto_ms']:.1f} ({r['auto_buckets']:g})", _spread(r, "ratio_auto", "{:.3f}")]
+            predicted = f"{r['auto_predicted_ms']:.1f}" if "auto_predicted_ms" in r else "-"
+            cells += [f"{r['minddp_auto_ms']:.1f} ({r['auto_buckets']:g})", predicted, with_spread(r, "ratio_auto", "{:.3f}")]
         cells_all.append(cells)
     lines = [
         f"On {where}, {cfg['world_size']} ranks: ms per step, median over runs (ratios and hidden: median [min, max]);",
-        "  simulated: minddp.simulate's step from this run's compute profile (scaled to local) and link fit (_prediction.py),",
-        f"  communication {'beside' if cfg['bound_rule'] == 'max' else 'sharing the cores with'} backward; sim error against torch copy;",
-        "  hidden = (local + allreduce - step) / allreduce; auto / torch: MiniDDP(bucket_cap_mb='auto') against torch's",
-        "  DDP at this row's cap (the 25 MB row: torch's default)",
+        "  simulated: minddp.simulate's step from this run's compute profile (scaled to local) and link fit (benchlib/prediction.py),",
+        f"  communication {SIMULATED_WITH.get(cfg.get('bound_rule'), 'beside or with')} backward; sim error against torch copy;",
+        "  hidden = (local + allreduce - step) / allreduce; auto predicted: the step bucket_cap_mb='auto''s planner",
+        "  predicted for the buckets it chose (rank 0, minddp/bucket_planner.py); auto / torch: MiniDDP(bucket_cap_mb='auto')",
+        "  against torch's DDP at this row's cap (the 25 MB row: torch's default)",
     ]
     return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)

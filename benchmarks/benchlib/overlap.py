@@ -23,7 +23,6 @@ Trace
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
@@ -108,18 +107,16 @@ def record_trace(runner, path: str, n_steps: int) -> None:
     step.module.tracer.export_chrome_trace(path)
 
 
-def learned_order_row(cfg: dict, make_runner: Callable) -> dict:
-    """:func:`measure_learned_order` on :class:`ShuffledMLP` at ``cfg["learned_order_cap_mb"]``."""
+def learned_order_row(cfg: dict, make_runner: Callable, say: Callable[[str], None]) -> dict:
+    """:func:`measure_learned_order` on :class:`ShuffledMLP` at ``cfg["learned_order_cap_mb"]``;
+    ``say``: where to tell what it does (rank 0's progress line)."""
     cap = cfg["learned_order_cap_mb"]
-    if dist.get_rank() == 0:
-        print(f"[compare] learned vs registration bucket order, {SHUFFLED}, bucket cap {cap:g} MB ...",
-              file=sys.stderr, flush=True)  # fmt: skip
+    say(f"learned vs registration bucket order, {SHUFFLED}, bucket cap {cap:g} MB ...")
     return {"model": SHUFFLED, "bucket_cap_mb": cap, **measure_learned_order(make_runner(SHUFFLED, cap))}
 
 
-def record_traces(cfg: dict, make_runner: Callable) -> None:
+def record_traces(cfg: dict, make_runner: Callable, say: Callable[[str], None]) -> None:
     """:func:`record_trace` for every model of ``cfg["trace_files"]``, at the first bucket cap."""
     for name, path in cfg.get("trace_files", {}).items():
-        if dist.get_rank() == 0:
-            print(f"[compare] tracing {name} -> {path} ...", file=sys.stderr, flush=True)
+        say(f"tracing {name} -> {path} ...")
         record_trace(make_runner(name, cfg["bucket_caps"][0]), path, cfg["trace_steps"])

@@ -6,6 +6,9 @@ the same initial state, the things it can step:
 =======================  =====================================================
 ``local``                the bare model: forward, backward, SGD step; no
                          communication
+``forward``              the bare model's forward pass and loss alone (no
+                         backward): with ``local`` and ``allreduce_flat``,
+                         the overlap bound (``benchlib/bound.py``)
 ``allreduce``            no model: ``dist.all_reduce`` of the gradient bytes
                          alone, in flat buffers laid out like DDP's buckets
                          (reverse parameter order, first bucket capped at
@@ -13,7 +16,7 @@ the same initial state, the things it can step:
                          asynchronously, then waited for. With a compression
                          hook the buffers are in the wire dtype (fp16/bf16)
 ``allreduce_flat``       one ``all_reduce`` of all those bytes in one flat
-                         buffer: with ``local``, the bound (``_bound.py``)
+                         buffer: with ``local``, the bound (``benchlib/bound.py``)
 ``naive``                the bare model, then a blocking ``all_reduce`` of
                          every ``.grad`` after backward (no buckets, no
                          overlap), SGD step
@@ -40,7 +43,7 @@ each implementation in turn, ranks starting together after a barrier; the
 order rotates by one every round, so slow drift of the machine and "who ran
 just before" hit every implementation alike. A block's time per step is the
 *slowest rank's* (a step is over when every rank is). Every block's time goes
-back to the parent (``_spread.py`` turns them into medians, ratios and
+back to the parent (``benchlib/spread.py`` turns them into medians, ratios and
 overheads, and those over ``--runs`` into medians with min-max). In a bucket
 sweep, ``naive`` does not depend on the cap: it is measured at a model's
 first cap only.
@@ -52,8 +55,8 @@ the largest absolute difference between their parameters, over all ranks and
 pairs, is reported.
 
 Peak memory is measured in separate processes after timing (``memory_main``;
-why, in ``_memory.py``). The ``--learned-order`` measurement and the
-``--trace`` steps run after the table's timings, in ``_overlap.py``.
+why, in ``benchlib/memory.py``). The ``--learned-order`` measurement and the
+``--trace`` steps run after the table's timings, in ``benchlib/overlap.py``.
 """
 
 from __future__ import annotations
@@ -63,7 +66,6 @@ import copy
 import io
 import json
 import statistics
-import sys
 import time
 from typing import Callable
 
@@ -73,12 +75,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from minddp import MiniDDP
 
-import _bound
-import _memory
-import _models
-import _overlap
-import _prediction
-from _wrappers import AUTO, NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
+from benchlib import bound, memory, models, overlap, prediction, progress
+from benchlib.progress import Progress
+from benchlib.wrappers import AUTO, NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
 
 LR = 0.01
 
@@ -86,19 +85,22 @@ LR = 0.01
 class Runner:
     """Everything one rank needs for one (model, bucket cap)."""
 
-    def __init__(self, cfg: dict, model_name: str, cap_mb: float, rank: int, world_size: int, device: torch.device):
+    def __init__(self, cfg: dict, model_name: str, cap_mb: float, rank: int, world_size: int, device: torch.device,
+                 on_round: Callable[[int], None] | None = None):  # fmt: skip
+        """``on_round(r)``: called as round ``r`` (from 0) of :meth:`block_times` starts (the progress line)."""
         self.cfg, self.name, self.cap_mb = cfg, model_name, cap_mb
+        self.on_round = on_round
         self.rank, self.world_size, self.device = rank, world_size, device
         torch.manual_seed(0)  # same initial weights on every rank, for every copy
-        self.init_state = copy.deepcopy(_models.build(model_name).state_dict())
-        self.batches = _models.batches(model_name, rank, device)
+        self.init_state = copy.deepcopy(models.build(model_name).state_dict())
+        self.batches = models.batches(model_name, rank, device)
         self.torch_hook, self.minddp_hook = comm_hooks(cfg["comm_hook"])
         # NCCL only reduces CUDA tensors; Gloo reduces both.
         self.comm_device = device if cfg["backend"] == "nccl" else torch.device("cpu")
 
     # -- builders ------------------------------------------------------------
     def fresh(self) -> torch.nn.Module:
-        model = _models.build(self.name)
+        model = models.build(self.name)
         model.load_state_dict(self.init_state)
         return model.to(self.device)
 
@@ -138,7 +140,7 @@ class Runner:
             x, y = self.batches[count[0] % len(self.batches)]
             count[0] += 1
             opt.zero_grad()
-            _models.loss(self.name, module, x, y).backward()
+            models.loss(self.name, module, x, y).backward()
             if after_backward is not None:
                 after_backward()
             opt.step()
@@ -146,6 +148,17 @@ class Runner:
         step.module = module
         step.count = count
         return step
+
+    def forward_only(self) -> Callable[[], None]:
+        """The bare model's forward pass and loss on the next batch, no backward (``benchlib/bound.py``)."""
+        count = [0]
+
+        def forward_loss(module: torch.nn.Module) -> torch.Tensor:
+            x, y = self.batches[count[0] % len(self.batches)]
+            count[0] += 1
+            return models.loss(self.name, module, x, y)
+
+        return bound.forward_step(self.fresh(), forward_loss)
 
     def naive_sync(self, model: torch.nn.Module) -> Callable[[], None]:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -159,11 +172,11 @@ class Runner:
         return sync
 
     def allreduce_step(self, flat: bool = False) -> Callable[[], None]:
-        """The gradient bytes alone, in DDP-like buckets; ``flat``: in one buffer (``_bound.py``)."""
+        """The gradient bytes alone, in DDP-like buckets; ``flat``: in one buffer (``benchlib/bound.py``)."""
         params = [p for p in self.fresh().parameters() if p.requires_grad]
         dtype = wire_dtype(self.cfg["comm_hook"], params[0].dtype)
         if flat:
-            return _bound.flat_allreduce_step(params, dtype, self.device)
+            return bound.flat_allreduce_step(params, dtype, self.device)
         buffers = [torch.zeros(n, dtype=dtype, device=self.device) for n in bucket_sizes(params, self.cap_mb)]
 
         def step() -> None:
@@ -197,8 +210,8 @@ class Runner:
         names = list(steps)
         times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(cfg["repeats"]):
-            _say(self.rank, f"run {cfg.get('run', 0) + 1}/{cfg.get('runs', 1)}, {self.name}, cap {self.cap_mb:g} MB: "
-                            f"round {r + 1}/{cfg['repeats']}")  # fmt: skip
+            if self.on_round is not None:
+                self.on_round(r)
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 times[name].append(self.time_block(steps[name], k))
         t = torch.tensor([times[n] for n in names], dtype=torch.float64, device=self.comm_device)
@@ -211,8 +224,8 @@ class Runner:
 
     def measure(self, with_naive: bool = True) -> dict:
         """Every block time of every implementation, and each torch/MiniDDP pair's parameter gap."""
-        steps = {"local": self.stepper(self.fresh()), "allreduce": self.allreduce_step(),
-                 _bound.FLAT: self.allreduce_step(flat=True)}
+        steps = {"local": self.stepper(self.fresh()), bound.FORWARD: self.forward_only(),
+                 "allreduce": self.allreduce_step(), bound.FLAT: self.allreduce_step(flat=True)}
         if with_naive:
             naive_model = self.fresh()
             steps["naive"] = self.stepper(naive_model, self.naive_sync(naive_model))
@@ -237,10 +250,13 @@ class Runner:
         dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
         out = {"block_ms": blocks, "max_param_diff": diff_t[0].item()}
         if AUTO in steps:
+            choice = steps[AUTO].module.bucket_planner.choice  # rank 0's (the one that writes the results)
             out.update(max_param_diff_auto=diff_t[1].item(), auto_buckets=len(steps[AUTO].module.bucket_names),
                        auto_decision=decisions[-1] if decisions else "")
+            if choice is not None:
+                out["auto_predicted_ms"] = choice.predicted_ms
         del steps
-        _memory.release()
+        memory.release()
         return out
 
     def peak_memory(self, n_steps: int | None = None) -> dict:
@@ -260,8 +276,8 @@ class Runner:
                     after_step()
                 del step
 
-            out.append(_memory.peak_delta_mb(run, self.device))
-            _memory.release()
+            out.append(memory.peak_delta_mb(run, self.device))
+            memory.release()
         t = torch.tensor(out, dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return dict(zip(names, t.tolist()))
@@ -277,9 +293,9 @@ def _cases(cfg: dict) -> list[tuple[str, float]]:
     return [(name, cap) for name in cfg["models"] for cap in cfg["bucket_caps"]]
 
 
-def _say(rank: int, text: str) -> None:
-    if rank == 0:
-        print(f"[compare] {text}", file=sys.stderr, flush=True)
+def _progress(cfg: dict, rank: int) -> Progress | None:
+    """Rank 0 reports how far the whole benchmark is (``benchlib/progress.py``); the others stay quiet."""
+    return Progress(progress.total_units(cfg), cfg.get("started")) if rank == 0 else None
 
 
 def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
@@ -287,31 +303,42 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     ``cfg["extras"]``: also the ``--learned-order`` and ``--trace`` steps."""
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
+    bar = _progress(cfg, rank)
     out, seen = [], set()
     solos = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
     inputs: dict = {}  # model -> the simulator's inputs (rank 0; None on the others)
-    for name, cap in _cases(cfg):
+    for case, (name, cap) in enumerate(_cases(cfg)):
+        stage = f"run {cfg['run'] + 1}/{cfg['runs']}, {name}, cap {cap:g} MB"
+
+        def on_round(r: int, case=case, stage=stage) -> None:
+            if bar is not None:
+                bar.update(progress.units_before(cfg, cfg["run"], case, r), stage, f"round {r + 1}/{cfg['repeats']}")
+
         if name not in inputs and device.type == "cpu":
-            _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: {name}: the simulator's inputs (compute profile, link) ...")
-            inputs[name] = _prediction.measure_inputs(Runner(cfg, name, cap, rank, world_size, device), solos[rank])
-        _say(rank, f"run {cfg['run'] + 1}/{cfg['runs']}: timing {name}, bucket cap {cap:g} MB ...")
-        result = Runner(cfg, name, cap, rank, world_size, device).measure(with_naive=name not in seen)
-        if name not in seen and cfg["run"] == 0 and result.get("auto_decision"):
-            _say(rank, f"{name}: {result['auto_decision']}")
+            if bar is not None:
+                bar.update(progress.units_before(cfg, cfg["run"], case), stage, "the simulator's inputs")
+            inputs[name] = prediction.measure_inputs(Runner(cfg, name, cap, rank, world_size, device), solos[rank])
+        result = Runner(cfg, name, cap, rank, world_size, device, on_round).measure(with_naive=name not in seen)
+        if name not in seen and cfg["run"] == 0 and result.get("auto_decision") and bar is not None:
+            bar.note(f"{name}: {result['auto_decision']}")
         seen.add(name)
         if inputs.get(name) is not None:
             local_ms = statistics.median(result["block_ms"]["local"])
-            result["predicted_ms"] = _prediction.predicted_step(inputs[name], cap, local_ms, world_size,
-                                                                overlap=cfg["bound_rule"] == "max")
+            result["predicted_ms"] = prediction.predicted_step(inputs[name], cap, local_ms, world_size,
+                                                               overlap=cfg["bound_rule"] == "max")
         out.append({"model": name, "bucket_cap_mb": cap, **result})
 
     def make_runner(name: str, cap: float) -> Runner:
         return Runner(cfg, name, cap, rank, world_size, device)
 
+    def say(text: str) -> None:
+        if bar is not None:
+            bar.note(text)
+
     learned = []
     if cfg["extras"]:
-        learned = [_overlap.learned_order_row(cfg, make_runner)] if cfg.get("learned_order_cap_mb") else []
-        _overlap.record_traces(cfg, make_runner)
+        learned = [overlap.learned_order_row(cfg, make_runner, say)] if cfg.get("learned_order_cap_mb") else []
+        overlap.record_traces(cfg, make_runner, say)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"rows": out, "learned_order": learned}, f)
@@ -319,20 +346,21 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
 
 def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     """Every rank of the memory run: fresh processes, started with the
-    allocator setting of ``_memory.ALLOCATOR_ENV`` (see ``_memory.py``)."""
+    allocator setting of ``memory.ALLOCATOR_ENV`` (see ``benchlib/memory.py``)."""
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
-    _say(rank, "peak memory ...")
     with contextlib.redirect_stdout(io.StringIO()):  # bucket_cap_mb="auto"'s decision: shown by timing_main
-        out = _peak_memory_rows(cfg, rank, world_size, device)
+        out = _peak_memory_rows(cfg, rank, world_size, device, _progress(cfg, rank))
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"memory": out, "method": _memory.method(device)}, f)
+            json.dump({"memory": out, "method": memory.method(device)}, f)
 
 
-def _peak_memory_rows(cfg: dict, rank: int, world_size: int, device: torch.device) -> list[dict]:
+def _peak_memory_rows(cfg: dict, rank: int, world_size: int, device: torch.device, bar: Progress | None) -> list[dict]:
     out, seen = [], set()
-    for name, cap in _cases(cfg):
+    for case, (name, cap) in enumerate(_cases(cfg)):
+        if bar is not None:
+            bar.update(progress.units_before(cfg, cfg["runs"], 0) + case, "peak memory", f"{name}, cap {cap:g} MB")
         runner = Runner(cfg, name, cap, rank, world_size, device)
         if name not in seen:  # unmeasured: first-use costs (code pages, lazy init) land here
             runner.peak_memory(n_steps=2)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
-from _bound import RULES
-from _spread import hidden_fraction
+from benchlib import prediction
+from benchlib.bound import RULES
+from benchlib.spread import hidden_fraction
+from benchlib.tables import markdown_table, with_spread
 
 PLOT_INSTALL_HINT = (
     "--plot needs matplotlib, an optional extra: pip install '.[plot]' "
@@ -20,13 +22,6 @@ LEARNED_ORDER_FIELDS = [
 ]  # fmt: skip
 
 
-def _spread(row: dict, key: str, fmt: str) -> str:
-    """``median [min-max]`` of a figure over runs (the median alone after one run)."""
-    if row["runs"] == 1:
-        return fmt.format(row[key])
-    return f"{fmt.format(row[key])} [{fmt.format(row[key + '_min'])}, {fmt.format(row[key + '_max'])}]"
-
-
 def _has_bound(rows: list[dict]) -> bool:
     """Rows measured with the flat all-reduce (JSON files written before it have no bound)."""
     return bool(rows) and all("bound_ms" in r for r in rows)
@@ -36,9 +31,11 @@ def _bound_line(cfg: dict) -> list[str]:
     if "bound_rule" not in cfg:
         return []
     why = {"sum": "no core to spare per rank, so communication cannot overlap compute",
-           "max": "a core to spare per rank (or a GPU): at best all of it overlaps"}[cfg["bound_rule"]]
-    return [f"  bound      {RULES[cfg['bound_rule']]}: the bare step and one all_reduce of every gradient in one "
-            f"flat buffer ({why})"]
+           "max": "a core to spare per rank, a GPU or a real link: the all-reduce can hide under backward and the "
+                  "step, never under forward"}[cfg["bound_rule"]]  # fmt: skip
+    parts = {"sum": "the bare step (local)", "max": "forward alone, the bare step (local)"}[cfg["bound_rule"]]
+    return [f"  bound      {RULES[cfg['bound_rule']]}, from {parts} and one all_reduce of every gradient in one flat "
+            f"buffer, timed in the same rounds ({why})"]
 
 
 def header(cfg: dict) -> str:
@@ -83,9 +80,9 @@ def table(rows: list[dict], views: list[str]) -> str:
         keys = ("local_ms", "allreduce_ms", "ideal_ms") + (("bound_ms",) if bound else ()) + ("naive_ms",)
         cells = [r["model"], f"{r['bucket_cap_mb']:g}"] + [f"{r[k]:.1f}" for k in keys]
         for v in views:
-            cells += [f"{r[f'torch_{v}_ms']:.1f}", f"{r[f'minddp_{v}_ms']:.1f}", _spread(r, f"ratio_{v}", "{:.3f}")]
+            cells += [f"{r[f'torch_{v}_ms']:.1f}", f"{r[f'minddp_{v}_ms']:.1f}", with_spread(r, f"ratio_{v}", "{:.3f}")]
         if auto:
-            cells += [f"{r['minddp_auto_ms']:.1f} ({r['auto_buckets']:g})", _spread(r, "ratio_auto", "{:.3f}")]
+            cells += [f"{r['minddp_auto_ms']:.1f} ({r['auto_buckets']:g})", with_spread(r, "ratio_auto", "{:.3f}")]
         diff = f"{r['max_param_diff']:.1e}"
         cells.append(diff + (f" (auto {r['max_param_diff_auto']:.1e})" if auto else ""))
         cells_all.append(cells)
@@ -110,30 +107,33 @@ def overhead_table(rows: list[dict], views: list[str]) -> str:
         for v in views:
             for impl in ("torch", "minddp"):
                 key = f"overhead_{impl}_{v}_ms"
-                cells.append(f"{_spread(r, key, '{:.2f}')} ({100 * r[key.replace('_ms', '_fraction')]:.1f}%)")
-            cells.append(_spread(r, f"overhead_gap_{v}_ms", "{:+.2f}"))
+                cells.append(f"{with_spread(r, key, '{:.2f}')} ({100 * r[key.replace('_ms', '_fraction')]:.1f}%)")
+            cells.append(with_spread(r, f"overhead_gap_{v}_ms", "{:+.2f}"))
         cells_all.append(cells)
     return "\n".join(OVERHEAD_TEXT) + "\n" + markdown_table(titles, cells_all)
 
 
 def bound_table(rows: list[dict], views: list[str]) -> str:
-    """How far each wrapper's step is above the bound, paired by round (``_bound.py``)."""
+    """Each wrapper's step as a multiple of the bound, and how far above it, paired by round (``benchlib/bound.py``)."""
     wrappers = [f"{impl}_{v}" for v in views for impl in ("torch", "minddp")]
     wrappers += ["minddp_auto"] if all("over_bound_minddp_auto_ms" in r for r in rows) else []
-    titles = ["model", "cap MB", "local", "allreduce flat", f"bound ({rows[0]['bound_rule']})"]
+    forward = all("forward_ms" in r for r in rows)  # files written before it have none
+    titles = ["model", "cap MB"] + (["forward"] if forward else []) + ["local", "allreduce flat", f"bound ({rows[0]['bound_rule']})"]
     titles += [w.replace("_", " ") for w in wrappers]
     cells_all = []
     for r in rows:
-        cells = [r["model"], f"{r['bucket_cap_mb']:g}"] + [f"{r[k]:.1f}" for k in ("local_ms", "allreduce_flat_ms")]
-        cells.append(_spread(r, "bound_ms", "{:.1f}"))
+        keys = (("forward_ms",) if forward else ()) + ("local_ms", "allreduce_flat_ms")
+        cells = [r["model"], f"{r['bucket_cap_mb']:g}"] + [f"{r[k]:.1f}" for k in keys]
+        cells.append(with_spread(r, "bound_ms", "{:.1f}"))
         for w in wrappers:
-            key = f"over_bound_{w}_ms"
-            cells.append(f"{_spread(r, key, '{:+.1f}')} ({100 * r[key.replace('_ms', '_fraction')]:+.0f}%)")
+            over = f"{r[f'over_bound_{w}_ms']:+.1f} ms"
+            cells.append(f"{with_spread(r, f'x_bound_{w}', '{:.2f}')}x ({over})" if f"x_bound_{w}" in r else over)
         cells_all.append(cells)
     lines = [
-        "ms over bound: each wrapper's step minus the bound of the same round (the bare step and one flat",
-        "  all-reduce of every gradient, combined as the header says), median over rounds, then median [min, max]",
-        "  over runs; in brackets, as a fraction of the bound. No DDP here does less work: below 0 is noise.",
+        f"Against the bound, {RULES[rows[0]['bound_rule']]}: each wrapper's step as a multiple of the bound of the",
+        "  same round (forward, the bare step and one flat all-reduce of every gradient, timed in that round), median",
+        "  over rounds, then median [min, max] over runs; in brackets, ms above it. No DDP here does less work:",
+        "  below 1.00x is noise.",
     ]
     return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)
 
@@ -161,9 +161,7 @@ def all_tables(cfg: dict, rows: list[dict]) -> str:
     views = cfg["bucket_views"]
     parts = [header(cfg), table(rows, views)]
     if "copy" in views and all("predicted_ms" in r for r in rows):
-        import _prediction
-
-        parts.append(_prediction.table(cfg, rows))
+        parts.append(prediction.table(cfg, rows))
     if _has_bound(rows):
         parts.append(bound_table(rows, views))
     if cfg["overhead"]:
@@ -172,18 +170,8 @@ def all_tables(cfg: dict, rows: list[dict]) -> str:
     return "\n\n".join(parts)
 
 
-def markdown_table(titles: list[str], cells_all: list[list[str]]) -> str:
-    """A Markdown table, first column left-aligned, the others right-aligned."""
-    widths = [max([len(t)] + [len(cells[i]) for cells in cells_all]) for i, t in enumerate(titles)]
-    lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles, widths)) + " |"]
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for cells in cells_all:
-        lines.append("| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |")
-    return "\n".join(lines)
-
-
 def make_learned_order_row(timed: dict) -> dict:
-    """One ``--learned-order`` row from the medians and bucket counts of ``_overlap.measure_learned_order``."""
+    """One ``--learned-order`` row from the medians and bucket counts of ``overlap.measure_learned_order``."""
     med = timed["median_ms"]
     local, ar = med["local"], med["allreduce"]
     row = {"model": timed["model"], "bucket_cap_mb": timed["bucket_cap_mb"], "local_ms": local, "allreduce_ms": ar}

@@ -6,7 +6,9 @@ import json
 import os
 import sys
 import tempfile
+import time
 
+from benchlib.progress import Progress, clock, total_units
 from minddp import trace_view
 
 
@@ -35,13 +37,15 @@ def report_traces(cfg: dict, plot: bool) -> None:
 def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
     """Every timing run (fresh rank processes each), then the memory run.
     Returns (each run's timed entries, the learned-order entries, the memory
-    run's output), or None when a rank failed."""
+    run's output), or None when a rank failed. Rank 0 of each shows how far
+    the whole is (``benchlib/progress.py``), counting from now."""
     import torch.multiprocessing as mp
 
-    import _memory
-    from _timing import memory_main, timing_main
+    from benchlib import memory
+    from benchlib.timing import memory_main, timing_main
     from minddp.launch import RankFailed, spawn
 
+    cfg = {**cfg, "started": time.time()}  # for the progress line's elapsed and remaining time
     runs, learned = [], []
     with tempfile.TemporaryDirectory(prefix="minddp-compare-") as tmp:
         timed_path, mem_path = os.path.join(tmp, "timed.json"), os.path.join(tmp, "memory.json")
@@ -56,8 +60,8 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
                 runs.append(timed["rows"])
                 learned += timed["learned_order"]
             # Fresh processes for memory, with the allocator setting that
-            # makes RSS follow live tensors (_memory.py says why).
-            os.environ.update(_memory.ALLOCATOR_ENV)
+            # makes RSS follow live tensors (benchlib/memory.py says why).
+            os.environ.update(memory.ALLOCATOR_ENV)
             spawn(memory_main, cfg["world_size"], cfg, mem_path, backend=cfg["backend"], link=cfg.get("link"))
         except (RankFailed, mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             print(f"error: a rank failed:\n{e}", file=sys.stderr)
@@ -66,5 +70,6 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
             os.environ.clear()
             os.environ.update(saved)
         with open(mem_path) as f:
-            memory = json.load(f)
-    return runs, learned, memory
+            peaks = json.load(f)
+    Progress(total_units(cfg), cfg["started"]).finish(f"measured in {clock(time.time() - cfg['started'])}")
+    return runs, learned, peaks

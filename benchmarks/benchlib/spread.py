@@ -17,7 +17,7 @@ the *median over rounds* of its block times. From those medians:
   step here, the bare step plus (or, with a core to spare, overlapped with)
   one all-reduce of every gradient in a flat buffer, paired by round; and
   ``over_bound_W_ms`` for each wrapper ``W`` with communication: how far
-  above it (``_bound.py``).
+  above it (``benchlib/bound.py``).
 
 Over ``--runs`` runs, every such figure is reported as the median over runs
 with its minimum and maximum (``_min``/``_max``): with 5 runs, min-max is
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import statistics
 
-import _bound
-from _wrappers import AUTO, NOCOMM
+from benchlib import bound
+from benchlib.wrappers import AUTO, NOCOMM
 
 VIEWS = ("copy", "view")
 
@@ -51,9 +51,9 @@ def run_figures(blocks: dict[str, list[float]], views: list[str], bound_rule: st
     """One run's figures for one row (see the module docstring)."""
     med = {f"{name}_ms": statistics.median(times) for name, times in blocks.items()}
     out = dict(med)
-    if _bound.FLAT in blocks:
+    if bound.FLAT in blocks:
         wrappers = [f"{impl}_{v}" for v in views for impl in ("torch", "minddp")] + ([AUTO] if AUTO in blocks else [])
-        out.update(_bound.bound_figures(blocks, bound_rule, wrappers))
+        out.update(bound.bound_figures(blocks, bound_rule, wrappers))
     if AUTO in blocks:
         out["ratio_auto"] = med[f"{AUTO}_ms"] / med["torch_copy_ms"]
     if "local" in blocks and "allreduce" in blocks:  # per run, so that it comes with its spread over runs
@@ -70,7 +70,7 @@ def run_figures(blocks: dict[str, list[float]], views: list[str], bound_rule: st
     return out
 
 
-SPREAD_PREFIXES = ("ratio_", "overhead_", "bound_", "over_bound_", "hidden_fraction_")  # the figures reported with _min and _max
+SPREAD_PREFIXES = ("ratio_", "overhead_", "bound_", "over_bound_", "x_bound_", "hidden_fraction_")  # the figures reported with _min and _max
 
 
 def make_row(cfg: dict, per_run: list[dict], max_param_diff: float, peak_mb: dict[str, float]) -> dict:
@@ -121,10 +121,12 @@ def make_rows(cfg: dict, runs: list[list[dict]], memory: list[dict]) -> list[dic
             if "naive" not in blocks:  # measured at the model's first cap only
                 blocks["naive"] = next(e["block_ms"]["naive"] for e in entries if e["model"] == entry["model"])
             figures = run_figures(blocks, cfg["bucket_views"], cfg["bound_rule"])
-            if "predicted_ms" in entry:  # the simulator's step for this cap (_prediction.py)
+            if "predicted_ms" in entry:  # the simulator's step for this cap (benchlib/prediction.py)
                 figures["predicted_ms"] = entry["predicted_ms"]
             if "auto_buckets" in entry:  # how many buckets bucket_cap_mb="auto" chose in this run
                 figures["auto_buckets"] = entry["auto_buckets"]
+                if "auto_predicted_ms" in entry:  # and the step its planner predicted for them
+                    figures["auto_predicted_ms"] = entry["auto_predicted_ms"]
                 auto_diff = max(auto_diff or 0.0, entry["max_param_diff_auto"])
             per_run.append({"model": entry["model"], "bucket_cap_mb": entry["bucket_cap_mb"], **figures})
             diff = max(diff, entry["max_param_diff"])

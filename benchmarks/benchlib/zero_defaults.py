@@ -1,7 +1,7 @@
 """Stage 2 at minddp's defaults beside DeepSpeed's stage 2 (issue 39): the first table of
 ``benchmarks/zero_memory_peers.py``.
 
-Each setup in rank processes of its own under :class:`_live_bytes.LiveBytes`
+Each setup in rank processes of its own under :class:`live_bytes.LiveBytes`
 from before the model exists: the peak of model state and of every storage in
 the third of five steps, the parts held after its backward, what is alive
 between steps, and whether the parameters equal the first row's after five
@@ -67,7 +67,7 @@ def defaults_main(rank: int, world_size: int, setup: str, model_name: str, out_d
     its peak of model state and of everything, and the parts held after its backward."""
     import torch.distributed as dist
 
-    from _live_bytes import LiveBytes
+    from benchlib.live_bytes import LiveBytes
     from minddp import MiniDDP
     from minddp.models import GPT, GPTConfig
     from minddp.zero import ZeroRedundancyOptimizer
@@ -147,6 +147,6 @@ def defaults_table(world_sizes: list[int], setups: list[str]) -> None:
                 row += f"{top('between'):>9.2f}{top('peak_state'):>9.2f}{top('peak_all'):>9.2f}"
                 print(f"{model_name:<11}{n:>2} {setup:<34}{row}  {'equal' if equal else 'DIFFER'}", flush=True)
     print("PEAK: the most bytes of model state alive at once in the measured step (parameters, gradients, optimizer "
-          "state, communication buffers, anything alive between steps; benchmarks/_live_bytes.py); all: every "
+          "state, communication buffers, anything alive between steps; benchmarks/benchlib/live_bytes.py); all: every "
           "storage, activations included; between: alive when the step ended; parts: held after backward; "
           "params: bit-equal to the first row after 5 steps")
