@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 import minddp  # noqa: E402
 from minddp import MiniDDP  # noqa: E402
 from minddp.launch import spawn  # noqa: E402
-from minddp.reducer import Reducer  # noqa: E402
+from minddp.reducer import CopyGradients, Reducer  # noqa: E402
 
 from benchlib import models  # noqa: E402
 from benchlib.timing import Runner  # noqa: E402
@@ -49,10 +49,10 @@ from benchlib.wrappers import return_bucket  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(minddp.__file__)) + os.sep
 SECTIONS = {  # (class, method) -> what the report calls it
-    (Reducer, "prepare_for_forward"): "forward: the sync decision (+ layers)",
+    (Reducer, "prepare_for_backward"): "end of forward: arming the backward (+ parts)",
     (Reducer, "_autograd_hook"): "hook (per gradient), in all",
     (Reducer, "bucket_ready"): "  of which filling and launching buckets",  # once per bucket
-    (Reducer, "fill_bucket"): "    of which filling the bucket",
+    (CopyGradients, "fill_bucket"): "    of which filling the bucket",
     (Reducer, "finish_backward"): "end of backward: wait, write .grad",
 }
 
