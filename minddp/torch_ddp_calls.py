@@ -73,6 +73,7 @@ def ignore_params_and_buffers(module: nn.Module, names: list[str]) -> None:
 def register_builtin_comm_hook(ddp, comm_hook_type: dist.BuiltinCommHookType) -> None:
     """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
     ddp.register_comm_hook(ddp.process_group, builtin_comm_hook(comm_hook_type))
+    ddp.reducer.communication.name = str(comm_hook_type)  # torch's logging data names a built-in by its type
 
 
 def join(ddp, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -133,4 +134,6 @@ def ddp_logging_data(ddp) -> dict[str, int | str]:
     }
     if ddp.reducer.buckets_reduced_logged is not None:  # recorded at a synchronized forward, as torch's
         data["num_buckets_reduced"] = ddp.reducer.buckets_reduced_logged
+    if ddp.reducer.communication.comm_hook is not None:
+        data["comm_hook"] = ddp.reducer.communication.name
     return data

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
@@ -160,10 +161,15 @@ def _tower() -> nn.Module:
     return nn.Sequential(*[nn.Linear(512, 512) for _ in range(3)], nn.BatchNorm1d(512))
 
 
-def _logging_data(rank, world_size):
+def _logging_data(rank, world_size, hook=None, **kwargs):
     """``_get_ddp_logging_data()``: every key MiniDDP reports has torch's value, at construction and after
     each step (Lightning reads ``can_set_static_graph`` from it: absent on both here, so None)."""
-    models = {"minddp": MiniDDP(_tower()), "torch": TorchDDP(_tower())}
+    models = {"minddp": MiniDDP(_tower(), **kwargs), "torch": TorchDDP(_tower(), **kwargs)}
+    for model in models.values():
+        if isinstance(hook, dist.BuiltinCommHookType):
+            model._register_builtin_comm_hook(hook)
+        elif hook is not None:
+            model.register_comm_hook(None, hook)
     reports = []
     for step in range(4):
         data = {label: model._get_ddp_logging_data() for label, model in models.items()}
@@ -181,6 +187,12 @@ def test_logging_data_holds_torchs_values_for_what_minddp_knows(ranks):
     assert reports[0]["world_size"] == 2 and reports[0]["module_name"] == "Sequential"
     assert "num_buckets_reduced" not in reports[0] and "num_buckets_reduced" not in reports[1]
     assert reports[2]["num_buckets_reduced"] == 1 and reports[3]["num_buckets_reduced"] == 2, reports  # 1 bucket, then 2
+
+
+@pytest.mark.parametrize("hook", [allreduce_hook, dist.BuiltinCommHookType.FP16_COMPRESS])
+def test_logging_data_names_the_comm_hook_as_torch(ranks, hook):
+    reports = ranks(2).run(_logging_data, hook)[0]  # (every key MiniDDP reports is compared with torch's)
+    assert "comm_hook" in reports[0]
 
 
 def _caps(rank, world_size):

@@ -37,6 +37,7 @@ class CommHook:
 
     def __init__(self, reducer, state: Any, hook: Callable):
         self.reducer, self.state, self.hook = reducer, state, hook
+        self.name = getattr(hook, "__qualname__", type(hook).__name__)  # as torch's logging data names it
 
     @property
     def comm_hook(self) -> tuple[Any, Callable]:
