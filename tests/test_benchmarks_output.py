@@ -27,7 +27,9 @@ def test_every_round_and_the_memory_run_count_once_and_the_last_unit_is_the_tota
     assert progress.units_before(CFG, run=3, case=0) == total - 4  # where the memory run starts
 
 
-def test_a_terminal_gets_one_line_redrawn_in_place_and_notes_above_it():
+def test_a_terminal_gets_one_line_redrawn_in_place_and_notes_above_it(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)  # a person's terminal (CI sets CI: plain lines, tested below)
+    monkeypatch.setenv("TERM", "xterm")
     out = Terminal()
     bar = Progress(100, started=0.0, stream=out)
     assert bar.live
