@@ -7,7 +7,11 @@ What you will learn
 
     * the hook only *counts* a gradient in its bucket; when the bucket is
       complete, all its gradients are copied in, times 1/N, in one batched
-      call, and the complete buckets are launched strictly in order (07);
+      call, and the complete buckets are launched strictly in order (07).
+      torch's DDP copies one gradient at a time unless given
+      ``batched_grad_copy=True`` (torch 2.15); its ``lazy_bucket_allocation=True``
+      (MiniDDP's too) allocates a bucket's buffer only at that copy and frees
+      it once ``.grad`` is written, so no bucket is held between steps;
     * the end-of-backward callback (07b) is queued again if a nested
       backward pass (a reentrant activation checkpoint) ends first, and
       waits for each bucket before writing its averages into ``.grad``;
