@@ -66,7 +66,8 @@ def report(launch_us: float) -> str:
     lines, worst = [f"LAUNCH_US = {launch_us:g} us", ""], 0.0
     for t in tables():
         lines += [f"**{t['name']}** ({t['set']}): {t['hardware']}. Source: {t['source']}. "
-                  f"Flags: `{' '.join(t['flags'])} --world {t['world']}`.", "",
+                  f"Each row: `python -m minddp.simulate collective all_reduce {' '.join(t['flags'])} "
+                  f"--world {t['world']} --bytes SIZE`.", "",
                   "| size (B) | published us | predicted us | algorithm/protocol | error | counts |",
                   "|---:|---:|---:|---|---:|---|"]
         for size, us in t["rows"]:

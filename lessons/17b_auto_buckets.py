@@ -108,8 +108,9 @@ def wrap(link: Link, cap, real: bool = False):
 
 
 def model_ms(profile: ComputeProfile, link: Link, world_size: int, plan: tuple[float, float], overlap=OVERLAP) -> float:
-    """Forward + backward + the wire, as the alpha-beta model replays ``profile`` with buckets ``plan``."""
-    return simulate_step(profile, link, world_size, DDPPolicy(*plan, overlap=overlap)).step_ms
+    """Forward + backward + the wire, as the alpha-beta model replays ``profile`` with buckets ``plan``
+    (cut as MiniDDP and torch's DDP cut them: a bucket closes after the gradient that reaches its cap)."""
+    return simulate_step(profile, link, world_size, DDPPolicy(*plan, overlap=overlap, buckets_may_pass_cap=True)).step_ms
 
 
 def model_choices(profile: ComputeProfile, links: dict[str, Link], world_size: int) -> dict[str, BucketChoice]:

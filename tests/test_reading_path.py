@@ -1,6 +1,6 @@
 """The plain path stays short enough to read: what one MiniDDP step runs, measured three ways.
 
-Measured as ``/work/shared/tools/reading_path.py`` (and ``docs/reading_the_code.md``)
+Measured as the project's reading-path probe (and ``docs/reading_the_code.md``)
 measures it: 2 ranks, a 2-layer MLP in ``MiniDDP(model, **options)``, SGD;
 after 3 warm-up steps (the first backward learns the bucket order and
 rebuilds), one more step under ``sys.setprofile`` on rank 0 (CPU hooks run
