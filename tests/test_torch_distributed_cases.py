@@ -16,6 +16,13 @@ Silent ones first:
 2. ``static_graph=True`` and a graph that changes: a parameter unused in the
    first iteration and used later is an error (torch's words: "Your training
    graph has changed in this iteration"), never a gradient left un-averaged.
+3. ``find_unused_parameters=True`` with ``no_sync()``: a parameter one rank
+   used only in a ``no_sync`` micro-batch has a gradient there, so it is
+   averaged at the synchronized backward (torch's ``local_used_map`` holds
+   every hook since the last synchronization); counting only the hooks of
+   the synchronized backward leaves it un-averaged, and the ranks drift apart.
+4. An undefined gradient (``UndefinedGrad``) fires a hook but leaves
+   ``.grad`` None; it must stay None, not become an average of zeros.
 """
 
 import contextlib
@@ -454,3 +461,50 @@ def _profiled_search(rank, world_size, wrapper_name):
 def test_the_unused_parameter_search_is_named_in_torchs_profiler(ranks):
     for name in WRAPPERS:
         assert ranks(2).run(_profiled_search, name) == [1, 1], name
+
+
+class _TakesTurns(nn.Module):
+    """torch's ``SimpleConditionalModel``: rank 0 uses a then b, the others c then d, one per forward."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank, self.turn = rank, 0
+        self.a, self.b, self.c, self.d = (nn.Linear(1, 1) for _ in range(4))
+
+    def forward(self, x):
+        first, second = (self.a, self.b) if self.rank == 0 else (self.c, self.d)
+        self.turn ^= 1
+        return (first if self.turn else second)(x)
+
+
+def _no_sync_then_sync_with_unused(rank, world_size):
+    grads = {}
+    for name, wrapper in WRAPPERS.items():
+        torch.manual_seed(0)
+        model = wrapper(_TakesTurns(rank), find_unused_parameters=True)
+        g = torch.Generator().manual_seed(rank)
+        with model.no_sync():
+            model(torch.rand(1, generator=g)).sum().backward()
+        model(torch.rand(1, generator=g)).sum().backward()
+        grads[name] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return grads
+
+
+def test_a_parameter_used_only_under_no_sync_is_averaged_like_torch(ranks):
+    results = ranks(2).run(_no_sync_then_sync_with_unused)
+    for grads in results:
+        assert all(g is not None for g in grads["torch"]), "torch averages every parameter some rank used"
+        assert all(m is not None and torch.equal(m, t) for m, t in zip(grads["minddp"], grads["torch"])), grads
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["minddp"], results[1]["minddp"])), "ranks differ"
+
+
+def _undefined_gradient(rank, world_size):
+    torch.manual_seed(0)
+    model = MiniDDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)), find_unused_parameters=True)
+    torch._C._functions.UndefinedGrad()(model(torch.ones(1, 2)).sum()).backward()
+    return [p.grad is None for p in model.parameters()]
+
+
+def test_an_undefined_gradient_leaves_grad_none_like_torch(ranks):
+    for none in ranks(2).run(_undefined_gradient):
+        assert all(none), f"every .grad must stay None, got {none}"
