@@ -5,12 +5,13 @@ did not finish within 500 s with torch's DDP either.) ``test_sync.py`` is the on
 averaging nothing (its ``test_distributed_sync_multiple_fwd``)."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from minddp.launch import find_free_port  # below the ephemeral range, where Gloo's own connections cannot take it
 
 accelerate = pytest.importorskip("accelerate", reason="accelerate not installed: pip install minddp[frameworks]")
 
@@ -19,17 +20,11 @@ RUN = Path(__file__).parent / "frameworks" / "accelerate_run.py"
 ROOT = Path(__file__).parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(which: str, script: str, tmp_path: Path, *flags: str) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(RUN), which, str(SCRIPTS / script), *flags]
+               str(find_free_port()), str(RUN), which, str(SCRIPTS / script), *flags]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, f"{script} with {which}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
