@@ -32,3 +32,8 @@ if __name__ == "__main__":
         torch.nn.parallel.DistributedDataParallel = OnCPU
     sys.argv = [script]
     runpy.run_path(script, run_name="__main__")
+    # Leave the process group before the interpreter exits: a group torn down at exit aborts now and
+    # then ("terminate called without an active exception"), with torch's DDP as with MiniDDP.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
