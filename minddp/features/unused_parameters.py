@@ -13,8 +13,8 @@ with an error naming it. With it, as in torch's DDP, two parts:
   One small all-reduce then tells which parameters have a gradient on
   *some* rank (torch's ``local_used_map``: a hook with a defined gradient
   since the last synchronized backward, ``no_sync()`` micro-batches
-  included; here, a ``.grad`` that is not None: an undefined gradient
-  leaves it None, an accumulated one is there); with ``skip_all_reduce_unused_params``
+  included; here, a ``.grad`` already there as the backward starts, or
+  one defined at its hook: an undefined gradient leaves it None); with ``skip_all_reduce_unused_params``
   (a promise that the unused ones stay the same on every rank) it is done
   at the first backward only;
 * gradients, :class:`MissingGradients`: a parameter without ``.grad``
@@ -43,24 +43,27 @@ class UnusedParameters(EveryHookReady):
         self.params, self.skip_all_reduce = params, skip_all_reduce
         self.used_on_some_rank = None
         self._unmarked: list[int] = []  # not reached by this forward's graph, not yet counted ready
+        self._used_here = [True] * len(params)  # a gradient on this rank since the last synchronization?
 
     def prepare_for_backward(self, reducer, output: Any) -> None:
         with torch.autograd.profiler.record_function("minddp.search_unused_parameters"):  # torch's name for it
             reached = params_reached_from(output)
         self._unmarked = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        self._used_here = [p.grad is not None for p in self.params]  # accumulated under no_sync(), say
 
     def is_ready(self, reducer, index: int) -> bool:
         if self._unmarked:  # the first hook of the backward: no gradient will come for these (torch's way)
             unmarked, self._unmarked = self._unmarked, []
             for i in unmarked:
                 reducer.mark_ready(i)
+        if self.params[index].grad is not None:  # (a hook may bring an undefined gradient)
+            self._used_here[index] = True
         return True
 
     def backward_ending(self, reducer) -> None:
         mark_the_rest_ready(reducer)  # reached by the walk, but no gradient came: zero as well
         if not (self.skip_all_reduce and self.used_on_some_rank is not None):
-            used_here = [p.grad is not None for p in self.params]  # (a micro-batch's under no_sync() too)
-            self.used_on_some_rank = used_on_any_rank(used_here, reducer)
+            self.used_on_some_rank = used_on_any_rank(self._used_here, reducer)
 
     def shadow_backward(self, reducer) -> None:
         """A joined rank's stand-in: it used nothing, and says so in the same all-reduce."""
