@@ -10,8 +10,11 @@ What you will learn
        records when each gradient is ready (its own hooks' clock);
     2. probes the link once: all-reduces of two sizes through the same path
        its buckets take, and fits alpha and the bandwidth
-       (``minddp.network.fit_link``); and checks whether an all-reduce in
-       flight slows its compute down (no core to spare: nothing overlaps);
+       (``minddp.network.fit_link``); it also measures two costs that grow
+       with the number of buckets: its own work per bucket (filling it,
+       launching its all-reduce, on the thread that runs backward) and the
+       CPU an all-reduce takes from backward when no core is spare for it
+       (``minddp.bucket_costs``);
     3. replays candidate bucket plans with the simulator of lesson 17
        (``minddp.simulate.simulate_step``) and keeps the fastest predicted;
     4. rank 0 decides and broadcasts, every rank rebuilds the same buckets,
@@ -38,7 +41,8 @@ What to look at
     measures its own inputs (its backward, the time between backwards, the
     link by a probe), so its line can differ from part 1 and from one run to
     the next: the table puts its measurements beside part 1's, and checks
-    that its prediction is the same model applied to them. Then the test
+    that its prediction is the same model applied to them (its costs
+    included). Then the test
     bench: default (25 MB buckets, the first 1 MB) and auto both train
     exactly as one process would.
 
@@ -67,6 +71,7 @@ from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB
 from minddp.links import parse_rate
 from minddp.network import Link, get_link
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
+from minddp.simulate.overheads import NO_OVERHEADS, Overheads
 from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
 
 LINKS = {
@@ -80,8 +85,6 @@ FEATURES, CLASSES = 20, 4  # the bench's (lessons/_common.py)
 STATED_BACKWARD_MS = 8.0  # part 1's backward: about what one laptop core takes for this model and 256 samples
 STEPS = 7  # 1 warm-up + 3 measured backwards, the choice, then 3 steps with the chosen buckets
 DEFAULT_PLAN = (DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)  # torch's: 25 MB buckets, the first 1 MB
-# The simulated link waits on its own thread: the "wire" runs while backward computes.
-OVERLAP = True
 
 
 def stated_profile(backward_ms: float = STATED_BACKWARD_MS) -> ComputeProfile:
@@ -107,15 +110,18 @@ def wrap(link: Link, cap, real: bool = False):
     return make
 
 
-def model_ms(profile: ComputeProfile, link: Link, world_size: int, plan: tuple[float, float], overlap=OVERLAP) -> float:
+def model_ms(profile: ComputeProfile, link: Link, world_size: int, plan: tuple[float, float],
+             costs: Overheads = NO_OVERHEADS) -> float:
     """Forward + backward + the wire, as the alpha-beta model replays ``profile`` with buckets ``plan``
-    (cut as MiniDDP and torch's DDP cut them: a bucket closes after the gradient that reaches its cap)."""
-    return simulate_step(profile, link, world_size, DDPPolicy(*plan, overlap=overlap, buckets_may_pass_cap=True)).step_ms
+    (cut as MiniDDP and torch's DDP cut them: a bucket closes after the gradient that reaches its cap),
+    each bucket charged ``costs`` (MiniDDP's work per bucket, backward's CPU taken per MB on the wire)."""
+    policy = DDPPolicy(*plan, overheads=costs, buckets_may_pass_cap=True)
+    return simulate_step(profile, link, world_size, policy).step_ms
 
 
 def model_choices(profile: ComputeProfile, links: dict[str, Link], world_size: int) -> dict[str, BucketChoice]:
-    """What the planner picks on each link's *true* numbers, for this compute."""
-    return {name: choose_plan(profile, link, world_size, OVERLAP) for name, link in links.items()}
+    """What the planner picks on each link's *true* numbers, for this compute (no costs beyond the wire)."""
+    return {name: choose_plan(profile, link, world_size) for name, link in links.items()}
 
 
 def show_part_1(links: dict[str, Link], world_size: int) -> dict[str, BucketChoice]:
@@ -158,21 +164,25 @@ def main(rank: int, world_size: int, args) -> None:
         rows.append((name, *decided[0]))
 
     print0(f"\n  {'link':<14} | {'buckets':>7} | {'its backward':>12} {'outside it':>10} | {'probed: alpha':>13} {'MB/s':>6} | "
-           f"{'its prediction':>14} | {'on the true link':>16}")
+           f"{'per bucket':>10} {'CPU/MB':>8} | {'its prediction':>14} | {'on the true link':>16}")
     for name, choice, measured in rows:
         plan = (choice.cap_mb, choice.first_cap_mb)
-        replayed = model_ms(measured, choice.link, world_size, plan, choice.overlap)
+        replayed = model_ms(measured, choice.link, world_size, plan, choice.costs)
         assert abs(replayed - choice.predicted_ms) < 1e-6, (
             f"link {name}: MiniDDP's prediction is the model on its own measurements: {choice.predicted_ms:.3f} ms "
             f"printed, {replayed:.3f} ms replayed")
         assert choice.predicted_ms <= choice.default_ms, f"link {name}: the choice must not be predicted slower"
-        on_true = model_ms(measured, links[name], world_size, plan, choice.overlap)
+        assert choice.costs.per_bucket_us > 0, f"link {name}: MiniDDP's own work per bucket was not measured"
+        on_true = model_ms(measured, links[name], world_size, plan, choice.costs)
         print0(f"  {name:<14} | {choice.buckets:>7} | {measured.backward_ms:>9.1f} ms {measured.forward_ms:>7.1f} ms | "
                f"{choice.link.alpha_s * 1e3:>10.3f} ms {choice.link.bandwidth_Bps / 1e6:>6.0f} | "
+               f"{choice.costs.per_bucket_us:>7.0f} us {choice.costs.contention_us_per_MB:>5.0f} us | "
                f"{choice.predicted_ms:>11.1f} ms | {on_true:>13.1f} ms")
     print0("  (its backward, and the time outside it -- the optimizer step and the next forward -- are the medians")
-    print0("   MiniDDP measured in its first steps, and the probe its fit of the link; its prediction replays its")
-    print0("   plan on those. It differs from part 1 exactly where these differ from part 1's stated compute and")
+    print0("   MiniDDP measured in its first steps, and the probe its fit of the link; per bucket: its own fill and")
+    print0("   launch of a bucket, measured then too; CPU/MB: backward's CPU an all-reduce beside it takes per MB")
+    print0("   sent, from the probe (0 with a core to spare). Its prediction replays its plan on all of these.")
+    print0("   It differs from part 1 exactly where these differ from part 1's stated compute and")
     print0("   the true links, which a busy machine moves from run to run: part 1 is the lesson's answer.)")
     print0()
     print_results(results)

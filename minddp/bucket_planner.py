@@ -25,20 +25,19 @@ finally calls ``rebuild``. :class:`~minddp.ddp.MiniDDP` sets it up when
    the buckets take (the comm hook included, so a simulated link is measured
    as such), the fastest of a few tries each (load only adds time), fitted
    with :func:`minddp.network.fit_link`;
-3. **overlap**: can an all-reduce run while backward computes? On a GPU,
-   yes (the device's streams do both), and on a CPU with a core to spare
-   per rank for Gloo's thread. Otherwise it depends on what the all-reduce
-   waits for, so the probe says, from the CPU time this process spent
-   during its largest all-reduces against their wall time: an all-reduce
-   that keeps the CPU busy needs the cores backward needs (Gloo over
-   loopback, 2 ranks on 2 cores: 0.17 to 0.7 of its time, also at a load of
-   12); one that mostly waits leaves them to backward (a real link between
-   network namespaces at 1 Gbit/s: under 0.1; a simulated link, sleeping:
-   under 0.1). A machine so loaded that a loopback all-reduce gets less
-   than :data:`WAITING_CPU_SHARE` of a core would be read as waiting: the
-   price of a probe that costs no extra collectives;
+3. **costs** (:mod:`minddp.bucket_costs`), measured too: MiniDDP's own
+   work per bucket (the fill's fixed part and the launch, timed in the
+   measured backwards), since backward waits for it; and the CPU an
+   all-reduce beside backward takes from it, per MB sent, from the CPU time
+   this process spent during the probe's largest all-reduces (zero on a GPU
+   or with a core to spare per rank). The second is charged continuously:
+   Gloo over loopback keeps the CPU busy 0.2 to 0.9 of an all-reduce (2
+   ranks on 2 cores, under load), a 1 Gbit/s link between network
+   namespaces under 0.1; the replay slows backward by that share while a
+   bucket is on the wire, so a partly busy all-reduce still hides the rest;
 4. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
-   :func:`minddp.simulate.simulate_step`; the smallest predicted step wins.
+   :func:`minddp.simulate.simulate_step` with those costs; the smallest
+   predicted step wins.
 
 Rank 0 decides and broadcasts its choice (as with the learned bucket order),
 so every rank rebuilds the same buckets. :func:`choose_plan` is the pure
@@ -55,7 +54,6 @@ host is free while NCCL works, which it is.
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -65,14 +63,14 @@ import torch
 import torch.distributed as dist
 
 from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
+from minddp.bucket_costs import BucketCostLog, contention_us_per_MB, fixed_cost_us
 from minddp.network import Link, fit_link
-from minddp.reducer import ArrivalLog
+from minddp.simulate.overheads import NO_OVERHEADS, Overheads
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.sync import global_rank
 
-__all__ = ["CANDIDATE_CAPS_MB", "BucketChoice", "choose_plan", "communication_overlaps", "AutoBuckets",
-           "MEASURED_BACKWARDS"]
+__all__ = ["CANDIDATE_CAPS_MB", "BucketChoice", "choose_plan", "AutoBuckets", "MEASURED_BACKWARDS"]
 
 DEFAULT_CAP_MB = 25.0  # torch's
 # Caps tried, each with torch's 1 MiB first bucket and with no smaller first
@@ -84,11 +82,6 @@ PROBE_SMALL_BYTES = 64 * 1024
 # machine only ever adds time, so the fastest is the link's own (a median
 # under load read a 0.05 ms link as several ms, and chose too few buckets).
 PROBE_REPEATS = 5
-# An all-reduce that keeps this process's CPU busy for less than this share of
-# its time mostly waits, and leaves the cores to backward (measured on 2 shared
-# cores, 2 ranks, load 10-12: Gloo on loopback 0.17 to 0.7; on a 1 Gbit/s link
-# between network namespaces 0.04 to 0.11; a simulated link, sleeping: under 0.1).
-WAITING_CPU_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -102,7 +95,7 @@ class BucketChoice:
     default_ms: float
     default_buckets: int
     link: Link
-    overlap: bool
+    costs: Overheads = NO_OVERHEADS  # what it charged beyond the wire: per bucket, and backward's CPU per MB sent
     cpu_share: float | None = None  # how busy this process's CPU was during the link probe's all-reduces
 
     def describe(self) -> str:
@@ -112,15 +105,16 @@ class BucketChoice:
             f"{self.first_cap_mb:g} MB), predicted {self.predicted_ms:.1f} ms/step against "
             f"{self.default_ms:.1f} ms for the default ({DEFAULT_CAP_MB:g} MB, first {FIRST_BUCKET_CAP_MB:g} MB: "
             f"{self.default_buckets} bucket(s)); measured link alpha {self.link.alpha_s * 1e3:.3f} ms, "
-            f"{self.link.bandwidth_Bps / 1e9:.3g} GB/s; communication "
-            f"{'overlaps' if self.overlap else 'does not overlap'} compute here"
-            + ("" if self.cpu_share is None else f" (the CPU was busy {self.cpu_share:.0%} of an all-reduce)")
+            f"{self.link.bandwidth_Bps / 1e9:.3g} GB/s; MiniDDP's own work {self.costs.per_bucket_us:.0f} us per "
+            f"bucket; an all-reduce beside backward takes {self.costs.contention_us_per_MB:.0f} us of its CPU "
+            f"per MB sent" + ("" if self.cpu_share is None else f" (busy {self.cpu_share:.0%} of a probe all-reduce)")
         )
 
 
-def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: bool,
+def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Overheads = NO_OVERHEADS,
                 cpu_share: float | None = None) -> BucketChoice:
-    """The candidate bucket plan with the smallest predicted step (fewer buckets on a tie)."""
+    """The candidate bucket plan with the smallest predicted step (fewer buckets on a tie), each replayed with
+    ``costs`` (:mod:`minddp.bucket_costs`: MiniDDP's per bucket, backward's CPU per MB on the wire beside it)."""
     total_mb = profile.gradient_bytes / MiB
     candidates = [(DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)]
     for cap in CANDIDATE_CAPS_MB:
@@ -129,12 +123,12 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, overlap: b
     candidates.append((everything, everything))
     results = []
     for order, (cap, first) in enumerate(candidates):
-        policy = DDPPolicy(cap, first, overlap=overlap, buckets_may_pass_cap=True)  # the buckets MiniDDP builds
+        policy = DDPPolicy(cap, first, overheads=costs, buckets_may_pass_cap=True)  # the buckets MiniDDP builds
         step = simulate_step(profile, link, world_size, policy)
         results.append((round(step.step_ms, 9), len(step.buckets), order, cap, first))
     default = results[0]
     best = min(results)
-    return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, overlap, cpu_share)
+    return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, costs, cpu_share)
 
 
 # ----------------------------------------------------------- measuring it
@@ -157,11 +151,13 @@ class AutoBuckets:
         self.backwards_seen = 0
         self._ready_ms: list[list[float]] = [[] for _ in self.names]
         self._outside_ms: list[float] = []  # end of one backward to the first hook of the next
+        self._fills: list[tuple[int, float]] = []  # (bytes, seconds) of every bucket filled in the measured ones
+        self._launches: list[float] = []
         self._last_finished: float | None = None
         self.decided = False
         self.choice: BucketChoice | None = None  # rank 0's, once decided
 
-        self.arrivals = ArrivalLog()
+        self.arrivals = BucketCostLog()
         reducer.add_observer(self.arrivals)
         reducer.planned_rebuild = "MiniDDP(bucket_cap_mb='auto') rebuilds its buckets after its first measured steps"
         reducer.backward_done_callbacks.append(self._after_backward)
@@ -173,7 +169,7 @@ class AutoBuckets:
     def _after_backward(self) -> None:
         """The reducer's callback: record this backward; once enough are in, decide and rebuild."""
         reducer = self.reducer
-        if not self.backward_done(self.arrivals.log, time.perf_counter()):
+        if not self.backward_done(self.arrivals.log, time.perf_counter(), self.arrivals.fills, self.arrivals.launches):
             return
         reducer.remove_observer(self.arrivals)
         reducer.backward_done_callbacks.remove(self._after_backward)
@@ -198,8 +194,9 @@ class AutoBuckets:
         reducer.planned_rebuild = None
         reducer.rebuild(reducer.bucket_order, int(cap_mb * MiB), int(first_mb * MiB))  # same order, new caps
 
-    def backward_done(self, arrivals: list[tuple[int, float]], finished: float) -> bool:
-        """Record one backward; True when it is time to decide.
+    def backward_done(self, arrivals: list[tuple[int, float]], finished: float,
+                      fills: list[tuple[int, float]] = (), launches: list[float] = ()) -> bool:
+        """Record one backward (its arrivals, and its buckets' fills and launches); True when it is time to decide.
 
         Counted the same on every rank (a joined rank's stand-in steps, with
         no arrivals, count too), since deciding runs collectives.
@@ -211,6 +208,8 @@ class AutoBuckets:
                 self._ready_ms[index].append((t - started) * 1e3)
             if self._last_finished is not None:
                 self._outside_ms.append((started - self._last_finished) * 1e3)
+            self._fills += fills
+            self._launches += launches
         self._last_finished = finished
         return self.backwards_seen > MEASURED_BACKWARDS
 
@@ -227,7 +226,7 @@ class AutoBuckets:
 
     def decide(self, communicate: Callable[[torch.Tensor], torch.futures.Future], world_size: int,
                device: torch.device, dtype: torch.dtype, is_rank0: bool) -> BucketChoice | None:
-        """Probe the link and the overlap (every rank: collectives), choose (rank 0 only)."""
+        """Probe the link and the CPU its all-reduces take (every rank: collectives), choose (rank 0 only)."""
         self.decided = True
         total = max(sum(self.nbytes), 2 * PROBE_SMALL_BYTES)
         sizes = [PROBE_SMALL_BYTES, total]
@@ -236,11 +235,14 @@ class AutoBuckets:
         timings = [[_timed(communicate, b) for _ in range(PROBE_REPEATS)] for b in buffers]
         seconds = [min(wall for wall, _ in t) for t in timings]
         cpu_share = statistics.median(cpu / wall for wall, cpu in timings[-1])  # the largest all-reduces
-        overlap = communication_overlaps(device, world_size, cpu_share)
         if not is_rank0:
             return None
         link = fit_latency_bandwidth([float(b.nbytes) for b in buffers], seconds, world_size)
-        self.choice = choose_plan(self.profile(), link, world_size, overlap, cpu_share)
+        costs = Overheads(per_bucket_us=fixed_cost_us(self._fills, self._launches),
+                          contention_us_per_MB=contention_us_per_MB(
+                              device, world_size, statistics.median(cpu for _, cpu in timings[-1]), buffers[-1].nbytes),
+                          source="measured by bucket_cap_mb='auto' (minddp/bucket_costs.py)")
+        self.choice = choose_plan(self.profile(), link, world_size, costs, cpu_share)
         return self.choice
 
 
@@ -289,17 +291,3 @@ def _timed(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: 
     start, cpu = time.perf_counter(), time.process_time()
     _done(communicate(buffer), buffer)
     return time.perf_counter() - start, time.process_time() - cpu
-
-
-def communication_overlaps(device: torch.device, world_size: int, cpu_share: float) -> bool:
-    """Step 3 of the module doc: can the buckets' communication run while backward computes?
-    ``cpu_share``: the CPU time this process spent during its largest probe all-reduces / their wall time."""
-    if device.type != "cpu" or spare_core_per_rank(world_size):
-        return True
-    return cpu_share < WAITING_CPU_SHARE
-
-
-def spare_core_per_rank(world_size: int) -> bool:
-    """Does every rank on this machine have a core beyond its compute threads, for Gloo's?"""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return (os.cpu_count() or 1) >= ranks_here * (torch.get_num_threads() + 1)

@@ -16,9 +16,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.bucket_planner import MEASURED_BACKWARDS, choose_plan, communication_overlaps
+from minddp.bucket_costs import contention_us_per_MB, fixed_cost_us
+from minddp.bucket_planner import MEASURED_BACKWARDS, choose_plan
 from minddp.network import Link
 from minddp.simulate import ComputeProfile, Gradient
+from minddp.simulate.overheads import Overheads
 from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
 from minddp.zero import ZeroRedundancyOptimizer
 
@@ -36,7 +38,7 @@ def test_a_slow_high_latency_link_gets_one_bucket():
     # 50 ms per message, 2 ring steps at p=2: each extra bucket costs 100 ms,
     # far more than the 80 ms of backward it could hide behind.
     link = Link("slow", alpha_s=50e-3, bandwidth_Bps=1e9)
-    choice = choose_plan(_step(), link, world_size=2, overlap=True)
+    choice = choose_plan(_step(), link, world_size=2)
     assert choice.buckets == 1, f"expected one bucket on a 50 ms-latency link, got {choice}"
     # By hand: backward ends at 80 ms, then 100 ms latency + 8 MiB at 1 GB/s.
     assert choice.predicted_ms == pytest.approx(20 + 80 + 100 + 8 * MB / 1e9 * 1e3)
@@ -46,34 +48,74 @@ def test_a_slow_high_latency_link_gets_one_bucket():
     assert choice.default_ms == pytest.approx(20 + 10 + 2 * 100 + 8 * MB / 1e9 * 1e3)
 
 
+FAST = Link("fast", alpha_s=10e-6, bandwidth_Bps=100e6)  # 1 MiB takes ~10 ms: as long as a gradient's backward
+ONE_BUCKET_MS = 20 + 80 + 2 * 10e-3 + 8 * MB / 100e6 * 1e3  # forward, backward, then all of it on the wire
+
+
 def test_a_fast_low_latency_link_with_compute_to_hide_behind_keeps_overlap():
     # 10 us latency; 1 MiB takes ~10 ms at 100 MB/s, as long as the backward
     # takes to produce the next gradient: each bucket hides behind the next.
-    link = Link("fast", alpha_s=10e-6, bandwidth_Bps=100e6)
-    choice = choose_plan(_step(), link, world_size=2, overlap=True)
-    one_bucket = 20 + 80 + 2 * 10e-3 + 8 * MB / 100e6 * 1e3
+    choice = choose_plan(_step(), FAST, world_size=2)
     assert choice.buckets >= 4, f"expected several buckets to overlap with backward, got {choice}"
-    assert choice.predicted_ms < one_bucket - 40, "overlap must hide most of the all-reduce"
+    assert choice.predicted_ms < ONE_BUCKET_MS - 40, "overlap must hide most of the all-reduce"
 
 
-def test_without_overlap_every_extra_bucket_only_adds_latency():
-    # Communication that stops compute while it runs (a CPU with no core to
-    # spare) hides nothing: the fewest buckets win even on a fast link.
-    link = Link("fast", alpha_s=10e-6, bandwidth_Bps=100e6)
-    assert choose_plan(_step(), link, world_size=2, overlap=False).buckets == 1
+def test_each_bucket_pays_minddps_own_cost_so_a_large_one_means_fewer_buckets():
+    # The same link and step, but every bucket costs backward 6 ms of MiniDDP's own work (fill and launch):
+    # each extra bucket now adds more than the part of the transfer it could hide.
+    free = choose_plan(_step(), FAST, world_size=2)
+    costly = choose_plan(_step(), FAST, world_size=2, costs=Overheads(per_bucket_us=6000))
+    assert costly.buckets < free.buckets, f"{costly.buckets} buckets at 6 ms each, {free.buckets} when free"
+    assert costly.costs.per_bucket_us == 6000, "the choice keeps the costs it was made with"
+    # By hand, one bucket: backward's 80 ms, its fill and launch (6 ms), then the whole transfer.
+    one = choose_plan(_step(), Link("slow", alpha_s=50e-3, bandwidth_Bps=1e9), 2, Overheads(per_bucket_us=6000))
+    assert one.buckets == 1 and one.predicted_ms == pytest.approx(20 + 80 + 6 + 100 + 8 * MB / 1e9 * 1e3)
 
 
-def test_overlap_on_cpu_needs_a_spare_core_or_an_all_reduce_that_mostly_waits(monkeypatch):
+def _all_of_the_cpu(link: Link) -> float:
+    """us per MB sent of an all-reduce that keeps the CPU busy all its time (1 MB takes 1e6/bandwidth s)."""
+    return 1e6 / link.bandwidth_Bps * 1e6
+
+
+def test_an_all_reduce_that_takes_all_of_the_cpu_hides_nothing_so_one_bucket_wins():
+    # Communication that takes the cores backward needs for all its time (Gloo over loopback, no core to
+    # spare) stops backward while it runs: every extra bucket only adds latency, even on a fast link.
+    choice = choose_plan(_step(), FAST, world_size=2, costs=Overheads(contention_us_per_MB=_all_of_the_cpu(FAST)))
+    assert choice.buckets == 1, choice
+    assert choice.predicted_ms == pytest.approx(ONE_BUCKET_MS)
+
+
+def test_an_all_reduce_that_takes_part_of_the_cpu_still_hides_the_rest():
+    # Busy 30% of its time: the old yes-or-no rule (under 15%: overlaps) kept one bucket here. Charged
+    # continuously, the other 70% still runs beside backward: several buckets, a step between the two ends.
+    partly = choose_plan(_step(), FAST, world_size=2,
+                         costs=Overheads(contention_us_per_MB=0.3 * _all_of_the_cpu(FAST)))
+    free = choose_plan(_step(), FAST, world_size=2)
+    assert partly.buckets > 1, partly
+    assert free.predicted_ms < partly.predicted_ms < ONE_BUCKET_MS, (free, partly)
+
+
+def test_contention_is_the_probes_cpu_per_mb_sent_where_backward_has_no_other_core(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr("os.cpu_count", lambda: 2)  # 2 ranks of 1 thread each: no core for Gloo's thread
     torch.set_num_threads(1)
-    assert communication_overlaps(gpu, 2, cpu_share=0.9), "a GPU's streams overlap"
-    assert not communication_overlaps(cpu, 2, cpu_share=0.3), "Gloo over loopback keeps the cores busy"
-    assert communication_overlaps(cpu, 2, cpu_share=0.05), (
-        "an all-reduce that waits on a real link (or a sleeping hook) leaves the cores to backward")
+    # 2 MB all-reduced by 2 ranks: each sends 2 (p-1)/p x 2 MB = 2 MB; 10 ms of CPU for it: 5000 us per MB.
+    assert contention_us_per_MB(cpu, 2, cpu_seconds=0.010, nbytes=2e6) == pytest.approx(5000)
+    assert contention_us_per_MB(gpu, 2, cpu_seconds=0.010, nbytes=2e6) == 0, "a GPU's streams do the work"
     monkeypatch.setattr("os.cpu_count", lambda: 4)  # one core each for compute, one for Gloo
-    assert communication_overlaps(cpu, 2, cpu_share=0.9)
+    assert contention_us_per_MB(cpu, 2, cpu_seconds=0.010, nbytes=2e6) == 0
+
+
+def test_minddps_own_cost_per_bucket_is_the_fill_at_zero_bytes_plus_the_launch():
+    # Fills that take 80 us plus 1 ns per byte, at two bucket sizes, a few times each; launches of 30 us.
+    fills = [(n, 80e-6 + n * 1e-9 + noise) for n in (MB, 3 * MB) for noise in (0.0, 2e-6, 50e-6)]
+    assert fixed_cost_us(fills, [30e-6, 31e-6, 29e-6]) == pytest.approx(110, abs=3)
+    # One bucket size only: no line to draw, the fastest fill counts whole (copy included).
+    assert fixed_cost_us([(MB, 500e-6), (MB, 400e-6)], [30e-6]) == pytest.approx(430)
+    # Noise that tilts the line below zero bytes: nothing, not a negative cost.
+    assert fixed_cost_us([(MB, 900e-6), (3 * MB, 3000e-6)], []) == 0
+    assert fixed_cost_us([], []) == 0, "no bucket filled: nothing measured, nothing charged"
 
 
 # -------------------------------------------------------- MiniDDP, 2 ranks
@@ -108,7 +150,7 @@ def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps):
     planner = mini.bucket_planner
     choice, replayed = planner.choice, None
     if choice is not None:  # rank 0 decided: the same model on what it measured must choose the same
-        replayed = choose_plan(planner.profile(), choice.link, world_size, choice.overlap, choice.cpu_share)
+        replayed = choose_plan(planner.profile(), choice.link, world_size, choice.costs, choice.cpu_share)
     return {"buckets": mini.bucket_names, "default_buckets": default_buckets, "diff": diff,
             "choice": choice, "replayed": replayed}
 
@@ -141,7 +183,7 @@ def test_auto_on_a_slow_link_rebuilds_rank_0s_choice_on_every_rank_and_matches_t
 def test_auto_on_a_fast_link_rebuilds_rank_0s_choice_on_every_rank_and_matches_torch(ranks):
     # 50 us latency, 4 MiB take ~100 ms at 40 MB/s: longer than the backward.
     choice = _check_auto_end_to_end(ranks(2).run(_train_auto, 50e-6, 40e6, STEPS, timeout_s=120))
-    assert choice.overlap, "a simulated link sleeps on its own thread: its all-reduces overlap compute"
+    assert choice.costs.per_bucket_us > 0, "MiniDDP's own fill and launch of each bucket were measured"
 
 
 def _misuse(rank, world_size):
