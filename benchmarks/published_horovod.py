@@ -31,13 +31,13 @@ table, not to these). Target (issue 46): every point within 5 points.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchlib import curves  # noqa: E402
 from minddp.simulate.arguments import OneLineParser  # noqa: E402
 from minddp.simulate.network_flags import add_network_flags, network_from  # noqa: E402
 from minddp.simulate.overheads import OVERHEAD_PRESETS  # noqa: E402
@@ -92,8 +92,7 @@ def efficiencies(latency_us: float = FITTED_LATENCY_US) -> dict:
 def fit() -> float:
     """The latency between servers (1 us steps) with the smallest worst miss on CALIBRATION's points."""
     def worst(latency_us: float) -> float:
-        got = efficiencies(latency_us)
-        return max(abs(b - a) for key in CALIBRATION for a, b in zip(*got[key]))
+        return curves.worst_miss(efficiencies(latency_us), CALIBRATION)
     return min(range(0, 201), key=worst)
 
 
@@ -109,20 +108,13 @@ def table(latency_us: float = FITTED_LATENCY_US) -> str:
             worst[kind] = max(worst.get(kind, 0.0), abs(miss))
             lines.append(f"| {model} | {kind} | {w} ({w // 4}) | {step_ms(model):.1f} | {a:.0%} | {source} | "
                          f"{b:.1%} | {miss:+.1f} |")
-    lines += ["", "targets (every point within 5 points): " + "; ".join(
-        f"{kind} worst {miss:.1f} points, {'met' if miss <= TARGET_POINTS else 'MISSED'}" for kind, miss in worst.items())]
+    lines += ["", curves.targets_line(worst, TARGET_POINTS)]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--fit", action="store_true", help="refit the latency between servers on the calibration curve")
-    a = p.parse_args(argv)
-    latency = fit() if a.fit else FITTED_LATENCY_US
-    if a.fit:
-        print(f"fitted on {CALIBRATION}: {latency:g} us per ring step between servers")
-    print(table(latency))
-    return 0
+    return curves.run(__doc__.strip().splitlines()[0], "the latency between servers", fit, FITTED_LATENCY_US, table,
+                      lambda latency: f"fitted on {CALIBRATION}: {latency:g} us per ring step between servers", argv)
 
 
 if __name__ == "__main__":
