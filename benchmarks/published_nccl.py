@@ -1,6 +1,6 @@
 """``python -m minddp.simulate collective`` against published ``all_reduce_perf`` (nccl-tests) tables.
 
-    python benchmarks/published_nccl.py          # the tables of docs/simulator_checked.md (a second)
+    python benchmarks/published_nccl.py          # the tables of docs/collectives_checked.md (a second)
     python benchmarks/published_nccl.py --fit    # refit LAUNCH_US on the fitting table only
 
 The published rows (size, out-of-place time) are in ``published_nccl.json``,

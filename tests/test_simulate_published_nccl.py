@@ -16,8 +16,8 @@ def published():
 def test_the_docs_tables_are_the_scripts_output(published):
     from minddp.simulate.nccl import LAUNCH_US
 
-    assert published.report(LAUNCH_US) in (ROOT / "docs" / "simulator_checked.md").read_text(), (
-        "docs/simulator_checked.md: rerun `python benchmarks/published_nccl.py` and paste its output")
+    assert published.report(LAUNCH_US) in (ROOT / "docs" / "collectives_checked.md").read_text(), (
+        "docs/collectives_checked.md: rerun `python benchmarks/published_nccl.py` and paste its output")
 
 
 def test_every_held_out_row_above_a_mebibyte_is_within_ten_percent(published):

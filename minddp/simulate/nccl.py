@@ -39,7 +39,7 @@ cost model (``src/graph/tuning.cc`` of NVIDIA/nccl, NCCL 2.8, commit
 
 NCCL's model also multiplies a multi-node Simple ring's latency by 1.9
 above ``p / 16 x 64 KiB`` ("plateau effect of ring"); left out here: the
-measured 3-node table of ``docs/simulator_checked.md`` runs at the NICs'
+measured 3-node table of ``docs/collectives_checked.md`` runs at the NICs'
 full bandwidth at 128 MB, with no room for it (it would add 0.2 ms, 8%).
 
 * :data:`TREE_MAX_BUS_GBPS`: ``maxTreeBw``, the tree's ceiling (110 GB/s up
@@ -48,7 +48,7 @@ full bandwidth at 128 MB, with no room for it (it would add 0.2 ms, 8%).
 Left out: NCCL's per-channel caps (LL128's 16.7 GB/s per channel),
 CollNet/SHARP and NVLS (NVLink SHARP), and congestion in the switches.
 :data:`LAUNCH_US` is what nccl-tests' time holds beyond NCCL's model (a
-kernel launch, the stream's wait), fitted in ``docs/simulator_checked.md``.
+kernel launch, the stream's wait), fitted in ``docs/collectives_checked.md``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ TREE_CORRECTION = {  # powers of two of (bytes / 64), from 0 to 21
     "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8, .9),
 }
 # nccl-tests' time beyond NCCL's model (a kernel launch): fitted by `python benchmarks/published_nccl.py --fit`
-# to its fitting table only (2 RTX A6000 on PCIe, small messages); docs/simulator_checked.md.
+# to its fitting table only (2 RTX A6000 on PCIe, small messages); docs/collectives_checked.md.
 LAUNCH_US = 2.3
 
 
