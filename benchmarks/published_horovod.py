@@ -7,11 +7,12 @@ Published: Horovod's benchmark page (uber/horovod, ``docs/benchmarks.md``),
 TensorFlow's ``tf_cnn_benchmarks`` at batch 64 per GPU with
 ``--variable_update horovod``, synthetic data, servers of 4 Pascal GPUs on a
 RoCE-capable 25 Gbit/s network. Its first version (October 2017, "128-GPU
-Benchmark", 32 servers) gives 90% scaling efficiency for ResNet-101 and 79%
-for VGG-16; the second (2018, "512-GPU Benchmark", 128 servers; the same
-figure in arXiv:1802.05799) 90% and 68%. Efficiency: images/s on N GPUs over
-N x one GPU's. VGG-16 (528 MB of gradients) is the communication-heavy model,
-ResNet-101 (170 MB, a longer backward) the compute-heavy one.
+Benchmark", 32 servers) gives 90% scaling efficiency for Inception V3 and
+ResNet-101 and 79% for VGG-16; the second (2018, "512-GPU Benchmark", 128
+servers; the same figures in arXiv:1802.05799) 90%, 90% and 68%. Efficiency:
+images/s on N GPUs over N x one GPU's. VGG-16 (528 MB of gradients) is the
+communication-heavy model, ResNet-101 (170 MB) and Inception V3 (104 MB, its
+auxiliary head included), with longer backwards, the compute-heavy ones.
 
 The same flags for every point: the ``pcie-eth25`` preset with 4 GPUs per
 server, PCIe 3 x16 inside (15.75 GB/s at the 80% the preset assumes for
@@ -20,9 +21,10 @@ presets' figure for NCCL's InfiniBand verbs transport, which RoCE runs;
 ``minddp.simulate.cluster.ACHIEVED``). One figure is fitted, on VGG-16's
 curve only: the latency of one ring step between servers (``--fit``), which
 takes whatever grows with the ring's length (2 x (servers - 1) such steps
-per all-reduce). ResNet-101 is held out. One GPU's step: TensorFlow's
-published P100 figure for VGG-16 (154 images/s at batch 64, the DGX-1 table
-of ``benchmarks/published_scaling.py``); ResNet-101 is not in that table,
+per all-reduce). ResNet-101 and Inception V3 are held out. One GPU's step:
+TensorFlow's published P100 figures (VGG-16 154 images/s, Inception V3 142, at
+batch 64: the DGX-1 table of ``benchmarks/published_scaling.py``); ResNet-101
+is not in that table,
 its step is modelled between ResNet-50's (219 images/s) and ResNet-152's
 (91.8) in proportion to their GFLOP per image (4.1, 7.8, 11.5), as in
 lesson 17. Overheads: the ``nccl-v100`` preset (fitted to PyTorch's DDP
@@ -46,11 +48,11 @@ from minddp.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
 
 PROFILES = os.path.join(ROOT, "benchmarks", "published_ddp_profiles.json")
 WORLDS = (128, 512)
-PUBLISHED = {"vgg16": (0.79, 0.68), "resnet101": (0.90, 0.90)}  # efficiency at WORLDS
+PUBLISHED = {"vgg16": (0.79, 0.68), "resnet101": (0.90, 0.90), "inception_v3": (0.90, 0.90)}  # at WORLDS
 SOURCES = ("docs/benchmarks.md of uber/horovod, October 2017 (32 servers)",
            "docs/benchmarks.rst of horovod/horovod and arXiv:1802.05799, 2018 (128 servers)")
 CALIBRATION = ("vgg16",)  # the rest are held out
-TF_P100 = {"vgg16": 154, "resnet50": 219, "resnet152": 91.8}  # images/s on one P100, batch 64 (TensorFlow, 2017)
+TF_P100 = {"vgg16": 154, "inception_v3": 142, "resnet50": 219, "resnet152": 91.8}  # images/s, one P100, batch 64
 GFLOP = {"resnet50": 4.1, "resnet101": 7.8, "resnet152": 11.5}
 BATCH = 64
 FITTED_LATENCY_US = 51.0  # `--fit`

@@ -35,3 +35,8 @@ def test_the_curve_falls_with_the_cluster_as_published(published):
 def test_every_point_is_within_five_points(published):
     for key, (published_eff, predicted) in published.efficiencies().items():
         assert all(abs(b - a) <= published.TARGET_POINTS / 100 for a, b in zip(published_eff, predicted)), key
+
+
+def test_two_models_are_held_out_beside_the_calibration_one(published):
+    held_out = [m for m in published.PUBLISHED if m not in published.CALIBRATION]
+    assert len(published.CALIBRATION) == 1 and len(held_out) >= 2, held_out
