@@ -36,7 +36,7 @@ time (``time.process_time``: its threads, Gloo's included), the slowest rank,
 median over rounds with [min, max].
 
 With ``--link RATE`` the timing's ranks each run in a network namespace of
-their own, joined by links shaped to that rate (:mod:`minddp.links`): the
+their own, joined by links shaped to that rate (:mod:`minddp.net.links`): the
 all-gathers and reduce-scatters cross a real, rate-limited link, and wall
 time shows whether prefetch hides them. Memory is measured as without it
 (the link changes no tensor).
@@ -62,7 +62,7 @@ import torch.distributed as dist  # noqa: E402
 from benchlib.fsdp_setups import SETUPS, build, gpt_config, have_stage3, train_step, units  # noqa: E402
 from benchlib.live_bytes import LiveBytes  # noqa: E402
 from benchlib.outputs import emit, ranks_json  # noqa: E402
-from minddp import links  # noqa: E402
+from minddp.net import links  # noqa: E402
 
 MiB = 2**20
 

@@ -3,7 +3,7 @@
     python benchmarks/published_ddp.py                 # the table, from the committed profiles (a second)
     python benchmarks/published_ddp.py --fit           # refit the overheads on the calibration models
     python benchmarks/published_ddp.py --overheads none   # the bare alpha-beta replay, for comparison
-    python benchmarks/published_ddp.py --retrace       # trace the four torchvision models again (minutes)
+    python benchmarks/published_ddp.py --retrace       # trace the torchvision models again (minutes)
 
 The published figures: ``benchmarks/distributed/ddp/README.md`` in
 pytorch/pytorch (torch 1.4, NCCL, DGX-1 machines of 8 V100 GPUs on NVLink,
@@ -45,7 +45,7 @@ from minddp.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
 PROFILES = os.path.join(ROOT, "benchmarks", "published_ddp_profiles.json")
 TRACE_BATCH = 4  # the shape of a step, not its length: the published step time sets that
 MODELS = ("resnet50", "resnet101", "resnext50_32x4d", "resnext101_32x8d")
-TRACED = (*MODELS, "vgg16", "alexnet")
+TRACED = (*MODELS, "vgg16", "alexnet", "inception_v3")
 CALIBRATION = ("resnet50", "resnext101_32x8d")  # the rest are held out
 WORLDS = (1, 2, 4, 8, 16)
 # p50 seconds per iteration: no DDP on 1 GPU, then DDP on 1, 2, 4, 8, 16 GPUs (bucket_cap_mb 25).
@@ -95,6 +95,19 @@ def vgg16():  # not in the DDP table: lesson 17 compares it with Horovod's publi
 
 def alexnet():  # not in the DDP table: benchmarks/published_scaling.py checks TensorFlow's DGX-1 curve with it
     return _torchvision("alexnet")
+
+
+def inception_v3():  # not in the DDP table: benchmarks/published_horovod.py checks Horovod's scaling with it
+    import torchvision  # only when tracing
+
+    torch.manual_seed(0)
+    model = torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=True)
+    images, labels = torch.randn(TRACE_BATCH, 3, 299, 299), torch.randint(0, 1000, (TRACE_BATCH,))
+
+    def loss(out):  # the main head and the auxiliary one, weighted as the Inception v3 paper trains them
+        ce = torch.nn.functional.cross_entropy
+        return ce(out.logits, labels) + 0.4 * ce(out.aux_logits, labels)
+    return model, images, loss
 
 
 def retrace(names=TRACED) -> None:

@@ -1,6 +1,6 @@
 """``python -m minddp.simulate collective`` against published ``all_reduce_perf`` (nccl-tests) tables.
 
-    python benchmarks/published_nccl.py          # the tables of docs/simulator_checked.md (a second)
+    python benchmarks/published_nccl.py          # the tables of docs/collectives_checked.md (a second)
     python benchmarks/published_nccl.py --fit    # refit LAUNCH_US on the fitting table only
 
 The published rows (size, out-of-place time) are in ``published_nccl.json``,
@@ -43,8 +43,18 @@ def network(t: dict, launch_us: float):
     return replace(network_from(collective_args(["all_reduce", *t["flags"]])), launch_us=launch_us)
 
 
+def gpus_per_node(t: dict) -> int:
+    return network(t, LAUNCH_US).ranks_per_node
+
+
+def command(t: dict) -> str:
+    """The command line that gives one row of ``t`` (SIZE: the row's size); ``algorithm``: NCCL_ALGO as measured."""
+    forced = f" --algorithm {t['algorithm']}" if "algorithm" in t else ""
+    return f"python -m minddp.simulate collective all_reduce {' '.join(t['flags'])} --world {t['world']}{forced} --bytes SIZE"
+
+
 def predicted_us(t: dict, size: float, launch_us: float) -> tuple[float, str]:
-    c = nccl_time("all_reduce", size, t["world"], network(t, launch_us))
+    c = nccl_time("all_reduce", size, t["world"], network(t, launch_us), t.get("algorithm", "auto"))
     return c.seconds * 1e6, f"{c.algorithm}/{c.protocol}"
 
 
@@ -55,19 +65,24 @@ def fit(launch_grid=None) -> float:
     return min(grid, key=lambda g: max(abs(predicted_us(t, size, g)[0] / us - 1) for t, size, us in rows))
 
 
+def average_sizes(a: dict) -> list[int]:
+    """The sizes nccl-tests averaged over: ``first`` then in steps of ``step`` bytes (-i) or times ``factor`` (-f)."""
+    if "factor" in a:
+        return [a["first"] * a["factor"] ** k for k in range(a["count"])]
+    return [a["first"] + k * a["step"] for k in range(a["count"])]
+
+
 def average_busbw(t: dict, launch_us: float) -> float:
     """The model's 'Avg bus bandwidth' over the table's own sizes (nccl-tests averages busbw over its rows)."""
-    first, step, count = t["avg_busbw"]["first"], t["avg_busbw"]["step"], t["avg_busbw"]["count"]
-    sizes = [first + k * step for k in range(count)]
-    return sum(n / predicted_us(t, n, launch_us)[0] / 1e3 * bus_factor("all_reduce", t["world"]) for n in sizes) / count
+    sizes = average_sizes(t["avg_busbw"])
+    return sum(n / predicted_us(t, n, launch_us)[0] / 1e3 * bus_factor("all_reduce", t["world"]) for n in sizes) / len(sizes)
 
 
 def report(launch_us: float) -> str:
     lines, worst = [f"LAUNCH_US = {launch_us:g} us", ""], 0.0
     for t in tables():
         lines += [f"**{t['name']}** ({t['set']}): {t['hardware']}. Source: {t['source']}. "
-                  f"Each row: `python -m minddp.simulate collective all_reduce {' '.join(t['flags'])} "
-                  f"--world {t['world']} --bytes SIZE`.", "",
+                  f"Each row: `{command(t)}`.", "",
                   "| size (B) | published us | predicted us | algorithm/protocol | error | counts |",
                   "|---:|---:|---:|---|---:|---|"]
         for size, us in t["rows"]:
@@ -80,9 +95,9 @@ def report(launch_us: float) -> str:
         if "avg_busbw" in t:
             a = t["avg_busbw"]
             model = average_busbw(t, launch_us)
-            lines += ["", f"Avg bus bandwidth over the table's {a['count']} sizes ({a['first']} B in steps of "
-                          f"{a['step']} B): published {a['value']:g} GB/s, predicted {model:.1f} GB/s "
-                          f"({model / a['value'] - 1:+.1%})."]
+            steps = f"times {a['factor']}" if "factor" in a else f"in steps of {a['step']} B"
+            lines += ["", f"Avg bus bandwidth over the table's {a['count']} sizes ({a['first']} B {steps}): "
+                          f"published {a['value']:g} GB/s, predicted {model:.1f} GB/s ({model / a['value'] - 1:+.1%})."]
         lines.append("")
     lines.append(f"target: every held-out row above 1 MiB within {TARGET:.0%}: worst {worst:.1%}, "
                  f"{'met' if worst <= TARGET else 'MISSED'}")

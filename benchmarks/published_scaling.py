@@ -27,13 +27,13 @@ every point within 5 points.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchlib import curves  # noqa: E402
 from minddp.simulate.cluster import apply_flags, preset_figures  # noqa: E402
 from minddp.simulate.overheads import OVERHEAD_PRESETS  # noqa: E402
 from minddp.simulate.profile import load_profiles  # noqa: E402
@@ -81,8 +81,7 @@ def efficiencies(cross_Bps: float = FITTED_CROSS_Bps) -> dict:
 def fit() -> float:
     """The cross-quad bandwidth (0.1 GB/s steps) with the smallest worst miss on CALIBRATION's rows."""
     def worst(cross: float) -> float:
-        got = efficiencies(cross)
-        return max(abs(b - a) for key in CALIBRATION for a, b in zip(*got[key]))
+        return curves.worst_miss(efficiencies(cross), CALIBRATION)
     return min((x / 10 * 1e9 for x in range(5, 201)), key=worst)
 
 
@@ -105,20 +104,13 @@ def table(cross_Bps: float = FITTED_CROSS_Bps) -> str:
         one = key[1] / PUBLISHED[key][0] * 1e3
         lines.append(f"| {key[0]} | {key[1]} | {one:.1f} | {one / published[-1]:.1f} | {one / predicted[-1]:.1f} | "
                      f"{one / published[-1] - one:+.1f} | {one / predicted[-1] - one:+.1f} |")
-    lines += ["", "targets (every point within 5 points): " + "; ".join(
-        f"{kind} worst {miss:.1f} points, {'met' if miss <= TARGET_POINTS else 'MISSED'}" for kind, miss in worst.items())]
+    lines += ["", curves.targets_line(worst, TARGET_POINTS)]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--fit", action="store_true", help="refit the cross-quad bandwidth on the calibration rows")
-    a = p.parse_args(argv)
-    cross = fit() if a.fit else FITTED_CROSS_Bps
-    if a.fit:
-        print(f"fitted on {CALIBRATION}: {cross / 1e9:g} GB/s between the quads, per GPU")
-    print(table(cross))
-    return 0
+    return curves.run(__doc__.strip().splitlines()[0], "the cross-quad bandwidth", fit, FITTED_CROSS_Bps, table,
+                      lambda cross: f"fitted on {CALIBRATION}: {cross / 1e9:g} GB/s between the quads, per GPU", argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ One spawned job of ``--world-size`` Gloo ranks (one intra-op thread each) does,
 in this order:
 
 1. **the network**: ``dist.all_reduce`` alone of float32 buffers from 4 KiB to
-   32 MiB; :func:`minddp.network.fit_link` fits alpha and bandwidth to their
+   32 MiB; :func:`minddp.net.network.fit_link` fits alpha and bandwidth to their
    medians. Nothing the predictions are compared with goes into the fit;
 2. **the compute profile** of each model: every rank runs ``MiniDDP(trace=True)``
    on a process group of its own (world size 1: no communication, but both
@@ -17,7 +17,7 @@ in this order:
    cap, each block's time the slowest rank's, the median over rounds.
 
 With ``--link RATE`` every rank runs in a network namespace of its own,
-joined to the others by links shaped to that rate (:mod:`minddp.links`):
+joined to the others by links shaped to that rate (:mod:`minddp.net.links`):
 the fit, the profile and the steps all cross the real, rate-limited link.
 
 The three are taken in rounds (each round: every all-reduce size, then per
@@ -47,8 +47,8 @@ import torch.distributed as dist  # noqa: E402
 
 from benchlib.outputs import emit, ranks_json  # noqa: E402
 from benchlib.timing import Runner  # noqa: E402  (the benchmark's models, batches and step: same as compare.py)
-from minddp import links  # noqa: E402
-from minddp.network import fit_link  # noqa: E402
+from minddp.net import links  # noqa: E402
+from minddp.net.network import fit_link  # noqa: E402
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step  # noqa: E402
 
 FIT_SIZES = [4 * 1024 * 4**k for k in range(7)]  # 4 KiB .. 16 MiB

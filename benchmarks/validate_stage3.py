@@ -8,7 +8,7 @@ in rounds (so that a shared machine's load drifts over all of it alike):
 
 1. **the network**: ``minddp.fsdp``'s all-gather and reduce-scatter alone,
    float32 buffers of 64 KiB to 4 MiB, each after a little computation as a
-   step issues them; :func:`minddp.network.fit_link` fits alpha and
+   step issues them; :func:`minddp.net.network.fit_link` fits alpha and
    bandwidth to their medians (a half all-reduce each: the fit is given
    twice their time, the all-reduce it models);
 2. **the compute**: on this rank alone, each GPT block's forward and backward
@@ -53,7 +53,7 @@ from benchlib.fsdp_setups import collectives_made_local  # noqa: E402
 from benchlib.outputs import emit, ranks_json  # noqa: E402
 from minddp.fsdp.collectives import all_gather, gloo_collectives, start_reduce_scatter  # noqa: E402
 from minddp.models import GPT, GPTConfig  # noqa: E402
-from minddp.network import fit_link  # noqa: E402
+from minddp.net.network import fit_link  # noqa: E402
 from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3  # noqa: E402
 
 FIT_SIZES = [64 * 1024 * 4**k for k in range(4)]  # 64 KiB .. 4 MiB

@@ -21,7 +21,7 @@ What you will learn
       every forward that follows a synchronized one (``broadcast_buffers``).
 
     Everything else torch's DDP does is a *part* beside that path, one file
-    each in ``minddp/features/``, chosen by MiniDDP's constructor only when
+    each in ``minddp/ddp/parts/``, chosen by MiniDDP's constructor only when
     asked for; the lesson lists them with the lesson that explains each. Then it
     follows one gradient down the path on every rank: ``model.follow(name)``.
 
@@ -34,8 +34,8 @@ What to look at
     The test bench's table for MiniDDP and torch's DDP (both exact, with
     accumulation through ``no_sync``); the diffs; the parts; the buckets
     MiniDDP built, in launch order; one gradient's stations with values and
-    times on each rank. Then read ``minddp/ddp.py``, ``minddp/reducer.py``
-    and ``minddp/buckets.py`` top to bottom (``docs/reading_the_code.md``).
+    times on each rank. Then read ``minddp/ddp/wrapper.py``, ``minddp/ddp/reducer.py``
+    and ``minddp/ddp/buckets.py`` top to bottom (``docs/reading_the_code.md``).
 
 Try this
     Predict before you run; ``--reveal`` prints the answers.
@@ -58,11 +58,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import minddp.features
+import minddp.ddp.parts
 from wrappers.flat_ddp import FlatDDP  # lesson 07b's wrapper
 from minddp import MiniDDP
-from minddp.bucket_assignment import LearnedBucketOrder
-from minddp.reducer import CopyGradients, Observer, Reducer
+from minddp.ddp.bucket_assignment import LearnedBucketOrder
+from minddp.ddp.reducer import CopyGradients, Observer, Reducer
 from _common import is_exact, parse_args, print0, print_ranks, print_results, run, train_and_compare
 
 # What the plain path changed, as (07b's methods, minddp's methods).
@@ -78,7 +78,7 @@ DIFFS = [
      [FlatDDP._finish_backward], [LearnedBucketOrder.after_first_backward]),
 ]
 
-# Every part in minddp/features/ (and the observers beside the path), with what picks it and the lesson
+# Every part in minddp/ddp/parts/ (and the observers in minddp/observe/), with what picks it and the lesson
 # that explains the feature. The slot is read from the class (show_the_parts).
 PARTS = {
     "EveryHookReady": ("default (the plain path: ready at its hook)", "07b"),
@@ -133,15 +133,15 @@ def slot_of(part: type) -> str:
 
 def show_the_parts() -> list:
     found = {}
-    modules = [f"minddp.features.{info.name}" for info in pkgutil.iter_modules(minddp.features.__path__)]
-    for module in map(importlib.import_module, modules + ["minddp.trace", "minddp.reducer"]):
+    modules = [f"minddp.ddp.parts.{info.name}" for info in pkgutil.iter_modules(minddp.ddp.parts.__path__)]
+    for module in map(importlib.import_module, modules + ["minddp.observe.follow", "minddp.observe.trace", "minddp.ddp.reducer"]):
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and slot_of(obj):
                 found[name] = (slot_of(obj), module.__name__.replace(".", "/") + ".py")
     print0("\nThe parts (the plain ones too), each chosen at construction or by the call that asks for it:")
     for name, (slot, path) in sorted(found.items(), key=lambda item: item[1]):
         asked, lesson = PARTS.get(name, ("?", "?"))
-        print0(f"  {slot:<13} {name:<19} {path:<38} {asked:<58} lesson {lesson}")
+        print0(f"  {slot:<13} {name:<19} {path:<40} {asked:<58} lesson {lesson}")
     return sorted(found)
 
 

@@ -50,7 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.comm_hooks import bf16_compress_hook, fp16_compress_hook
+from minddp.ddp.default_hooks import bf16_compress_hook, fp16_compress_hook
 from _common import parse_args, print0, run
 
 

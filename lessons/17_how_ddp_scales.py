@@ -5,7 +5,7 @@ What you will learn
     did not hide under it. Lesson 16 drew that for 2 ranks from a trace;
     ``minddp.simulate`` replays the same trace for any ``p``: each bucket
     leaves when its last gradient is ready and the one before it is done,
-    and lasts ``allreduce_time(bytes, p, link)`` from ``minddp.network``::
+    and lasts ``allreduce_time(bytes, p, link)`` from ``minddp.net.network``::
 
         ring: 2 (p - 1) alpha  +  2 (p - 1) / p  x  bytes / bandwidth
               \\__ latency: grows with p   \\__ bandwidth: under 2x bytes/bandwidth
@@ -76,7 +76,7 @@ import torch
 import torch.nn as nn
 
 from minddp import MiniDDP
-from minddp.network import HIERARCHIES, PRESETS, allreduce_time, get_link, get_network, ring_bytes_sent_per_rank
+from minddp.net.network import HIERARCHIES, PRESETS, allreduce_time, get_link, get_network, ring_bytes_sent_per_rank
 from minddp.simulate import ComputeProfile, DDPPolicy, profile_from_trace, simulate_step
 from minddp.simulate.cluster import build_network
 from minddp.simulate.overheads import OVERHEAD_PRESETS

@@ -10,11 +10,11 @@ What you will learn
        records when each gradient is ready (its own hooks' clock);
     2. probes the link once: all-reduces of two sizes through the same path
        its buckets take, and fits alpha and the bandwidth
-       (``minddp.network.fit_link``); it also measures two costs that grow
+       (``minddp.net.network.fit_link``); it also measures two costs that grow
        with the number of buckets: its own work per bucket (filling it,
        launching its all-reduce, on the thread that runs backward) and the
        CPU an all-reduce takes from backward when no core is spare for it
-       (``minddp.bucket_costs``);
+       (``minddp.net.bucket_costs``);
     3. replays candidate bucket plans with the simulator of lesson 17
        (``minddp.simulate.simulate_step``) and keeps the fastest predicted;
     4. rank 0 decides and broadcasts, every rank rebuilds the same buckets,
@@ -66,13 +66,13 @@ import torch.distributed as dist
 
 from _common import REAL, add_link_option, is_exact, is_real, parse_args, print0, print_results, run, train_and_compare
 from minddp import MiniDDP
-from minddp.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan
-from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB
-from minddp.links import parse_rate
-from minddp.network import Link, get_link
+from minddp.net.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan
+from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB
+from minddp.net.links import parse_rate
+from minddp.net.network import Link, get_link
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
 from minddp.simulate.overheads import NO_OVERHEADS, Overheads
-from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
+from minddp.net.simulated_link import SimulatedLink, simulated_allreduce_hook
 
 LINKS = {
     "high-latency": Link("high-latency", alpha_s=20e-3, bandwidth_Bps=1e9,

@@ -56,7 +56,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minddp.network import bytes_sent_per_rank
+from minddp.net.network import bytes_sent_per_rank
 
 
 class WireCounter:
@@ -90,7 +90,7 @@ class WireCounter:
 COUNTER = WireCounter()
 
 from minddp import MiniDDP  # noqa: E402
-from minddp.bucket_assignment import MiB  # noqa: E402
+from minddp.ddp.bucket_assignment import MiB  # noqa: E402
 from minddp.models import GPT, GPTConfig  # noqa: E402
 from minddp.zero import ZeroRedundancyOptimizer  # noqa: E402
 from minddp.zero.memory import measured_bytes, paper_bytes  # noqa: E402

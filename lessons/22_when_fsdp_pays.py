@@ -18,7 +18,7 @@ What you will learn
     (one process group runs its collectives one at a time).
 
     All collectives go through lesson 06's simulated link
-    (``minddp.simulated_link``, now with all-gather and reduce-scatter, each
+    (``minddp.net.simulated_link``, now with all-gather and reduce-scatter, each
     ``(p-1) alpha + (p-1)/p * bytes / bandwidth``), so a laptop shows what a
     slow network would: ``minddp.fsdp`` (prefetch on and off) and
     ``MiniDDP`` run on it and the messages are counted. Claims about time
@@ -55,11 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _common import parse_args, print0, run  # imports minddp.simulated_link: it binds the real collectives
-from minddp.network import PRESETS, bytes_sent_per_rank
+from _common import parse_args, print0, run  # imports minddp.net.simulated_link: it binds the real collectives
+from minddp.net.network import PRESETS, bytes_sent_per_rank
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
 from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3, working_set_bytes
-from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
+from minddp.net.simulated_link import SimulatedLink, simulated_allreduce_hook
 
 
 class ThroughTheLink:

@@ -1,14 +1,14 @@
 """minddp: a readable DistributedDataParallel, built from scratch.
 
-Read in this order: ``minddp/ddp.py`` (the wrapper: construction, forward,
-no_sync) -> ``minddp/reducer.py`` (the plain path of a gradient: hook,
+Read in this order: ``minddp/ddp/wrapper.py`` (the wrapper: construction, forward,
+no_sync) -> ``minddp/ddp/reducer.py`` (the plain path of a gradient: hook,
 bucket, in-order all-reduce, end-of-backward wait, .grad) ->
-``minddp/buckets.py`` (flat buckets and their life cycle). Every option
-beyond that path is a part in ``minddp/features/``, one file each, picked
+``minddp/ddp/buckets.py`` (flat buckets and their life cycle). Every option
+beyond that path is a part in ``minddp/ddp/parts/``, one file each, picked
 by MiniDDP's constructor (``docs/reading_the_code.md`` lists them).
 """
 
-from minddp.ddp import MiniDDP
+from minddp.ddp.wrapper import MiniDDP
 from minddp.launch import distributed, init_distributed, spawn
 from minddp.sampler import DistributedSampler
 from minddp.sync_batchnorm import SyncBatchNorm

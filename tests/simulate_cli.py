@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import sys
 
 from minddp.simulate.__main__ import main
 
@@ -10,6 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def benchmark(name: str):
     """``benchmarks/<name>.py`` imported as a module (the benchmarks folder is not a package)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))  # where `python benchmarks/<name>.py` finds benchlib
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -3,7 +3,7 @@
 Two layers. :func:`choose_plan` is pure: a made-up step (when each gradient
 is ready) and a made-up link go in, a plan comes out, checked against what
 the model says by hand. Then MiniDDP itself, on 2 Gloo ranks whose
-all-reduces go through a :class:`~minddp.simulated_link.SimulatedLink`: it
+all-reduces go through a :class:`~minddp.net.simulated_link.SimulatedLink`: it
 measures its own steps, probes the (simulated) link, and must pick few
 buckets on a slow high-latency link, several on a fast one with compute to
 hide behind, the same on both ranks, with parameters equal to torch's DDP.
@@ -16,12 +16,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.bucket_costs import contention_us_per_MB, fixed_cost_us
-from minddp.bucket_planner import MEASURED_BACKWARDS, choose_plan
-from minddp.network import Link
+from minddp.net.bucket_costs import contention_us_per_MB, fixed_cost_us
+from minddp.net.bucket_planner import MEASURED_BACKWARDS, choose_plan
+from minddp.net.network import Link
 from minddp.simulate import ComputeProfile, Gradient
 from minddp.simulate.overheads import Overheads
-from minddp.simulated_link import SimulatedLink, simulated_allreduce_hook
+from minddp.net.simulated_link import SimulatedLink, simulated_allreduce_hook
 from minddp.zero import ZeroRedundancyOptimizer
 
 MB = 1024 * 1024

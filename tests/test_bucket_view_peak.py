@@ -14,13 +14,13 @@ import weakref
 import torch
 from torch import nn
 
-import minddp.buckets
+import minddp.ddp.buckets
 from minddp import MiniDDP
 
 
 def _most_bucket_elements_alive(rank, world_size, view):
     alive, most = [0], [0]
-    take = minddp.buckets.BucketStorage.take
+    take = minddp.ddp.buckets.BucketStorage.take
 
     def counting_take(self, numel, dtype, device):
         buffer = take(self, numel, dtype, device)
@@ -29,7 +29,7 @@ def _most_bucket_elements_alive(rank, world_size, view):
         weakref.finalize(buffer, lambda: alive.__setitem__(0, alive[0] - numel))
         return buffer
 
-    minddp.buckets.BucketStorage.take = counting_take
+    minddp.ddp.buckets.BucketStorage.take = counting_take
     try:
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])  # 4 x 257 KiB
@@ -38,7 +38,7 @@ def _most_bucket_elements_alive(rank, world_size, view):
         result = (most[0], gradient_elements)
         del ddp
     finally:
-        minddp.buckets.BucketStorage.take = take
+        minddp.ddp.buckets.BucketStorage.take = take
     return result
 
 

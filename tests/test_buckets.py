@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from minddp.bucket_assignment import MiB, TensorSpec, assign_buckets
-from minddp.buckets import Bucket
+from minddp.ddp.bucket_assignment import MiB, TensorSpec, assign_buckets
+from minddp.ddp.buckets import Bucket
 
 
 def spec(numel, dtype=torch.float32, device="cpu"):
@@ -65,7 +65,7 @@ def _random_specs(seed):
 def test_assignment_equals_torchs_own(seed, limits):
     """torch's ``compute_bucket_assignment_by_size`` (the installed torch's, through its Python binding)
     is the oracle: in gradient-arrival order (a rebuild) and in registration order (the first guess)."""
-    from minddp.bucket_assignment import first_guess_buckets
+    from minddp.ddp.bucket_assignment import first_guess_buckets
 
     specs = _random_specs(seed)
     tensors = [torch.zeros(s.numel, dtype=s.dtype) for s in specs]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from minddp.testing import RankPool
+from minddp.launch.rank_pool import RankPool
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -313,7 +313,7 @@ def test_no_host_sync_in_the_gradient_path(nccl1, under_join):
 
 
 def _desync_check_syncs(rank, world_size):
-    from minddp.replicas import check_replicas_in_sync
+    from minddp.ddp.replicas import check_replicas_in_sync
 
     _nccl()
     model = _net(0)
@@ -365,7 +365,7 @@ def test_tutorial_form_without_set_device_on_two_gpus():
 # ------------------------------------------------------- device-side trace
 def _traced_late_hook(rank, world_size, path):
     from minddp import MiniDDP
-    from minddp.trace_view import read_steps
+    from minddp.observe.trace_view import read_steps
 
     _nccl()
     mini = MiniDDP(_net(0), trace=True, bucket_cap_mb=1e-3)

@@ -136,7 +136,7 @@ def _unused_on_one_rank_only(rank, world_size):
 
 
 def test_rank_dependent_unused_parameter_without_the_flag_fails_not_hangs(ranks):
-    from minddp.testing import RankError
+    from minddp.launch.rank_pool import RankError
 
     # Each rank misses a different branch: both raise, naming what they missed.
     with pytest.raises(RankError, match="find_unused_parameters=True"):
@@ -206,7 +206,7 @@ def test_gradients_are_views_into_buckets(ranks):
 def _compressed(rank, world_size, hook_name):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    import minddp.comm_hooks as ours
+    import minddp.ddp.default_hooks as ours
 
     hook = {"torch_fp16": default_hooks.fp16_compress_hook, "fp16": ours.fp16_compress_hook,
             "bf16": ours.bf16_compress_hook, "allreduce": ours.allreduce_hook}[hook_name]

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.replicas import ReplicaDesyncError, check_replicas_in_sync
+from minddp.ddp.replicas import ReplicaDesyncError, check_replicas_in_sync
 from models_for_tests import build, global_batch
 
 BATCHES_PER_RANK = [3, 5, 4]

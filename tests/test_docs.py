@@ -18,7 +18,7 @@ PAGES = [README, LESSONS_README, *DOCS]
 PAGES_WRITTEN_ELSEWHERE = {"real_links.md"}
 # Pages whose first lines must say what is on them (the others' pages included once they exist).
 OWN_PAGES = ["features.md", "against_torch.md", "memory.md", "launching.md", "simulator.md", "testing.md", "glossary.md",
-             "reading_the_code.md", "simulator_checked.md"]
+             "reading_the_code.md", "simulator_checked.md", "collectives_checked.md"]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 LOOK_BACK = 40  # lines before a table where the command that made it may stand (same section)
 COMMAND = re.compile(r"`(?:python3?|bash|PYTHONPATH=|minddp-train|pytest|sbatch|mpirun|torchrun|NPROC=|NNODES=|NP=)[^`]*`|```(?:bash|sh)")

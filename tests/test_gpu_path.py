@@ -68,7 +68,7 @@ def test_channels_last_grad_keeps_the_parameters_strides_and_fused_adamw_matches
 
 
 def test_bucket_slots_are_laid_out_like_their_parameters():
-    from minddp.buckets import Bucket
+    from minddp.ddp.buckets import Bucket
 
     conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     odd = nn.Parameter(torch.randn(6, 4)[::2])  # not dense: a contiguous slot instead
@@ -106,7 +106,7 @@ class _OnDevice:
 
 @pytest.mark.parametrize("ids", [[torch.device("cuda")], [1], ["cuda:1"], [torch.device("cuda", 1)]], ids=str)
 def test_device_ids_spelled_as_torch_accepts_them(monkeypatch, ids):
-    from minddp.sync import module_device
+    from minddp.ddp.placement import module_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -116,7 +116,7 @@ def test_device_ids_spelled_as_torch_accepts_them(monkeypatch, ids):
 
 
 def test_inputs_are_moved_to_the_device_nested_as_they_come():
-    from minddp.sync import move_to_device
+    from minddp.ddp.placement import move_to_device
 
     x, y = torch.ones(2), torch.zeros(3)
     (args, kwargs) = move_to_device(((x, [y, 3]), {"mask": y, "name": "a"}), torch.device("meta"))
@@ -127,14 +127,14 @@ def test_inputs_are_moved_to_the_device_nested_as_they_come():
 def _forward_moves_inputs(rank, world_size):
     model = MiniDDP(nn.Linear(2, 2), device_ids=["cpu"])
     calls = []
-    import minddp.ddp
+    import minddp.ddp.wrapper
 
-    original = minddp.ddp.move_to_device
-    minddp.ddp.move_to_device = lambda inputs, device: calls.append(device) or original(inputs, device)
+    original = minddp.ddp.wrapper.move_to_device
+    minddp.ddp.wrapper.move_to_device = lambda inputs, device: calls.append(device) or original(inputs, device)
     try:
         model(torch.ones(1, 2)).sum().backward()
     finally:
-        minddp.ddp.move_to_device = original
+        minddp.ddp.wrapper.move_to_device = original
     return calls
 
 
@@ -208,7 +208,7 @@ def test_sync_batchnorm_waits_once_per_forward_like_torchs(ranks):
 
 
 def _desync_check_reads(rank, world_size):
-    from minddp.replicas import check_replicas_in_sync
+    from minddp.ddp.replicas import check_replicas_in_sync
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(5)])  # 10 tensors
@@ -365,7 +365,7 @@ class _TickClock:
 
 
 def test_tracer_stamps_launch_and_completion_with_its_clock():
-    from minddp.trace import COMM_TRACK, StepObserver
+    from minddp.observe.trace import COMM_TRACK, StepObserver
 
     observer = StepObserver(0, trace=True)
     observer.tracer.clock = _TickClock()

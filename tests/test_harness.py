@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minddp.testing import RankError, RankPool
+from minddp.launch.rank_pool import RankError, RankPool
 
 
 def _all_reduce_rank(rank, world_size):

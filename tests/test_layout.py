@@ -127,13 +127,13 @@ def test_the_gradient_path_knows_no_policy_above_it():
     # Mechanism below, policy above: the reducer and its buckets offer an
     # interface (observers, rebuild, backward-done callbacks, bucket storage),
     # and the bucket planner, the simulator and ZeRO/FSDP drive it from
-    # outside. Not vacuous: the reducer imported minddp.bucket_planner (and
+    # outside. Not vacuous: the reducer imported minddp.net.bucket_planner (and
     # through it minddp.simulate) until the planner moved out.
     graph = import_graph()
-    above = ("minddp.bucket_planner", "minddp.simulate", "minddp.zero", "minddp.fsdp")
-    path = ("minddp.reducer", "minddp.buckets", "minddp.bucket_assignment")
-    parts = tuple(m for m in graph if m.startswith("minddp.features"))  # the parts beside the path, too
-    assert "minddp.features.unused_parameters" in parts
+    above = ("minddp.net.bucket_planner", "minddp.simulate", "minddp.zero", "minddp.fsdp")
+    path = ("minddp.ddp.reducer", "minddp.ddp.buckets", "minddp.ddp.bucket_assignment")
+    parts = tuple(m for m in graph if m.startswith("minddp.ddp.parts"))  # the parts beside the path, too
+    assert "minddp.ddp.parts.unused_parameters" in parts
     for module in path + parts:
         wrong = sorted(m for m in _imports_transitively(graph, module) if m.startswith(above))
         assert not wrong, f"{module} depends on the policies above it: {wrong}"
@@ -144,16 +144,16 @@ def test_the_plain_path_imports_no_part_feature_observer_or_policy():
     # imported a feature, and its base class two). Not vacuous: the graph
     # sees reducer.py's imports of the buckets.
     graph = import_graph()
-    allowed = {"minddp.buckets", "minddp.bucket_assignment", "minddp.torch_reducer_calls"}  # torch's names
-    assert "minddp.buckets" in graph["minddp.reducer"]
-    for module in ("minddp.reducer", "minddp.buckets"):
+    allowed = {"minddp.ddp.buckets", "minddp.ddp.bucket_assignment", "minddp.ddp.torch_reducer_calls"}  # torch's names
+    assert "minddp.ddp.buckets" in graph["minddp.ddp.reducer"]
+    for module in ("minddp.ddp.reducer", "minddp.ddp.buckets"):
         wrong = sorted(_imports_transitively(graph, module) - allowed)
         assert not wrong, f"{module} imports beyond the plain path: {wrong}"
 
 
 def test_importing_the_wrapper_loads_no_simulator():
     # bucket_cap_mb="auto" needs the simulator; a default MiniDDP must not pay for it.
-    code = "import minddp.ddp, sys; assert 'minddp.simulate' not in sys.modules, sorted(m for m in sys.modules if 'simulate' in m)"
+    code = "import minddp.ddp.wrapper, sys; assert 'minddp.simulate' not in sys.modules, sorted(m for m in sys.modules if 'simulate' in m)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE_DIR.parent)
     assert out.returncode == 0, out.stderr
@@ -176,10 +176,51 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
     assert not found, f"__class__ assigned at run time: {found}"
 
 
-CORE = ("minddp.ddp", "minddp.reducer", "minddp.buckets", "minddp.bucket_assignment", "minddp.features",
-        "minddp.bucket_planner", "minddp.trace", "minddp.torch_ddp_calls", "minddp.torch_reducer_calls",
-        "minddp.arguments",
-        "minddp.sync", "minddp.join", "minddp.replicas", "minddp.comm_hooks")
+CORE = ("minddp.ddp", "minddp.observe", "minddp.net.bucket_planner")
+
+
+def layer_of(module: str) -> str:
+    """The layer a module belongs to, for the package graph: the DDP core splits in
+    three (what a step runs, the parts, and the wrapper that picks them)."""
+    parts = module.split(".") + ["", ""]
+    if parts[1] == "ddp":
+        return {"parts": "ddp.parts", "wrapper": "ddp.wrapper", "": "ddp.wrapper"}.get(parts[2], "ddp")
+    return parts[1] or "minddp"
+
+
+def layer_graph() -> dict[str, set[str]]:
+    graph = import_graph()
+    layers: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        layer = layer_of(module)
+        layers.setdefault(layer, set()).update(layer_of(d) for d in imported if layer_of(d) != layer)
+    return layers
+
+
+# What each layer of the core may import (besides itself): dependencies point one
+# way, from the wrapper that chooses down to the mechanism it chooses among.
+MAY_IMPORT = {
+    "ddp": set(),  # the reducer, buckets, and what the wrapper stands on (placement, broadcast, join, hooks)
+    "ddp.parts": {"ddp"},
+    "observe": {"ddp"},
+    "launch": {"net"},  # spawn(..., link=...) enters a real link's namespace
+    "net": {"ddp", "simulate"},  # the bucket planner replays the first steps' profile
+    "ddp.wrapper": {"ddp", "ddp.parts", "observe", "net"},
+}
+
+
+def test_the_core_layers_point_one_way():
+    # Not vacuous: the wrapper does import the parts, observers and the planner.
+    layers = layer_graph()
+    assert {"ddp.parts", "observe", "net"} <= layers["ddp.wrapper"]
+    wrong = {layer: sorted(layers.get(layer, set()) - allowed) for layer, allowed in MAY_IMPORT.items()}
+    assert not any(wrong.values()), f"layers importing beyond what they may: {wrong}"
+
+
+def print_layer_graph() -> None:
+    """One line per layer: the layers it imports (docs/reading_the_code.md)."""
+    for layer, imported in sorted(layer_graph().items()):
+        print(f"{layer:<14} -> {', '.join(sorted(imported)) or '(nothing of minddp)'}")
 
 
 def print_core_import_graph() -> None:
@@ -190,5 +231,7 @@ def print_core_import_graph() -> None:
         print(f"{module.removeprefix('minddp.'):<31} -> {', '.join(imports) or '(nothing of minddp)'}")
 
 
-if __name__ == "__main__":  # python tests/test_layout.py: the core's import graph
+if __name__ == "__main__":  # python tests/test_layout.py: the layers' graph, then the core's modules
+    print_layer_graph()
+    print()
     print_core_import_graph()

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
-from minddp.simulated_link import Message
-from minddp.trace_view import BucketBar, StepView
+from minddp.net.simulated_link import Message
+from minddp.observe.trace_view import BucketBar, StepView
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 

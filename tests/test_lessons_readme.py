@@ -42,7 +42,7 @@ def test_every_guide_says_to_read_the_package_after_lesson_08():
     assert "After lesson 08, read the package" in said["lessons/README.md"]
     assert "after lesson 08, the package itself" in said["README.md"]
     assert "lesson 08 switches to the package" in said["docs/reading_the_code.md"]
-    assert "Then read ``minddp/ddp.py``" in said["lessons/08_minddp.py"]
+    assert "Then read ``minddp/ddp/wrapper.py``" in said["lessons/08_minddp.py"]
 
 
 def test_the_reading_guide_cites_no_tool_outside_the_repository():

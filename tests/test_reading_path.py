@@ -30,10 +30,10 @@ import torch
 
 import minddp
 from minddp import MiniDDP
-from minddp.testing import RankPool
+from minddp.launch.rank_pool import RankPool
 
 MAX_FUNCTIONS, MAX_FILES, MAX_LINES = 20, 3, 900
-PLAIN_FILES = {"minddp/ddp.py", "minddp/reducer.py", "minddp/buckets.py"}
+PLAIN_FILES = {"minddp/ddp/wrapper.py", "minddp/ddp/reducer.py", "minddp/ddp/buckets.py"}
 UNUSED_MAX_FUNCTIONS, UNUSED_MAX_FILES = 26, 4
 FIRST_STEP_MAX_FILES = 4
 
@@ -96,23 +96,23 @@ def test_with_find_unused_parameters_a_step_reads_in_at_most_26_functions_4_file
     report = _describe(functions, files, lines)
     assert len(functions) <= UNUSED_MAX_FUNCTIONS, report
     assert len(files) <= UNUSED_MAX_FILES, report
-    assert "minddp/features/unused_parameters.py" in files, report  # not vacuous: its part runs
+    assert "minddp/ddp/parts/unused_parameters.py" in files, report  # not vacuous: its part runs
 
 
 def test_the_first_step_with_its_bucket_rebuild_reads_in_at_most_4_files(fresh_ranks):
     functions, files, lines = fresh_ranks.run(_reading_path, warm_up=0)[0]
     report = _describe(functions, files, lines)
     assert len(files) <= FIRST_STEP_MAX_FILES, report
-    assert ("minddp/bucket_assignment.py", "after_first_backward") in functions, report  # not vacuous
+    assert ("minddp/ddp/bucket_assignment.py", "after_first_backward") in functions, report  # not vacuous
 
 
 def test_instrumentation_and_join_bookkeeping_run_only_when_asked_for(fresh_ranks):
     functions, files, _ = fresh_ranks.run(_reading_path)[0]
-    assert not {"minddp/trace.py", "minddp/join.py"} & set(files), _describe(functions, files, 0)
-    assert not [f for f in files if f.startswith("minddp/features/")], _describe(functions, files, 0)
+    assert not {"minddp/observe/trace.py", "minddp/ddp/join.py"} & set(files), _describe(functions, files, 0)
+    assert not [f for f in files if f.startswith("minddp/ddp/parts/")], _describe(functions, files, 0)
     # Not vacuous: asked for, the timeline does run on that step (an observer of the reducer).
     functions, files, _ = fresh_ranks.run(_reading_path, timeline=True)[0]
-    assert ("minddp/trace.py", "bucket_launched") in functions, _describe(functions, files, 0)
+    assert ("minddp/observe/trace.py", "bucket_launched") in functions, _describe(functions, files, 0)
 
 
 def _print_reading_path(rank, world_size, options):

@@ -1,4 +1,4 @@
-"""Real links (minddp/links.py): set-up, tear-down, bad rates, a crashed rank.
+"""Real links (minddp/net/links.py): set-up, tear-down, bad rates, a crashed rank.
 
 What needs root and iproute2 skips with the one line :func:`links.missing`
 prints; every such test lists the namespaces afterwards, so nothing it built
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from minddp import link_hosts, links
+from minddp.net import link_hosts, links
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_root = pytest.mark.skipif(links.missing() is not None, reason=str(links.missing()))
@@ -117,7 +117,7 @@ def test_an_exception_inside_the_block_still_removes_everything():
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from minddp import links
+    from minddp.net import links
     with links.shaped_network(2, "1gbit") as net:
         print(" ".join(net.all_namespaces()), flush=True)
         time.sleep(60)
@@ -186,7 +186,7 @@ def _rank1_crashes_mid_run(rank, world_size):
 def test_a_crashed_rank_stops_the_others_names_itself_and_leaves_no_namespace():
     from minddp import spawn
     from minddp.launch import RankFailed
-    from minddp.processes import GRACE_S
+    from minddp.launch.processes import GRACE_S
 
     started = time.monotonic()
     with pytest.raises(RankFailed, match="rank 1 failed first") as info:

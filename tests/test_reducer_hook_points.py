@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.buckets import BucketStorage
-from minddp.features.lent_buckets import lend_buckets
-from minddp.reducer import ArrivalLog
+from minddp.ddp.buckets import BucketStorage
+from minddp.ddp.parts.lent_buckets import lend_buckets
+from minddp.ddp.reducer import ArrivalLog
 
 STEPS = 3
 

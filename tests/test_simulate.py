@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from minddp.network import (
+from minddp.net.network import (
     Hierarchy,
     Link,
     allreduce_time,

@@ -77,3 +77,30 @@ def test_record_of_a_model_with_unused_parameters_names_the_flag_and_the_flag_wo
     code, out, err = run_cli(capsys, "--record", spec, "--out", str(tmp_path / "t.json"), "--world", "8",
                          "--find-unused-parameters", "--step-ms", "5")
     assert code == 0 and "2 gradients" in out, err
+
+
+PROFILE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "simulate-profile-resnet50.json")
+
+
+@pytest.mark.parametrize("argv, says", [
+    # the issue's first list: bad step times, missing traces, zero bandwidths, unknown presets, world 0
+    (["--trace", PROFILE, "--step-ms", "-3"], "--step-ms"),
+    (["--trace", PROFILE, "--step-ms", "abc"], "--step-ms"),
+    (["--trace", "no/such/trace.json"], "--trace"),
+    (["--trace", PROFILE, "--bandwidth", "0"], "--bandwidth"),
+    (["--trace", PROFILE, "--network", "dgx-a100", "--intra-bandwidth", "0GB/s"], "--intra-bandwidth"),
+    (["--trace", PROFILE, "--nominal-bandwidth", "0", "--efficiency", "0.5"], "--nominal-bandwidth"),
+    (["--trace", PROFILE, "--network", "no-such-preset"], "--network"),
+    (["--trace", PROFILE, "--world", "0"], "--world"),
+    # the same inputs to the collective subcommand
+    (["collective", "all_reduce", "--network", "dgx-a100", "--world", "12"], "not a multiple of 8 GPUs per node"),
+    (["collective", "all_reduce", "--network", "dgx-a100", "--gpus-per-node", "1000000"], "no node holds more than"),
+    (["collective", "all_reduce", "--network", "ib400", "--intra-bandwidth", "100GB/s"], "--intra-bandwidth"),
+    (["collective", "all_reduce", "--bandwidth", "0"], "--bandwidth"),
+    (["collective", "all_reduce", "--network", "no-such-preset"], "--network"),
+    (["collective", "all_reduce", "--world", "0"], "--world"),
+    (["collective", "all_reduce", "--bytes", "0"], "--bytes"),
+    (["collective", "all_reduce", "--against", "no/such/table.txt"], "--against"),
+])
+def test_every_other_bad_input_the_issue_lists_is_one_line(capsys, argv, says):
+    one_line(*run_cli(capsys, *argv)[::2], says)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from minddp.network import Hierarchy, Link, ring_allreduce_time
+from minddp.net.network import Hierarchy, Link, ring_allreduce_time
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
 from minddp.simulate.__main__ import main
 from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, network_table, parse_rate

@@ -5,7 +5,7 @@ Hand computations with NCCL's own constants (tuning.cc), on a made-up cluster wi
 
 import pytest
 
-from minddp.network import Link, hierarchical_allreduce_time
+from minddp.net.network import Link, hierarchical_allreduce_time
 from simulate_cli import run_cli
 from minddp.simulate.collective_report import size_range
 from minddp.simulate.nccl import BASE_LATENCY_US, HOP_LATENCY_US, Cluster, nccl_time

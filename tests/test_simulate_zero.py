@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from minddp.network import (
+from minddp.net.network import (
     PRESETS,
     Hierarchy,
     Link,

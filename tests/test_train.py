@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.data import SyntheticMNIST
-from minddp.ddp import MiniDDP
+from minddp.ddp.wrapper import MiniDDP
 from minddp.launch import find_free_port
 from minddp.models import build_model, model_loss
 from minddp.train.checkpoint import load_checkpoint, save_checkpoint

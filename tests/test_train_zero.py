@@ -191,7 +191,7 @@ def test_combinations_zero_cannot_run_get_one_clear_line(capsys, monkeypatch, ar
 
 
 def _weights_loaded_after_the_optimizer_was_built(rank, world_size, stage):
-    from minddp.ddp import MiniDDP
+    from minddp.ddp.wrapper import MiniDDP
     from minddp.zero import ZeroRedundancyOptimizer
 
     torch.manual_seed(0)

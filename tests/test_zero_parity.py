@@ -207,7 +207,7 @@ def _under_join(rank, world_size, which):
     """
     from torch.distributed.algorithms.join import Join as TorchJoin
 
-    from minddp.join import Join as MiniJoin
+    from minddp.ddp.join import Join as MiniJoin
 
     cls, kw = torch.optim.AdamW, {"lr": 0.05}
     # With torch's DDP, it averages (and shadows its all-reduces); alone, each rank's own gradients.

@@ -27,7 +27,7 @@ import torch
 
 from minddp import MiniDDP
 from minddp.models import GPT, GPTConfig
-from minddp.testing import RankPool
+from minddp.launch.rank_pool import RankPool
 from minddp.zero import ZeroRedundancyOptimizer
 from minddp.zero.memory import GradientPeak, gradient_bytes, optimizer_state_bytes
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minddp.features.comm_hook import CommHook
+from minddp.ddp.parts.comm_hook import CommHook
 from minddp import MiniDDP
 from minddp.zero import ZeroRedundancyOptimizer
 from minddp.zero.memory import GradientPeak, allocation_peak, gradient_bytes

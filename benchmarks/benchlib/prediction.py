@@ -11,7 +11,7 @@ as the timed steps:
 * **the link**: ``all_reduce`` of a small buffer (64 KiB) and of one as large
   as all the gradients, the fastest of a few tries each (load only adds
   time), fitted as ``bucket_cap_mb="auto"`` fits it
-  (:func:`minddp.bucket_planner.fit_latency_bandwidth`).
+  (:func:`minddp.net.bucket_planner.fit_latency_bandwidth`).
 
 After each row's timing, rank 0 replays its bucket cap, the profile's
 compute scaled to that row's measured bare step (``local``). Whether communication may run beside
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from benchlib.tables import markdown_table, with_spread
-from minddp.bucket_planner import fit_latency_bandwidth
+from minddp.net.bucket_planner import fit_latency_bandwidth
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step
 
 PROFILE_STEPS = 4  # traced steps after the warm-up ones
@@ -86,7 +86,7 @@ def predicted_step(inputs, cap_mb: float, local_ms: float, world_size: int, over
 def table(cfg: dict, rows: list[dict]) -> str:
     """Measured against simulated, and how much of the all-reduce each wrapper hid, per model and cap."""
     auto = all("ratio_auto" in r for r in rows)
-    where = "loopback" if cfg.get("link", "loopback") == "loopback" else f"links shaped to {cfg['link']} (minddp/links.py)"
+    where = "loopback" if cfg.get("link", "loopback") == "loopback" else f"links shaped to {cfg['link']} (minddp/net/links.py)"
     titles = ["model", "cap MB", "local", "allreduce", "simulated", "torch copy", "minddp copy", "minddp / torch",
               "sim error torch", "hidden torch", "hidden minddp"] + (["auto (buckets)", "auto predicted", "auto / torch"] if auto else [])
     cells_all = []
@@ -104,7 +104,7 @@ def table(cfg: dict, rows: list[dict]) -> str:
         "  simulated: minddp.simulate's step from this run's compute profile (scaled to local) and link fit (benchlib/prediction.py),",
         f"  communication {SIMULATED_WITH.get(cfg.get('bound_rule'), 'beside or with')} backward; sim error against torch copy;",
         "  hidden = (local + allreduce - step) / allreduce; auto predicted: the step bucket_cap_mb='auto''s planner",
-        "  predicted for the buckets it chose (rank 0, minddp/bucket_planner.py); auto / torch: MiniDDP(bucket_cap_mb='auto')",
+        "  predicted for the buckets it chose (rank 0, minddp/net/bucket_planner.py); auto / torch: MiniDDP(bucket_cap_mb='auto')",
         "  against torch's DDP at this row's cap (the 25 MB row: torch's default)",
     ]
     return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from minddp.bucket_assignment import MiB, TensorSpec, assign_buckets
-from minddp.ddp import FIRST_BUCKET_CAP_MB
+from minddp.ddp.bucket_assignment import MiB, TensorSpec, assign_buckets
+from minddp.ddp.wrapper import FIRST_BUCKET_CAP_MB
 
 NOCOMM = "_nocomm"  # suffix of the overhead-mode wrappers' names
 AUTO = "minddp_auto"  # MiniDDP(bucket_cap_mb="auto", buffer_sync="with_gradients"), against torch_copy
@@ -42,7 +42,7 @@ def comm_hooks(name: str):
         return None, None
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 
-    from minddp import comm_hooks as mh
+    from minddp.ddp import default_hooks as mh
 
     return {
         "allreduce": (dh.allreduce_hook, mh.allreduce_hook),
@@ -71,7 +71,7 @@ def wrapper_names(cfg: dict) -> list[str]:
 
 WORLD_ONE_NOTE = (
     "note: world size 1: both wrappers get an all-reduce comm hook (torch's allreduce_hook, "
-    "minddp.comm_hooks.allreduce_hook), so both launch one real all-reduce per bucket; without it MiniDDP "
+    "minddp.ddp.default_hooks.allreduce_hook), so both launch one real all-reduce per bucket; without it MiniDDP "
     "skips the collective (nothing to add up) while torch's DDP still runs it, and the two figures would "
     "not measure the same work"
 )

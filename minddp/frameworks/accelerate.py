@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minddp.ddp import MiniDDP
+from minddp.ddp.wrapper import MiniDDP
 
 __all__ = ["use_minddp", "use_torch_ddp"]
 

@@ -18,7 +18,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 
-from minddp.ddp import MiniDDP
+from minddp.ddp.wrapper import MiniDDP
 
 __all__ = ["MiniDDPStrategy"]
 

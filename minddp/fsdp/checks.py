@@ -27,7 +27,7 @@ _watching = False
 
 
 def check_not_data_parallel(module: nn.Module) -> None:
-    from minddp.ddp import MiniDDP
+    from minddp.ddp.wrapper import MiniDDP
 
     for name, sub in module.named_modules():
         if isinstance(sub, (MiniDDP, nn.parallel.DistributedDataParallel)):

@@ -6,7 +6,7 @@ GPUs: this package answers with a replay, not a cluster.
 * :mod:`minddp.simulate.profile`: the compute profile of one step (forward,
   when each gradient was ready, sizes and dtypes), read from
   ``MiniDDP(..., trace=True)``'s Chrome trace;
-* :mod:`minddp.network` (one level up): the latency-bandwidth model of
+* :mod:`minddp.net.network` (one level up): the latency-bandwidth model of
   ring, tree and hierarchical all-reduce, with cited presets;
 * :mod:`minddp.simulate.replay`: DDP's policy (bucket caps, strict bucket
   order, one collective on the wire, compression, ``no_sync`` accumulation)

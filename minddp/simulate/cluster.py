@@ -1,6 +1,6 @@
 """Your cluster, described by what you know: achieved bandwidths, node shape, NICs, or a measured table.
 
-:mod:`minddp.network`'s presets are line rates (what the datasheet says).
+:mod:`minddp.net.network`'s presets are line rates (what the datasheet says).
 A collective reaches less: NCCL's own maintainers put its protocol overhead
 on NVLink at about 20% (450 GB/s line rate, about 370 GB/s achieved on an
 H100 node; NVIDIA/nccl-tests issue 212). :data:`ACHIEVED` gives each preset
@@ -14,7 +14,7 @@ node. The GPUs of a node share its NICs: each rank's share between nodes is
 ``NIC bandwidth x NICs / GPUs`` (a DGX-1 has 4 NICs for 8 GPUs: half a NIC
 each). :func:`parse_collective_table` reads the output of NCCL's
 ``all_reduce_perf`` (nccl-tests) and :func:`fit_network_table` fits a link
-to it with :func:`minddp.network.fit_link`.
+to it with :func:`minddp.net.network.fit_link`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from minddp.network import HIERARCHIES, PRESETS, Hierarchy, Link, fit_link
+from minddp.net.network import HIERARCHIES, PRESETS, Hierarchy, Link, fit_link
 from minddp.simulate.figures import FLAGS, Figures
 from minddp.simulate.nccl import Cluster
 
@@ -57,7 +57,7 @@ ACHIEVED: dict[str, Achieved] = {
     "laptop": Achieved(1.0, "teaching preset: the figure is the model"),
 }
 
-# Links and machines beyond minddp.network's presets (line rates, as there).
+# Links and machines beyond minddp.net.network's presets (line rates, as there).
 _EXTRA_LINKS = {
     "nvlink2": Link("nvlink2", 3.4e-6, 150 * GB,
                     "DGX-1 V100 NVLink 2: 6 links of 25 GB/s per direction per GPU, run as 6 one-way rings "
@@ -72,7 +72,7 @@ MACHINES: dict[str, tuple[str, str, int, int, str]] = {  # name: (intra link, NI
 }
 
 
-# minddp.network's machines give every GPU a NIC of its own; a typical cloud instance has one for all 8.
+# minddp.net.network's machines give every GPU a NIC of its own; a typical cloud instance has one for all 8.
 NICS_PER_NODE = {"pcie-eth25": 1}
 _PCI_INSIDE = {"pcie-eth25"}  # machines whose GPUs talk over PCIe (NCCL's PCI latencies, no LL128)
 

@@ -24,7 +24,7 @@ from minddp.simulate.arguments import OneLineParser, one_line_errors, positive, 
 from minddp.simulate.cluster import read_collective_table
 from minddp.simulate.nccl import ALGORITHMS, KINDS, PROTOCOLS, Cluster, bus_factor, nccl_time
 from minddp.simulate.network_flags import add_network_flags, fit_residuals, model_of, network_from
-from minddp.network import collective_time as textbook_time
+from minddp.net.network import collective_time as textbook_time
 
 __all__ = ["main", "parse_bytes", "size_range", "table"]
 

@@ -7,7 +7,7 @@ keeps each value beside its origin, so the command's "network:" line can
 say, figure by figure, whether it is the preset's, yours, or fitted.
 :meth:`Figures.build` checks the combination (more NICs than GPUs, figures
 inside a node for a preset with one GPU per node, a million GPUs per node)
-and gives a flat :class:`~minddp.network.Link` (one GPU per node: the
+and gives a flat :class:`~minddp.net.network.Link` (one GPU per node: the
 alpha-beta ring between ranks) or a :class:`~minddp.simulate.nccl.Cluster`
 (NCCL's model, :mod:`minddp.simulate.nccl`).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minddp.network import Link
+from minddp.net.network import Link
 from minddp.simulate.nccl import MAX_GPUS_PER_NODE, Cluster
 
 __all__ = ["Figures", "FLAGS", "NVLINK_FROM_Bps", "DEFAULT_INTRA_LATENCY_US"]

@@ -1,6 +1,6 @@
 """Collectives as NCCL runs them: rings and trees over a cluster's nodes, pipelined, in three protocols.
 
-:mod:`minddp.network`'s textbook model runs a hierarchical all-reduce as
+:mod:`minddp.net.network`'s textbook model runs a hierarchical all-reduce as
 phases one after another (a ring inside the node, then one between nodes,
 then inside again) at each link's own speed. NCCL does not: a **ring**
 threads through every GPU of every node, crossing each node's NIC once per
@@ -39,7 +39,7 @@ cost model (``src/graph/tuning.cc`` of NVIDIA/nccl, NCCL 2.8, commit
 
 NCCL's model also multiplies a multi-node Simple ring's latency by 1.9
 above ``p / 16 x 64 KiB`` ("plateau effect of ring"); left out here: the
-measured 3-node table of ``docs/simulator_checked.md`` runs at the NICs'
+measured 3-node table of ``docs/collectives_checked.md`` runs at the NICs'
 full bandwidth at 128 MB, with no room for it (it would add 0.2 ms, 8%).
 
 * :data:`TREE_MAX_BUS_GBPS`: ``maxTreeBw``, the tree's ceiling (110 GB/s up
@@ -48,7 +48,7 @@ full bandwidth at 128 MB, with no room for it (it would add 0.2 ms, 8%).
 Left out: NCCL's per-channel caps (LL128's 16.7 GB/s per channel),
 CollNet/SHARP and NVLS (NVLink SHARP), and congestion in the switches.
 :data:`LAUNCH_US` is what nccl-tests' time holds beyond NCCL's model (a
-kernel launch, the stream's wait), fitted in ``docs/simulator_checked.md``.
+kernel launch, the stream's wait), fitted in ``docs/collectives_checked.md``.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minddp.network import Hierarchy, Link
-from minddp.network import collective_time as textbook_time
+from minddp.net.network import Hierarchy, Link
+from minddp.net.network import collective_time as textbook_time
 
 __all__ = ["Cluster", "Choice", "ALGORITHMS", "PROTOCOLS", "collective_time", "nccl_time", "bus_factor",
            "MAX_GPUS_PER_NODE", "LAUNCH_US"]
@@ -87,7 +87,7 @@ TREE_CORRECTION = {  # powers of two of (bytes / 64), from 0 to 21
     "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8, .9),
 }
 # nccl-tests' time beyond NCCL's model (a kernel launch): fitted by `python benchmarks/published_nccl.py --fit`
-# to its fitting table only (2 RTX A6000 on PCIe, small messages); docs/simulator_checked.md.
+# to its fitting table only (2 RTX A6000 on PCIe, small messages); docs/collectives_checked.md.
 LAUNCH_US = 2.3
 
 
@@ -96,7 +96,7 @@ class Cluster(Hierarchy):
     """Nodes of ``ranks_per_node`` GPUs, each node with ``nics_per_node`` NICs of ``nic`` (achieved bandwidth,
     Ring/Simple latency per step); ``intra`` the bus bandwidth and step latency inside a node.
 
-    A :class:`~minddp.network.Hierarchy` too (``inter``: one GPU's share of the NICs), so that code written
+    A :class:`~minddp.net.network.Hierarchy` too (``inter``: one GPU's share of the NICs), so that code written
     for the two-level model reads it; the simulator times its collectives with :func:`collective_time`.
     ``origins``: each figure's origin (preset, flag, fit), for the "network:" line.
     """
@@ -218,8 +218,8 @@ def nccl_time(kind: str, nbytes: float, world_size: int, cluster: Cluster, algor
 
 def collective_time(kind: str, nbytes: float, world_size: int, network: Link | Hierarchy,
                     algorithm: str = "auto") -> float:
-    """Seconds for one collective: NCCL's model on a :class:`Cluster`, else :mod:`minddp.network`'s
-    alpha-beta model (a flat link, or a two-level :class:`~minddp.network.Hierarchy` built by hand)."""
+    """Seconds for one collective: NCCL's model on a :class:`Cluster`, else :mod:`minddp.net.network`'s
+    alpha-beta model (a flat link, or a two-level :class:`~minddp.net.network.Hierarchy` built by hand)."""
     if isinstance(network, Cluster):
         return nccl_time(kind, nbytes, world_size, network, algorithm).seconds
     return textbook_time(kind, nbytes, world_size, network, "ring" if algorithm == "auto" else algorithm)

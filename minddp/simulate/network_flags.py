@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from minddp.network import ring_allreduce_time
+from minddp.net.network import ring_allreduce_time
 from minddp.simulate.nccl import Cluster
 from minddp.simulate.arguments import at_least_zero, positive, whole
 from minddp.simulate.cluster import (apply_flags, fit_network_table, names, parse_rate, preset_figures,
@@ -105,4 +105,4 @@ def model_of(network) -> str:
     """Which model times this network's collectives, in words."""
     if isinstance(network, Cluster):
         return "collectives by NCCL's ring/tree model (minddp.simulate.nccl)"
-    return "collectives by the alpha-beta ring (minddp.network: a flat link)"
+    return "collectives by the alpha-beta ring (minddp.net.network: a flat link)"

@@ -1,10 +1,10 @@
 """Replaying DDP's bucket schedule for one step, at any world size.
 
 Given a :class:`~minddp.simulate.profile.ComputeProfile` (when each gradient
-is ready), a network (:mod:`minddp.network`) and a :class:`DDPPolicy`, the
+is ready), a network (:mod:`minddp.net.network`) and a :class:`DDPPolicy`, the
 replay walks the buckets in order, as MiniDDP and torch's DDP launch them:
 
-1. buckets come from :func:`minddp.bucket_assignment.assign_buckets` over the
+1. buckets come from :func:`minddp.ddp.bucket_assignment.assign_buckets` over the
    gradients in arrival order (MiniDDP rebuilds its buckets in that order
    after the first step), the first one capped at ``first_bucket_cap_mb``;
 2. a bucket is ready when its last gradient is;
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
-from minddp.network import COLLECTIVES, Hierarchy, Link, bytes_sent_per_rank
+from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
+from minddp.net.network import COLLECTIVES, Hierarchy, Link, bytes_sent_per_rank
 from minddp.simulate.nccl import collective_time
 from minddp.simulate.overheads import NO_OVERHEADS, ComputeClock, Overheads
 from minddp.simulate.profile import ComputeProfile, Gradient

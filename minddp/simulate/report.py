@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from minddp.network import Hierarchy, Link
+from minddp.net.network import Hierarchy, Link
 from minddp.simulate.profile import ComputeProfile
 from minddp.simulate.replay import DDPPolicy, SimulatedStep, simulate_step
 
@@ -89,7 +89,7 @@ def draw_scaling(rows: list[Row], path: str, title: str = "") -> None:
 
 
 def draw_timeline(step: SimulatedStep, path: str, title: str = "") -> None:
-    """PNG of one simulated step, drawn like :func:`minddp.trace_view.draw_overlap`.
+    """PNG of one simulated step, drawn like :func:`minddp.observe.trace_view.draw_overlap`.
 
     Backward: dark until its last gradient, light while waiting for the
     all-reduces. One bar per bucket, ready (tick) to launch to completion:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minddp.network import Hierarchy, Link, all_gather_time, bytes_sent_per_rank, reduce_scatter_time
+from minddp.net.network import Hierarchy, Link, all_gather_time, bytes_sent_per_rank, reduce_scatter_time
 
 __all__ = ["Unit", "Stage3Policy", "SimulatedCollective", "Stage3Step", "simulate_stage3", "working_set_bytes"]
 

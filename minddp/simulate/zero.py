@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from minddp.network import Hierarchy, Link, all_gather_time, bytes_sent_per_rank
+from minddp.net.network import Hierarchy, Link, all_gather_time, bytes_sent_per_rank
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, SimulatedStep, simulate_step
 from minddp.simulate.stage3 import Stage3Policy, Stage3Step, Unit, simulate_stage3, working_set_bytes

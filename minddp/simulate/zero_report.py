@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minddp.network import HIERARCHIES, PRESETS, get_network
+from minddp.net.network import HIERARCHIES, PRESETS, get_network
 from minddp.simulate.arguments import OneLineParser, listed, positive, whole
 from minddp.simulate.replay import DDPPolicy
 from minddp.simulate.stage3 import Stage3Policy, working_set_bytes

@@ -1,6 +1,6 @@
 """Run ``minddp-train`` on ``--nproc`` local ranks and say which one failed first.
 
-The ranks are a :class:`minddp.processes.LocalRanks`: each trains and sends
+The ranks are a :class:`minddp.launch.processes.LocalRanks`: each trains and sends
 the parent what happened, and the parent prints it. The reports of a rank:
 
 * ``("note", step)``     after each checkpoint (to name the last good one),
@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from minddp.launch import find_free_port, init_distributed, shutdown
-from minddp.processes import LocalRanks, Report, report
+from minddp.launch.processes import LocalRanks, Report, report
 from minddp.train.checkpoint import LAST, CheckpointError
 from minddp.train.errors import UsageError, describe_exception, is_communication_error
 from minddp.train.loop import train

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from minddp.data import SyntheticMNIST, make_dataset
-from minddp.ddp import MiniDDP
+from minddp.ddp.wrapper import MiniDDP
 from minddp.sync_batchnorm import SyncBatchNorm
 from minddp.train.errors import UsageError
 from minddp.train.fully_sharded import shard_model

@@ -10,7 +10,7 @@ sharding: MiniDDP reduce-scatters its buckets) -> :mod:`minddp.zero.collectives`
 measured and as the paper's formulas).
 
 The core (``minddp/*.py``) never imports this package; stage 2 reaches the
-reducer through a comm hook and lent buckets (:mod:`minddp.features.lent_buckets`).
+reducer through a comm hook and lent buckets (:mod:`minddp.ddp.parts.lent_buckets`).
 """
 
 from minddp.zero.checkpoint import load_sharded, save_sharded

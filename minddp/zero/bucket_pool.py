@@ -4,11 +4,11 @@ MiniDDP keeps one flat buffer per bucket for the whole run: a second copy of
 every gradient (torch's DDP does the same). Stage 2 needs none of it once a
 bucket has been reduce-scattered: its average lives, 1/N of it, in the
 optimizer's shard. So stage 2 gives the reducer this storage
-(``Reducer.use_bucket_storage``, :class:`~minddp.buckets.BucketStorage`'s
+(``Reducer.use_bucket_storage``, :class:`~minddp.ddp.buckets.BucketStorage`'s
 hook point): a bucket takes a buffer at its first gradient (each gradient
 goes into its slot at its hook, and autograd's ``.grad`` is let go at once:
 with ``slots_at_hook``, stage 2 picks MiniDDP's bucket-views part,
-:mod:`minddp.features.bucket_views`) and gives it back as soon as its reduce-scatter arrived
+:mod:`minddp.ddp.parts.bucket_views`) and gives it back as soon as its reduce-scatter arrived
 and the optimizer took the piece, during backward. Only the buckets in
 flight hold one: a few buckets' worth of memory, not the model's.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from minddp.buckets import BucketStorage
+from minddp.ddp.buckets import BucketStorage
 
 __all__ = ["BucketPool"]
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from minddp.features.comm_hook import CommHook
+from minddp.ddp.parts.comm_hook import CommHook
 
 __all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes", "gradient_bytes", "GradientPeak",
            "allocation_peak"]

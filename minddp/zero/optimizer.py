@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from minddp.join import Join, JoinHook
+from minddp.ddp.join import Join, JoinHook
 from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
 from minddp.zero.clipping import clip_shards_by_global_norm_
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minddp.comm_hooks import GradBucket
+from minddp.ddp.default_hooks import GradBucket
 from minddp.zero.collectives import WorkFuture
 
 __all__ = ["attach_allreduce"]

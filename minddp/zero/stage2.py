@@ -17,7 +17,7 @@ communication with backward stays. Three narrow contacts with MiniDDP:
   reduce-scatters it, this rank's piece landing in the optimizer's shard
   gradient (straight into it where the piece lies there end to end; on
   Gloo by sends and receives, :mod:`minddp.zero.pairwise`);
-* lent buckets (:func:`minddp.features.lent_buckets.lend_buckets`, ``on_reduced``): told that
+* lent buckets (:func:`minddp.ddp.parts.lent_buckets.lend_buckets`, ``on_reduced``): told that
   the optimizer took the bucket, the reducer does not write ``.grad``, and
   the parameters' ``.grad`` are dropped (``None``) as soon as it is reduced;
 * the reducer's bucket storage: buffers lent by a small pool
@@ -47,10 +47,10 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from minddp.comm_hooks import GradBucket
-from minddp.features.bucket_views import BucketViews
-from minddp.features.gradient_cases import sparse_embedding_weights
-from minddp.features.lent_buckets import lend_buckets
+from minddp.ddp.default_hooks import GradBucket
+from minddp.ddp.parts.bucket_views import BucketViews
+from minddp.ddp.parts.gradient_cases import sparse_embedding_weights
+from minddp.ddp.parts.lent_buckets import lend_buckets
 from minddp.zero.bucket_pool import BucketPool
 from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
 from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise

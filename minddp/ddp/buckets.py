@@ -1,0 +1,196 @@
+"""A gradient bucket: one flat buffer and its life cycle.
+
+Why buckets at all? One all-reduce per parameter pays the collective's fixed
+latency hundreds of times per step; one all-reduce of every gradient at the
+end cannot start before backward is over, so nothing overlaps. A bucket is
+the middle ground: a flat buffer holding the gradients of a few parameters,
+all-reduced as soon as its last gradient is in, while autograd goes on
+computing the gradients of earlier layers.
+
+Which parameters share a bucket is decided by
+:func:`minddp.ddp.bucket_assignment.assign_buckets`; what lives here is
+:class:`Bucket`, the flat buffer plus its life cycle, as the reducer
+(:mod:`minddp.ddp.reducer`) drives it::
+
+    mark_ready_at(i) ... mark_ready_at(i)   one per parameter: a count, no copy;
+                                            True for the last one
+    copy_in(grads, slots, 1/N)              then every gradient into its slot, in one batch
+    launch(communicate)                     the async all-reduce of the whole buffer
+    wait()                                  the sum is in the buffer
+    reset()                                 ready for the next backward
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from minddp.ddp.bucket_assignment import BucketStorage, slot_in
+
+__all__ = ["Bucket", "BucketStorage"]
+
+# Above this mean size (elements), a bucket's gradients are copied and scaled
+# one by one in a single fused pass each; below, in two batched calls.
+LARGE_GRADIENT_NUMEL = 64 * 1024
+
+
+class Bucket:
+    """A flat gradient buffer for a few parameters, and its life cycle.
+
+    Each parameter's gradient has a fixed slot in ``buffer`` (``views[i]``,
+    :meth:`view`), with the parameter's own memory layout. :meth:`mark_ready_at`
+    only counts: the gradients are copied in by :meth:`copy_in` once the last
+    one is ready. Misuse (a parameter marked twice, a launch before all are
+    ready, a wait without a launch) raises ``RuntimeError``: it would mean
+    gradients summed twice, or sent before they existed.
+
+    ``dtype``: what the gradients are reduced in (default: the parameters').
+    ``extra_numel``: room after the gradients (``tail``) for what rides along
+    (:mod:`minddp.ddp.parts.buffers_in_bucket`). ``storage``: where the buffer
+    comes from; the default one allocates it here, once. ``indices``: the
+    parameters' indices in the reducer's list (default: 0, 1, ...).
+    """
+
+    def __init__(
+        self, index: int, params: list[torch.nn.Parameter], names: list[str], dtype: torch.dtype | None = None,
+        storage: BucketStorage | None = None, extra_numel: int = 0, indices: list[int] | None = None,
+    ):
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        self.index, self.params, self.names = index, params, names
+        self.indices = list(range(len(params))) if indices is None else indices
+        self.extra_numel = extra_numel
+        self.numel = sum(p.numel() for p in params) + extra_numel
+        self.dtype = dtype or params[0].dtype
+        self.storage = storage or BucketStorage()
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        # How copy_in copies, decided once: one fused pass per large gradient, or two batched calls;
+        # a cast first when the bucket's dtype is not the gradients' (reduce_dtype).
+        self._one_by_one = self.numel - extra_numel >= LARGE_GRADIENT_NUMEL * len(params)
+        self._casts = any(p.dtype != self.dtype for p in params)
+        self._position = {id(p): i for i, p in enumerate(params)}
+        self._ready = [False] * len(params)
+        self.pending = len(params)  # parameters not ready yet
+        self.future: torch.futures.Future | None = None  # set by launch, cleared by wait
+        self.done = False  # waited for: the result is in the buffer
+        if self.storage.keep_buffers:
+            self.acquire()
+
+    def acquire(self) -> None:
+        """Have a buffer (from the storage) and the slots into it."""
+        if self.buffer is not None:
+            return
+        self.buffer = self.storage.take(self.numel, self.dtype, self.params[0].device)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(slot_in(self.buffer, offset, p))
+            offset += p.numel()
+
+    def release(self) -> None:
+        """Give the buffer back to the storage; a ``.grad`` that was a slot of it is dropped."""
+        if self.buffer is None:
+            return
+        for p, slot in zip(self.params, self.views):
+            if p.grad is slot:
+                p.grad = None
+        self.storage.give_back(self.buffer)
+        self.buffer, self.views = None, []
+
+    @property
+    def tail(self) -> torch.Tensor:
+        """The ``extra_numel`` elements after the gradients' slots."""
+        return self.buffer[self.numel - self.extra_numel:]
+
+    def view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This parameter's slot in the buffer, shaped like the parameter."""
+        return self.views[self._position[id(param)]]
+
+    # ----------------------------------------------------------- life cycle
+    def mark_ready(self, param: torch.nn.Parameter) -> bool:
+        """Count ``param``'s gradient as ready; True if it was the bucket's last."""
+        return self.mark_ready_at(self._position[id(param)])
+
+    def mark_ready_at(self, i: int) -> bool:
+        """:meth:`mark_ready` for ``params[i]`` (the reducer knows ``i`` in advance)."""
+        if self._ready[i]:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} produced a gradient twice in one backward "
+                "(a second backward through the same graph, or a block run twice under a reentrant "
+                "activation checkpoint: construct MiniDDP(..., static_graph=True) for that); "
+                "its bucket was already marked ready. (torch's DDP says: Expected to mark a variable "
+                "ready only once.)"
+            )
+        self._ready[i] = True
+        self.pending -= 1
+        return self.pending == 0
+
+    def copy_in(self, grads: list[torch.Tensor], slots: list[torch.Tensor], scale: float) -> None:
+        """Copy ``grads`` into their ``slots``; leave every slot (those not listed hold their
+        gradient already) scaled by ``scale``. Measured on this project's CPU: a fused
+        ``slot = grad * scale`` per gradient is fastest for large gradients (1.0 ms against 1.4
+        for 5 MLP gradients in 25 MB), one ``_foreach_copy_`` plus one ``buffer.mul_`` for many
+        small ones (0.08 ms against 0.17 for 48 transformer gradients)."""
+        if not self._one_by_one:
+            if grads:
+                torch._foreach_copy_(slots, grads)  # casts too, with reduce_dtype
+            if scale != 1.0:
+                self.buffer.mul_(scale)
+            return
+        for grad, slot in zip(grads, slots):
+            if scale == 1.0 or self._casts:  # cast first, so the scaling rounds only once
+                slot.copy_(grad)
+                if scale != 1.0:
+                    slot.mul_(scale)
+            else:
+                torch.mul(grad, scale, out=slot)
+        if len(slots) < len(self.views) and scale != 1.0:
+            copied = {id(slot) for slot in slots}
+            for slot in self.views:
+                if id(slot) not in copied:
+                    slot.mul_(scale)
+
+    def launch(self, communicate: Callable[["Bucket"], torch.futures.Future]) -> None:
+        """Start communication; ``communicate`` returns a future of the reduced buffer."""
+        if self.pending:
+            raise RuntimeError(f"bucket {self.index} launched with unready parameters {self.unready_names()}")
+        self.future = communicate(self)
+
+    def launch_unconditionally(self, communicate: Callable[["Bucket"], torch.futures.Future]) -> None:
+        """Launch whatever the buffer holds (a joined rank's zeros, see minddp.ddp.join)."""
+        self.future = communicate(self)
+
+    def wait(self) -> None:
+        """Block until the communication finished; the result is in ``buffer`` (again: nothing to do)."""
+        if self.done:
+            return
+        if self.future is None:
+            raise RuntimeError(f"bucket {self.index} waited on before it was launched")
+        result = self.future.wait()
+        if isinstance(result, list):  # a Work's future yields the list of its tensors
+            result = result[0]
+        if result is not self.buffer and result.data_ptr() != self.buffer.data_ptr():
+            self.buffer.copy_(result)  # a comm hook may return a new tensor
+        self.future, self.done = None, True
+
+    def reset(self) -> None:
+        self._ready = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.future, self.done = None, False
+
+    # ----------------------------------------------------------- inspection
+    @property
+    def ready(self) -> bool:
+        return self.pending == 0
+
+    @property
+    def launched(self) -> bool:
+        return self.future is not None or self.done
+
+    def unready_names(self) -> list[str]:
+        return [n for n, r in zip(self.names, self._ready) if not r]
+
+    def unready_indices(self) -> list[int]:
+        return [i for i, r in zip(self.indices, self._ready) if not r]
+
