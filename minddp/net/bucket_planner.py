@@ -33,7 +33,7 @@ finally calls ``rebuild``. :class:`~minddp.ddp.wrapper.MiniDDP` sets it up when
    or with a core to spare per rank). The second is charged continuously:
    Gloo over loopback keeps the CPU busy 0.2 to 0.9 of an all-reduce (2
    ranks on 2 cores, under load), a 1 Gbit/s link between network
-   namespaces under 0.1; the replay slows backward by that share while a
+   namespaces 0.07 to 0.15; the replay slows backward by that share while a
    bucket is on the wire, so a partly busy all-reduce still hides the rest;
 4. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
    :func:`minddp.simulate.simulate_step` with those costs; the smallest
