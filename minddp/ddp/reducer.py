@@ -18,7 +18,7 @@ from its ``Reducer`` (C++). The plain path, top to bottom in this file::
         └─ _on_pass_end() ─> finish_backward()
               every bucket launched? (else an error naming the parameters without a gradient)
               per bucket: wait for its sum, gradients.write_grads copies it into .grad, reset
-              backward_done_callbacks
+           then backward_done_callbacks (the policies above: learned order, "auto", ZeRO stage 2)
 
 Where DDP's options differ, the reducer holds a *part* per slot, an object
 chosen once by ``MiniDDP``'s constructor: ``readiness`` (when is a parameter
@@ -182,6 +182,7 @@ class Reducer:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:
         torch's first guess, before a backward has shown the order (:mod:`minddp.ddp.bucket_assignment`)."""
         self.layout_order = order  # what the same buckets are rebuilt from (with room, or other storage)
+        self.buckets, self._plan = [], []  # a rebuild lets the old buffers go first: one set alive, as torch's
         dtypes = [self.options.reduce_dtype or p.dtype for p in self.params]  # what each gradient is reduced in
         specs = [TensorSpec(p.numel(), dtype.itemsize, dtype, self.device) for p, dtype in zip(self.params, dtypes)]
         groups = bucket_groups(specs, order, self.caps, self.per_bucket_caps, self.first_guess_limits)
@@ -268,7 +269,9 @@ class Reducer:
         """
         if (self._next_to_launch == len(self.buckets) or self.forward_inside_backward
                 or torch._C._current_autograd_node() is None):
-            self.finish_backward()
+            self.finish_backward()  # returned: its last bucket no longer held, should a callback rebuild
+            for callback in list(self.backward_done_callbacks):  # a callback may remove itself
+                callback()
         else:
             self._end_of_pass_queued = False
 
@@ -295,8 +298,6 @@ class Reducer:
         self.buckets_reduced = len(self.buckets)
         for observer in self.observers:
             observer.backward_done()
-        for callback in list(self.backward_done_callbacks):  # a callback may remove itself
-            callback()
 
     def _missing_gradients_error(self) -> RuntimeError:
         missing = self.abandon_unfinished_backward()
