@@ -36,12 +36,13 @@ bound of the same round); ``x_bound_<wrapper>``, its step over the bound.
 
 from __future__ import annotations
 
-import os
 import statistics
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from minddp.net.bucket_costs import spare_core_per_rank
 
 FLAT = "allreduce_flat"  # the name of the flat all-reduce among the timed steps
 FORWARD = "forward"  # the forward pass timed alone
@@ -58,8 +59,7 @@ def bound_rule(device: str, world_size: int, threads_per_rank: int, cpu_count: i
     """
     if device == "cuda" or link != "loopback":
         return "max"
-    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
-    return "max" if cores >= world_size * (threads_per_rank + 1) else "sum"
+    return "max" if spare_core_per_rank(world_size, threads_per_rank, cpu_count) else "sum"
 
 
 def flat_allreduce_step(params: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> Callable[[], None]:

@@ -94,11 +94,8 @@ def fixed_cost_us(fills: list[tuple[int, float]], launches: list[float]) -> floa
     if len(points) == 1:
         at_zero = fastest
     else:
-        mean_x = statistics.fmean(x for x, _ in points)
-        mean_y = statistics.fmean(y for _, y in points)
-        slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-                 / sum((x - mean_x) ** 2 for x, _ in points))
-        at_zero = min(max(mean_y - slope * mean_x, 0.0), fastest)
+        line = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+        at_zero = min(max(line.intercept, 0.0), fastest)
     launch = statistics.median(launches) if launches else 0.0
     return (at_zero + launch) * 1e6
 
@@ -111,13 +108,14 @@ def contention_us_per_MB(device: torch.device, world_size: int, cpu_seconds: flo
     than backward's: a GPU (its streams), or a CPU with a core to spare per
     rank for Gloo's thread.
     """
-    if device.type != "cpu" or spare_core_per_rank(world_size):
+    if device.type != "cpu" or spare_core_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))):
         return 0.0
     sent_mb = bytes_sent_per_rank("all_reduce", nbytes, world_size) / 1e6
     return cpu_seconds * 1e6 / sent_mb if sent_mb > 0 else 0.0
 
 
-def spare_core_per_rank(world_size: int) -> bool:
-    """Does every rank on this machine have a core beyond its compute threads, for Gloo's?"""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return (os.cpu_count() or 1) >= ranks_here * (torch.get_num_threads() + 1)
+def spare_core_per_rank(ranks_here: int, threads_per_rank: int | None = None, cores: int | None = None) -> bool:
+    """Does every one of ``ranks_here`` ranks on this machine have a core beyond its compute threads
+    (``torch.get_num_threads()`` unless given), for Gloo's? ``cores``: this machine's, unless given."""
+    threads = torch.get_num_threads() if threads_per_rank is None else threads_per_rank
+    return (cores or os.cpu_count() or 1) >= ranks_here * (threads + 1)
