@@ -22,25 +22,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.ddp.arguments import (buffer_rule, check_arguments, first_bucket_cap_mb, refuse_unsupported,
-                              warn_check_reduction_deprecated)
+import minddp.ddp.parts.comm_hook as comm_hook
+import minddp.ddp.parts.uneven_inputs as uneven_inputs
 import minddp.ddp.torch_ddp_calls as torch_ddp_calls
+from minddp.ddp.arguments import (buffer_rule, check_arguments, first_bucket_cap_mb, refuse_unsupported,
+                                  warn_check_reduction_deprecated)
+from minddp.ddp.broadcast import BufferSync, broadcast_coalesced
+from minddp.ddp.bucket_assignment import LearnedBucketOrder
+from minddp.ddp.join import Join
 from minddp.ddp.parts.bucket_views import BucketViews
 from minddp.ddp.parts.buffers_in_bucket import BuffersInLastBucket
-import minddp.ddp.parts.comm_hook as comm_hook
-from minddp.observe.follow import FollowedGradient, follow
 from minddp.ddp.parts.gradient_cases import GradientCases, sparse_embedding_weights
 from minddp.ddp.parts.lent_buckets import BuffersPerBackward, lend_buckets
 from minddp.ddp.parts.replica_checks import ReplicaChecks
 from minddp.ddp.parts.static_graph import StaticGraph
-import minddp.ddp.parts.uneven_inputs as uneven_inputs
 from minddp.ddp.parts.unused_parameters import MissingGradients, UnusedParameters
-from minddp.ddp.join import Join
-from minddp.ddp.bucket_assignment import LearnedBucketOrder
+from minddp.ddp.placement import module_device, move_to_device, on_device, process_group_of
 from minddp.ddp.reducer import FIRST_BUCKET_CAP_MB, ArrivalLog, Reducer, ReducerOptions
 from minddp.ddp.replicas import check_same_parameters
-from minddp.ddp.broadcast import BufferSync, broadcast_coalesced
-from minddp.ddp.placement import module_device, move_to_device, on_device, process_group_of
+from minddp.observe.follow import FollowedGradient, follow
 from minddp.observe.trace import ProfilerRanges, StepObserver, timeline_of, tracer_of
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
