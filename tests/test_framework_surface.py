@@ -219,7 +219,7 @@ def _rebuild_and_delay(rank, world_size):
     static = MiniDDP(_tower(), static_graph=True)
     with pytest.raises(RuntimeError, match=r"_delay_all_reduce\(\): only after the first backward"):
         static.reducer._delay_all_reduce()
-    assert static.reducer._rebuild_buckets() is False  # MiniDDP rebuilds at the end of a backward: none due
+    assert static.reducer._rebuild_buckets() is False  # no backward has shown the order yet: none due
     static(torch.randn(4, 512)).sum().backward()
     static.reducer._delay_all_reduce()  # the first backward's gradients are reduced already
     plain = MiniDDP(_tower())
@@ -230,3 +230,27 @@ def _rebuild_and_delay(rank, world_size):
 
 def test_rebuild_buckets_and_delay_all_reduce_answer_or_refuse_by_name(ranks):
     ranks(2).run(_rebuild_and_delay)
+
+
+def _rebuild_answers(rank, world_size):
+    """``reducer._rebuild_buckets()`` at each point of the first steps, as Lightning's manual optimization
+    calls it: what it answers, and the gradients after each step, MiniDDP beside torch's DDP."""
+    answers, states = {}, {}
+    for label, model in _both(rank).items():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        said = [model.reducer._rebuild_buckets()]  # before any backward
+        for step in range(3):
+            x, y = _batch(rank, step)
+            loss = F.mse_loss(model(x), y)
+            said.append(model.reducer._rebuild_buckets())  # after a forward, before its backward
+            loss.backward()
+            optimizer.step()
+            said.append(model.reducer._rebuild_buckets())  # after the backward and the step
+            optimizer.zero_grad()
+        answers[label], states[label] = said, _state(model)
+    assert answers["minddp"] == answers["torch"], answers
+    _assert_same(states, "after three steps")
+
+
+def test_rebuild_buckets_answers_true_once_after_the_first_backward_like_torch(ranks):
+    ranks(2).run(_rebuild_answers)

@@ -2,21 +2,22 @@
 
 Measured as the project's reading-path probe (and ``docs/reading_the_code.md``)
 measures it: 2 ranks, a 2-layer MLP in ``MiniDDP(model, **options)``, SGD;
-after 3 warm-up steps (the first backward learns the bucket order and
-rebuilds), one more step under ``sys.setprofile`` on rank 0 (CPU hooks run
+after 3 warm-up steps (the first backward learns the bucket order, the
+next forward rebuilds), one more step under ``sys.setprofile`` on rank 0 (CPU hooks run
 in the thread that called backward), or the first step after construction
 (the probe's ``READING_PATH_STEP=first``). Every named minddp function
 called counts once (comprehensions, generator expressions and lambdas are
 not counted: write the idiomatic form), and every file one came from counts
 with all its lines.
 
-Targets (issues 35 and 44):
+Targets (issues 35 and 44, and one step more since every synchronized
+forward asks whether a bucket rebuild is due, as torch's does: ``Reducer.rebuild_if_due``):
 
 * default arguments: at most 20 functions, in at most 3 files (the plain
-  ones), of at most 900 lines together; none of them is instrumentation,
+  ones), of at most 910 lines together; none of them is instrumentation,
   join bookkeeping or a part, which run only when asked for;
 * ``find_unused_parameters=True`` (the probe's ``READING_PATH_OPTIONS``): at
-  most 26 functions in at most 4 files;
+  most 27 functions in at most 4 files;
 * the first step after construction, the bucket-order rebuild included: at
   most 4 files.
 """
@@ -32,9 +33,9 @@ import minddp
 from minddp import MiniDDP
 from minddp.launch.rank_pool import RankPool
 
-MAX_FUNCTIONS, MAX_FILES, MAX_LINES = 20, 3, 900
+MAX_FUNCTIONS, MAX_FILES, MAX_LINES = 20, 3, 910
 PLAIN_FILES = {"minddp/ddp/wrapper.py", "minddp/ddp/reducer.py", "minddp/ddp/buckets.py"}
-UNUSED_MAX_FUNCTIONS, UNUSED_MAX_FILES = 26, 4
+UNUSED_MAX_FUNCTIONS, UNUSED_MAX_FILES = 27, 4
 FIRST_STEP_MAX_FILES = 4
 
 
@@ -82,7 +83,7 @@ def _describe(functions, files, lines) -> str:
             + "\n  ".join(f"{f}:{name}" for f, name in functions))
 
 
-def test_a_plain_step_reads_in_at_most_20_functions_3_files_900_lines(fresh_ranks):
+def test_a_plain_step_reads_in_at_most_20_functions_3_files_910_lines(fresh_ranks):
     functions, files, lines = fresh_ranks.run(_reading_path)[0]
     report = _describe(functions, files, lines)
     assert len(functions) <= MAX_FUNCTIONS, report
@@ -91,7 +92,7 @@ def test_a_plain_step_reads_in_at_most_20_functions_3_files_900_lines(fresh_rank
     assert set(files) <= PLAIN_FILES, report
 
 
-def test_with_find_unused_parameters_a_step_reads_in_at_most_26_functions_4_files(fresh_ranks):
+def test_with_find_unused_parameters_a_step_reads_in_at_most_27_functions_4_files(fresh_ranks):
     functions, files, lines = fresh_ranks.run(_reading_path, find_unused_parameters=True)[0]
     report = _describe(functions, files, lines)
     assert len(functions) <= UNUSED_MAX_FUNCTIONS, report

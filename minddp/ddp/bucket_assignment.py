@@ -15,7 +15,7 @@ it runs them (a head defined before the body, a module reused): a bucket
 then waits for one late gradient while its others are long done, and
 launches late. So, as torch's DDP since 2.14, the first backward sends all
 gradients in one bucket (:func:`first_guess_buckets`), and the buckets are
-then rebuilt once, in the order the gradients came.
+then rebuilt once, in the order the gradients came, before the next forward.
 Every rank must build the same buckets (they are what keeps collectives
 matched), so rank 0's order is broadcast and everyone uses it. A policy on
 the reducer's interface, like ``bucket_cap_mb="auto"``
@@ -187,9 +187,11 @@ def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
 
 
 class LearnedBucketOrder:
-    """Rebuild ``reducer``'s buckets once, after its first backward, in rank 0's arrival order, with its
-    caps (until then, torch's first guess: one bucket). With ``static_graph`` after its second backward,
-    as torch does: the first one only counts each parameter's hooks (:mod:`minddp.ddp.parts.static_graph`)."""
+    """Rebuild ``reducer``'s buckets once, in rank 0's arrival order in its first backward, with its caps
+    (until then, torch's first guess: one bucket): the order is agreed at the end of that backward, the
+    buckets are rebuilt at the next synchronized forward (``Reducer.rebuild``). With ``static_graph`` after
+    its second backward, as torch does: the first one only counts each parameter's hooks
+    (:mod:`minddp.ddp.parts.static_graph`)."""
 
     def __init__(self, reducer, arrivals):
         self.reducer, self.arrivals = reducer, arrivals  # arrivals: the reducer's ArrivalLog, a fresh one

@@ -169,6 +169,7 @@ class Reducer:
         self.buckets_reduced, self.buckets_reduced_logged = 0, None  # last backward's; as of the last forward
         self.backward_done_callbacks: list[Callable[[], None]] = []
         self.planned_rebuild: str | None = None  # why the buckets will still change (a policy's plan)
+        self.due_rebuild: tuple[list[int], int, int | None] | None = None  # (order, caps) at the next forward
         self.storage = BucketStorage()
         self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
@@ -364,17 +365,23 @@ class Reducer:
         return [i for bucket in self.buckets for i in bucket.indices]
 
     def rebuild(self, order: list[int], cap_bytes: int, first_cap_bytes: int | None) -> None:
-        """Bucket the parameters anew: indices in expected-arrival ``order``, these caps.
-
-        Between backwards only, and with the same arguments on every rank (the
-        caller broadcasts its decision): buckets keep the ranks' collectives matched.
-        """
-        if self.backward_started:
-            raise RuntimeError("Reducer.rebuild during a backward: buckets change only between steps")
+        """Bucket the parameters anew, indices in expected-arrival ``order``, with these caps, at the next
+        synchronized forward (:meth:`rebuild_if_due`), as torch does: by then ``zero_grad()`` has let go
+        of the last backward's ``.grad``, which with bucket views are slots of the old buckets, so the old
+        and the new are not alive together. The same arguments on every rank (the caller broadcasts its
+        decision): buckets keep the ranks' collectives matched."""
         if sorted(order) != list(range(len(self.params))):
             raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
-        self.caps = (cap_bytes, first_cap_bytes)
+        self.due_rebuild = (order, cap_bytes, first_cap_bytes)
+
+    def rebuild_if_due(self) -> bool:
+        """Rebuild now if a rebuild is due (torch's ``reducer._rebuild_buckets()``); whether it did."""
+        if self.due_rebuild is None:
+            return False
+        order, *caps = self.due_rebuild
+        self.due_rebuild, self.caps = None, tuple(caps)
         self._build_buckets(order)
+        return True
 
     def use_bucket_storage(self, storage: BucketStorage) -> None:
         """Take bucket buffers from ``storage`` from now on (one that lends them, ``keep_buffers`` False,

@@ -17,12 +17,11 @@ __all__ = ["rebuild_buckets", "delay_all_reduce"]
 
 def rebuild_buckets(reducer) -> bool:
     """``reducer._rebuild_buckets()``, torch's: rebuild the buckets now if a rebuild is due, and say whether
-    it did; first, refuse if the previous backward started reducing and never finished (Lightning calls it
-    before each manual backward). MiniDDP rebuilds at the end of the backward that showed the order
-    (:mod:`minddp.ddp.bucket_assignment`), so none is ever due before a forward or a backward: False."""
+    it did (True once, after the backward that showed the order, as torch's); first, refuse if the previous
+    backward started reducing and never finished (Lightning calls it before each manual backward)."""
     if reducer.backward_started:
         raise reducer._missing_gradients_error()
-    return False
+    return reducer.rebuild_if_due()
 
 
 def delay_all_reduce(reducer) -> None:

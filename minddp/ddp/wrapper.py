@@ -236,6 +236,8 @@ class MiniDDP(nn.Module):
         if self._input_device is not None:  # device_ids given: the inputs go there, as torch's DDP does
             inputs, kwargs = move_to_device((inputs, kwargs), self._input_device)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if sync:
+            self.reducer.rebuild_if_due()  # as torch: after zero_grad() let the old buckets' .grad go
         buffers_from = 0 if self.require_forward_param_sync else None  # rank 0's, after a synchronized forward
         if sync and self._join_hook is not None:  # under join(): who still trains, and whose buffers count
             buffers_from = self._join_hook.before_forward(buffers_from)

@@ -173,6 +173,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def _collect_gradients(self, shadow: bool = False) -> None:
         """This round's averaged gradients into the shards, unless already there (stage 2, clipping)."""
         if self.shard_gradients:  # the first backward was all-reduced: partition the final buckets now
+            self.ddp.reducer.rebuild_if_due()  # (MiniDDP would rebuild them at its next forward)
             check_buckets_unchanged(self)
         if self._grads_in_shards:
             if self._round_from_hook:  # what the wrapper does not reduce (frozen when it was built): .grad

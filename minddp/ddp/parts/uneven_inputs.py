@@ -93,6 +93,7 @@ class MiniDDPJoinHook(JoinHook):
 
 def shadow_backward(reducer) -> None:
     """A joined rank's stand-in for a backward: the same collectives as the others', contributing zeros."""
+    reducer.rebuild_if_due()  # the others rebuild at their forward: the same buckets everywhere
     for observer in reducer.observers:
         observer.backward_started()  # nothing will arrive here; the step still counts, as on the other ranks
     for bucket in reducer.buckets:
