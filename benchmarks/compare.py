@@ -272,7 +272,8 @@ def config(args: argparse.Namespace) -> dict:
 
     # The auto column (with copy among the settings: it is set against torch_copy)
     # needs its measured steps and the rebuild inside the warm-up, for everyone alike.
-    auto = not args.no_auto and args.bucket_view in ("both", "copy")
+    # Alone (world size 1) there is no network to plan for: MiniDDP keeps its default, no column.
+    auto = not args.no_auto and args.bucket_view in ("both", "copy") and args.world_size > 1
     warmup = max(args.warmup, AUTO_WARMUP) if auto else args.warmup
 
     return {

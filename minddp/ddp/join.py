@@ -169,8 +169,9 @@ class Join:
         return active
 
     def _exchange(self, active: bool) -> Sequence[bool]:
-        flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32, device=self.device)
-        flags[dist.get_rank(self.group)] = int(active)
+        # This rank's flag, made on the device: writing a Python number into a GPU tensor waits for the GPU.
+        me = torch.arange(dist.get_world_size(self.group), device=self.device) == dist.get_rank(self.group)
+        flags = me.to(torch.int32) * int(active)
         if active:  # this rank trains, so the answer has someone training: keep it, unread
             self.active = Flags(flags, dist.all_reduce(flags, group=self.group, async_op=True))
             return self.active
