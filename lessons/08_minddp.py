@@ -185,7 +185,8 @@ def main(rank: int, world_size: int, args) -> None:
     layers = show_the_parts()
 
     ours = wrappers[0]
-    print0(f"\nMiniDDP's buckets after the first step, in launch order ({len(ours.bucket_names)} buckets):")
+    print0(f"\nMiniDDP's buckets after training, in launch order ({len(ours.bucket_names)} buckets; rebuilt before "
+           "the second forward, in the order the first backward showed):")
     for i, names in enumerate(ours.bucket_names):
         print0(f"  bucket {i}: {', '.join(names)}")
     tl = ours.timeline

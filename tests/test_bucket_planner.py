@@ -144,7 +144,7 @@ def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps):
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
             opt.step()
-        if step == 0:  # one bucket until the first backward showed the order, then the default caps' buckets
+        if step == 1:  # one bucket until the first backward showed the order; from the next forward, the default's
             default_buckets = len(mini.bucket_names)
     diff = max((p - q).abs().max().item() for p, q in zip(mini.parameters(), native.parameters()))
     planner = mini.bucket_planner

@@ -262,6 +262,7 @@ def _learned_order(rank, world_size):
     model = MiniDDP(OutOfOrder(), bucket_cap_mb=1e-3)  # 1 KiB: a bucket closes at each 4 KiB weight
     before = model.bucket_names
     model(torch.randn(4, 32)).sum().backward()
+    model(torch.randn(4, 32))  # the next synchronized forward rebuilds, as torch's
     return before, model.bucket_names
 
 

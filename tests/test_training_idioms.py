@@ -249,6 +249,7 @@ def _zero_cap(rank, world_size):
     torch.manual_seed(0)
     mini = MiniDDP(Chain(), bucket_cap_mb=0)
     mini(torch.randn(4, 8)).sum().backward()  # (before it, one bucket: torch's, until the order is known)
+    mini(torch.randn(4, 8))  # the next synchronized forward rebuilds, as torch's
     return len(mini.bucket_names), [len(b) for b in mini.bucket_names]
 
 
