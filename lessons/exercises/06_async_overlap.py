@@ -12,7 +12,8 @@ every backward (before the optimizer step). Its all-reduce delivers the sum
 into your tensor when you call ``wait()`` and not before (a real one may
 still be running until then), so reading or dividing a gradient before its
 ``wait()`` is caught every time; and after ``finish()`` your code must hold
-no handle any more (one kept per step is memory and work that grow).
+no handle any more (one kept per step is memory and work that grow). It
+also checks that nothing is sent while ``require_sync`` is False.
 """
 
 import torch

@@ -80,16 +80,22 @@ def check_05(rank: int, world_size: int, path: str) -> list[str]:
         else:
             failures += explain(one, world_size)
             failures += explain(two, world_size, "with 2 micro-batches accumulated: ") if one.exact() else []
-    # require_sync: accumulating must not communicate.
+    failures += _accumulating_failures(exercise.HookAverager)
+    return gather_failures(failures)
+
+
+def _accumulating_failures(make) -> list[str]:
+    """require_sync False, as for every micro-batch but the last: backward and finish() must send nothing."""
     watch = Watch()
-    wrapper = exercise.HookAverager(make_model(seed=0))
+    wrapper = make(make_model(seed=0))
     wrapper.require_sync = False
     with watch.active():
         wrapper(torch.randn(4, FEATURES)).sum().backward()
+        getattr(wrapper, "finish", lambda: None)()
     if watch.launches:
-        failures.append(f"with require_sync False your hooks still made {len(watch.launches)} all-reduces: while "
-                        f"micro-batches accumulate nothing should be sent (test self.require_sync in the hook)")
-    return gather_failures(failures)
+        return [f"with require_sync False your code still made {len(watch.launches)} all-reduces: while "
+                f"micro-batches accumulate nothing should be sent (test self.require_sync in the hook)"]
+    return []
 
 
 def _watched_training(make, model=None) -> tuple:
@@ -162,6 +168,7 @@ def check_06(rank: int, world_size: int, path: str) -> list[str]:
                         f"during backward: the hook must launch each gradient's sum as soon as it is ready")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
+    failures += _accumulating_failures(exercise.AsyncAverager)
     return gather_failures(failures)
 
 
@@ -213,4 +220,5 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
                             "before a): collectives are matched by the order they are called, so one rank's bucket "
                             "was summed with another rank's different bucket. Launch bucket i only after buckets "
                             "0 .. i-1, whatever order they fill in")
+    failures += _accumulating_failures(lambda m: exercise.BucketAverager(m, cap))
     return gather_failures(failures)
