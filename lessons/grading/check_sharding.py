@@ -112,10 +112,11 @@ def _state_failures(sharded, optimizer_class, **defaults) -> list[str]:
 
 
 class Watched:
-    """Wraps every unit's gather: notes, at each call, the bytes of earlier gathered tensors still alive."""
+    """Wraps every unit's gather: notes each call's phase, and the bytes of earlier gathered tensors still alive."""
 
     def __init__(self, units):
         self.units, self.phase, self.late = units, "forward", []
+        self.gathers = []  # (phase, unit index), this step's
         for index, unit in enumerate(units):
             original = unit.gather
 
@@ -123,6 +124,7 @@ class Watched:
                 held = self.held()
                 if held:
                     self.late.append((self.phase, index, held))
+                self.gathers.append((self.phase, index))
                 return original()
             unit.gather = gather
 
@@ -149,7 +151,7 @@ def check_21(rank: int, world_size: int, path: str) -> list[str]:
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(xs.reshape(-1, 16)), ys.reshape(-1, 1)).backward()
         opt.zero_grad()
-        watch.phase = "forward"
+        watch.phase, watch.gathers = "forward", []
         loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
         watch.phase = "backward"
         loss.backward()
@@ -162,6 +164,13 @@ def check_21(rank: int, world_size: int, path: str) -> list[str]:
         if watch.held():
             failures.append(f"after backward {watch.held()} bytes of gathered parameters were still held: free "
                             f"everything you gather")
+            break
+        not_again = [i for i in range(len(model.units)) if ("backward", i) not in watch.gathers]
+        if not_again:
+            failures.append(f"backward never gathered unit{'s' if len(not_again) > 1 else ''} "
+                            f"{', '.join(map(str, not_again))}: it computed with full parameters kept from forward "
+                            f"(saved on ctx, or a copy of them), so every unit is held in full from its forward to "
+                            f"its backward. Save only the input, and gather again in backward")
             break
         if step == 0:
             right = _refs(model, reference, rank)
