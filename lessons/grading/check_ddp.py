@@ -51,7 +51,24 @@ def check_04(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     with Watch().active() as watch:  # an async all-reduce's sum lands at wait(), never by luck
         seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True)
-    return gather_failures(_never_waited(watch) + explain(seen, world_size))
+    failures = _never_waited(watch) + explain(seen, world_size)
+    return gather_failures(failures or _frozen_failures(exercise, world_size))
+
+
+def _frozen_failures(exercise, world_size: int) -> list[str]:
+    """A parameter that gets no gradient (frozen here: its .grad stays None) must be left alone."""
+    model = make_model(seed=0)
+    model[0].bias.requires_grad_(False)
+    frozen = "with 0.bias frozen (requires_grad False, so its .grad stays None)"
+    try:
+        seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), model=model, own_seeds=True)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- every rank raises alike: all_reduce(None), None / world_size...
+        reason = " ".join(str(error).split()).rstrip(".")
+        return [f"{frozen} your code raised {type(error).__name__}: {reason}: skip the parameters whose .grad is "
+                f"None, as the docstring asks"]
+    return explain(seen, world_size, f"{frozen}: ")
 
 
 def check_05(rank: int, world_size: int, path: str) -> list[str]:
