@@ -16,11 +16,24 @@ _all_reduce, _all_gather = dist.all_reduce, dist.all_gather  # the grader's own
 
 def check_19(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
+    # Plain SGD first: its step is the gradient's, scaled, so a gradient of the wrong scale shows as such
+    # (AdamW divides by the gradient's own scale); then AdamW, whose state ZeRO-1 shards.
+    failures = _train_19(exercise, rank, world_size, torch.optim.SGD, lr=0.1)[1]
+    if not failures:
+        sharded, failures = _train_19(exercise, rank, world_size, torch.optim.AdamW, lr=1e-2)
+        failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)
+    return gather_failures(failures)
+
+
+def _train_19(exercise, rank: int, world_size: int, optimizer_class, **defaults) -> tuple:
+    """STEPS steps of the learner's ShardedOptimizer against ``optimizer_class`` stepping every parameter.
+
+    Returns (the ShardedOptimizer, [what went wrong at the first step that differs]).
+    """
     mine, plain = make_model(seed=0), make_model(seed=0)
-    sharded = exercise.ShardedOptimizer(mine.parameters(), torch.optim.AdamW, lr=1e-2)
-    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    sharded = exercise.ShardedOptimizer(mine.parameters(), optimizer_class, **defaults)
+    reference = optimizer_class(plain.parameters(), **defaults)
     data = torch.Generator().manual_seed(7)
-    failures = []
     for step in range(STEPS):
         x = torch.randn(world_size, PER_RANK, FEATURES, generator=data)
         y = torch.randint(0, CLASSES, (world_size, PER_RANK), generator=data)
@@ -29,21 +42,20 @@ def check_19(rank: int, world_size: int, path: str) -> list[str]:
         for p, q in zip(mine.parameters(), plain.parameters()):
             _all_reduce(p.grad)
             p.grad /= world_size
-            q.grad = p.grad.clone()  # plain AdamW steps the same averaged gradients, all of them
+            q.grad = p.grad.clone()  # the plain optimizer steps the same averaged gradients, all of them
         before = flat_weights(mine)
         sharded.step()
         reference.step()
         after, right = flat_weights(mine), flat_weights(plain)
         if worst((after - right).abs().max().item()) >= 1e-6:
-            failures.append(_wrong_step(step, before, after, right, sharded.piece, rank, world_size))
-            break
-    failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)
-    return gather_failures(failures)
+            name = optimizer_class.__name__
+            return sharded, [_wrong_step(step, before, after, right, sharded.piece, rank, world_size, name)]
+    return sharded, []
 
 
 def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: torch.Tensor, piece: int, rank: int,
-                world_size: int) -> str:
-    """What went wrong in a step whose parameters differ from plain AdamW's: which piece holds what."""
+                world_size: int, name: str) -> str:
+    """What went wrong in a step whose parameters differ from the plain optimizer's: which piece holds what."""
     numel = after.numel()
     pieces = [slice(r * piece, min((r + 1) * piece, numel)) for r in range(world_size)]
     moved = [not torch.equal(after[s], before[s]) for s in pieces]
@@ -51,6 +63,14 @@ def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: tor
     if not any(moved):
         return ("the parameters did not move: give self.shard its gradient (this rank's piece of every p.grad, "
                 "laid end to end), step self.optimizer, and copy the updated pieces back")
+    scaled = {f"{world_size}x": (world_size, f"a reduce-scatter or an all-reduce sums it again: divide by "
+                                              f"{world_size}, or cut your piece from p.grad without one"),
+              f"1/{world_size} of": (1 / world_size, "do not divide it again")}
+    for times, (scale, hint) in scaled.items():
+        if close(after - before, scale * (right - before)):
+            return (f"after step {step + 1} the parameters moved {times} as far as with plain {name}: your shard "
+                    f"stepped with {times} the averaged gradient. Every p.grad already holds the average over the "
+                    f"ranks: take this rank's piece of it as it is ({hint})")
     if moved[rank] and close(after[pieces[rank]], right[pieces[rank]]) and \
             not any(moved[r] for r in range(world_size) if r != rank):
         return (f"rank {rank} updated only its own piece of the parameters; the others kept their old values, so "
@@ -70,7 +90,7 @@ def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: tor
                 + f": all_gather fills its list in rank order (tensor r receives rank r's piece), and rank r's "
                   f"piece belongs at elements r * {piece} onward")
     wrong = [r for r, where in enumerate(pieces) if not close(after[where], right[where])]
-    return (f"after step {step + 1} the parameters differ from plain AdamW's by up to "
+    return (f"after step {step + 1} the parameters differ from plain {name}'s by up to "
             f"{(after - right).abs().max():.2g}, in the pieces of rank{'s' if len(wrong) > 1 else ''} "
             f"{', '.join(map(str, wrong))} (the others are right)")
 
