@@ -187,10 +187,10 @@ def check_21(rank: int, world_size: int, path: str) -> list[str]:
             break
         not_again = [i for i in range(len(model.units)) if ("backward", i) not in watch.gathers]
         if not_again:
-            failures.append(f"backward never gathered unit{'s' if len(not_again) > 1 else ''} "
-                            f"{', '.join(map(str, not_again))}: it computed with full parameters kept from forward "
-                            f"(saved on ctx, or a copy of them), so every unit is held in full from its forward to "
-                            f"its backward. Save only the input, and gather again in backward")
+            failures.append(f"backward never called unit.gather() for unit{'s' if len(not_again) > 1 else ''} "
+                            f"{', '.join(map(str, not_again))}: computing with full parameters kept from forward "
+                            f"(saved on ctx, or a copy of them) holds every unit in full from its forward to its "
+                            f"backward. Save only the input, and gather again in backward with unit.gather()")
             break
         if step == 0:
             right = _refs(model, reference, rank)
