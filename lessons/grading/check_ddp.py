@@ -118,11 +118,15 @@ def _accumulating_failures(make) -> list[str]:
 def _watched_training(make, model=None) -> tuple:
     """Train through ``make`` on the bench with every all-reduce watched.
 
-    Returns (seen, watch, backward end times, handles held after each finish()).
+    Returns (seen, watch, backward end times, handles held after each finish(), when the first step's last
+    gradient was accumulated).
     """
-    watch, ends, held = Watch(), [], []
+    watch, ends, held, arrivals = Watch(), [], [], []
 
     def made(module):
+        for p in module.parameters():  # hooks registered before the learner's run before theirs
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _: arrivals.append(time.perf_counter()))
         wrapper = make(module)
         finish = wrapper.finish
 
@@ -139,7 +143,7 @@ def _watched_training(make, model=None) -> tuple:
     with watch.active():
         seen = train_vs_one_process(made, lambda: ends.append(time.perf_counter()), model=model,
                                     step_starts=step_starts)
-    return seen, watch, ends, held
+    return seen, watch, ends, held, max(t for t in arrivals if t < ends[0])
 
 
 def _launch_failures(watch: Watch, ends: list, where: str) -> list[str]:
@@ -176,13 +180,18 @@ def _holding_failures(watch: Watch, held: list) -> list[str]:
 
 def check_06(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    seen, watch, ends, held = _watched_training(exercise.AsyncAverager)
+    seen, watch, ends, held, last_gradient = _watched_training(exercise.AsyncAverager)
     n_params = len(list(make_model(seed=0).parameters()))
     failures = _launch_failures(watch, ends, "the hook")
     launched_in_backward = sum(launch.at < ends[0] for launch in watch.launches)
+    early = sum(launch.at < last_gradient for launch in watch.launches)  # all but the last gradient's own
     if not failures and launched_in_backward < n_params:
         failures.append(f"only {launched_in_backward} of the {n_params} all-reduces of the first step were launched "
                         f"during backward: the hook must launch each gradient's sum as soon as it is ready")
+    elif not failures and early < n_params - 1:
+        failures.append(f"only {early} of the {n_params} all-reduces of the first step were launched before the "
+                        f"last gradient was ready: the others waited for it, so they did not travel while backward "
+                        f"computed. The hook must launch each gradient's sum as soon as it is ready")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
     failures += _accumulating_failures(exercise.AsyncAverager)
@@ -213,7 +222,8 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     cap = 4096  # the bench model: 4 buckets
     made = []
-    seen, watch, ends, held = _watched_training(lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
+    seen, watch, ends, held, last_gradient = _watched_training(
+        lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
     buckets = len(made[0].buckets)
     failures = _launch_failures(watch, ends, "a bucket")
     per_step = watch.per_step(STEPS)
@@ -227,6 +237,10 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
     elif not failures and watch.launches[0].at > ends[0]:
         failures.append("every bucket left after backward had returned: launch a bucket from the hook as soon as it "
                         "(and every bucket before it) is full, so it travels while backward goes on")
+    elif not failures and watch.launches[0].at > last_gradient:
+        failures.append("every bucket left once the last gradient was ready, so none traveled while backward "
+                        "computed: launch a bucket from the hook as soon as it (and every bucket before it) is "
+                        "full, not when all are")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
     if not failures:  # in-order launching: ranks that fill buckets in different orders
