@@ -146,7 +146,12 @@ def _watched_training(make, model=None) -> tuple:
     return seen, watch, ends, held, max(t for t in arrivals if t < ends[0])
 
 
-def _launch_failures(watch: Watch, ends: list, where: str) -> list[str]:
+def _launch_failures(watch: Watch, last_gradient: float, where: str) -> list[str]:
+    """Launched without async_op, never waited for, or waited for while backward still had gradients to compute.
+
+    A wait after the last gradient (in finish(), or in a callback queued with autograd's engine, as lesson
+    07b's wrapper does) keeps nothing from overlapping.
+    """
     failures = []
     if any(not launch.is_async for launch in watch.launches):
         failures.append(f"an all-reduce was called without async_op=True: {where} waits for it, so backward stands "
@@ -154,9 +159,10 @@ def _launch_failures(watch: Watch, ends: list, where: str) -> list[str]:
     if not watch.waits:
         failures.append("nothing ever waited for the all-reduces: finish() must wait for each (handle.wait()) "
                         "before reading the sums, or it reads gradients the sum has not reached")
-    elif watch.waits[0] < ends[0]:
-        failures.append(f"{where} waited for its all-reduce inside backward: backward stands still until the sum "
-                        f"arrives, so nothing overlaps. Launch with async_op=True and wait in finish()")
+    elif watch.waits[0] < last_gradient:
+        failures.append(f"{where} waited for its all-reduce inside backward, before the last gradient was ready: "
+                        f"backward stands still until the sum arrives, so nothing overlaps. Launch with "
+                        f"async_op=True and wait in finish()")
     return failures
 
 
@@ -182,7 +188,7 @@ def check_06(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     seen, watch, ends, held, last_gradient = _watched_training(exercise.AsyncAverager)
     n_params = len(list(make_model(seed=0).parameters()))
-    failures = _launch_failures(watch, ends, "the hook")
+    failures = _launch_failures(watch, last_gradient, "the hook")
     launched_in_backward = sum(launch.at < ends[0] for launch in watch.launches)
     early = sum(launch.at < last_gradient for launch in watch.launches)  # all but the last gradient's own
     if not failures and launched_in_backward < n_params:
@@ -225,7 +231,7 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
     seen, watch, ends, held, last_gradient = _watched_training(
         lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
     buckets = len(made[0].buckets)
-    failures = _launch_failures(watch, ends, "a bucket")
+    failures = _launch_failures(watch, last_gradient, "a bucket")
     per_step = watch.per_step(STEPS)
     off = next((step for step, count in enumerate(per_step) if count != buckets), None)
     if off is not None:
