@@ -63,14 +63,15 @@ def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: tor
     if not any(moved):
         return ("the parameters did not move: give self.shard its gradient (this rank's piece of every p.grad, "
                 "laid end to end), step self.optimizer, and copy the updated pieces back")
-    scaled = {f"{world_size}x": (world_size, f"a reduce-scatter or an all-reduce sums it again: divide by "
-                                              f"{world_size}, or cut your piece from p.grad without one"),
-              f"1/{world_size} of": (1 / world_size, "do not divide it again")}
-    for times, (scale, hint) in scaled.items():
-        if close(after - before, scale * (right - before)):
-            return (f"after step {step + 1} the parameters moved {times} as far as with plain {name}: your shard "
-                    f"stepped with {times} the averaged gradient. Every p.grad already holds the average over the "
-                    f"ranks: take this rank's piece of it as it is ({hint})")
+    if close(after - before, world_size * (right - before)):
+        return (f"after step {step + 1} the parameters moved {world_size}x as far as with plain {name}: your shard "
+                f"stepped with {world_size}x the averaged gradient. Every p.grad already holds the average over the "
+                f"ranks, and a reduce-scatter (or all-reduce) of it sums it again: divide by {world_size}, or just "
+                f"cut this rank's piece from it")
+    if close(after - before, (right - before) / world_size):
+        return (f"after step {step + 1} the parameters moved 1/{world_size} as far as with plain {name}: your shard "
+                f"stepped with 1/{world_size} of the averaged gradient. Every p.grad already holds the average over "
+                f"the ranks: do not divide it again")
     if moved[rank] and close(after[pieces[rank]], right[pieces[rank]]) and \
             not any(moved[r] for r in range(world_size) if r != rank):
         return (f"rank {rank} updated only its own piece of the parameters; the others kept their old values, so "
