@@ -1,8 +1,9 @@
 """Exercise 07 noting arrived gradients in a set per bucket, and writing each bucket back with ``split``."""
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
-from pathlib import Path
 
 from lessons.grading.runner import load
 
