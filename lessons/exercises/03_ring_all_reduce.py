@@ -4,10 +4,11 @@ Write ``ring_all_reduce`` below; then, from the repository's root:
 
     python -m lessons.grade 03
 
-The grader runs it on 3 Gloo ranks, on tensors of shapes (12,), (7,), (4, 5)
-and (2,) -- 3 divides only the first -- and checks three things: the result
-is ``dist.all_reduce``'s sum; only point-to-point messages carried it; no rank
-sent more numbers than a ring does. A ring's rank sends 2 (p - 1) of the p
+The grader runs it on 3 Gloo ranks, on float32 tensors of shapes (12,), (7,),
+(4, 5) and (2,) -- 3 divides only the first -- and a float16 one of shape
+(7,), and checks three things: the result is ``dist.all_reduce``'s sum, in
+x's dtype; only point-to-point messages carried it; no rank sent more
+numbers than a ring does. A ring's rank sends 2 (p - 1) of the p
 chunks, all but two, about 2 (p - 1) / p of the tensor; the grader allows
 the uneven chunks that ``tensor_split`` cuts, of the flattened tensor or
 along dim 0 (as lesson 03 does): for (4, 5) on 3 ranks, 30 of the 40

@@ -8,7 +8,7 @@ The grader starts 3 ranks, each with its *own* random weights, wraps the
 lessons' bench model with your functions (``broadcast_parameters`` once,
 ``average_gradients`` after every backward), trains 3 SGD steps on each
 rank's slice of a batch, and compares with one process training on the whole
-batch.
+batch; then again with one parameter frozen (its ``.grad`` stays ``None``).
 """
 
 import torch.distributed as dist

@@ -6,13 +6,15 @@ Write ``_launch`` and ``finish`` below; then, from the repository's root:
 
 The grader trains the lessons' bench model through ``AsyncAverager`` on 3
 ranks and compares with one process on the whole batch. It watches every
-``dist.all_reduce`` call: each must be launched during backward without
-waiting there, and waited for in ``finish()``, which the grader calls after
+``dist.all_reduce`` call: each must be launched during backward, as soon
+as its gradient is ready, without waiting there, and waited for in
+``finish()``, which the grader calls after
 every backward (before the optimizer step). Its all-reduce delivers the sum
 into your tensor when you call ``wait()`` and not before (a real one may
 still be running until then), so reading or dividing a gradient before its
 ``wait()`` is caught every time; and after ``finish()`` your code must hold
-no handle any more (one kept per step is memory and work that grow).
+no handle any more (one kept per step is memory and work that grow). It
+also checks that nothing is sent while ``require_sync`` is False.
 """
 
 import torch

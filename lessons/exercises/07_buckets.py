@@ -10,8 +10,10 @@ compares with one process on the whole batch: the lessons' bench model, and
 one whose ranks compute two branches in different orders, so that their
 gradients (and full buckets) arrive in different orders on different ranks.
 It counts the all-reduces of every step (one per bucket) and checks that the
-first leaves while backward is still running; as in exercise 06, a sum
-reaches its tensor at ``wait()``, and ``finish()`` must leave nothing held.
+first leaves while backward is still computing gradients (before the last
+one is ready); as in exercise 06, a sum
+reaches its tensor at ``wait()``, ``finish()`` must leave nothing held, and
+nothing may be sent while ``require_sync`` is False.
 """
 
 import torch

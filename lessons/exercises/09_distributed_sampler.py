@@ -6,7 +6,8 @@ Write ``rank_indices`` below; then, from the repository's root:
 
 The grader calls it for every rank of several dataset sizes, rank counts and
 epochs (no processes needed: a sampler never communicates) and compares with
-``torch.utils.data.DistributedSampler``.
+``torch.utils.data.DistributedSampler``; it also checks that torch's global
+random generator is left as it was.
 """
 
 

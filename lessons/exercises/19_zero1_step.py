@@ -6,9 +6,10 @@ piece only. Write ``step``; then, from the repository's root:
 
     python -m lessons.grade 19
 
-The grader trains the lessons' bench model for 3 AdamW steps on 3 ranks
+The grader trains the lessons' bench model for 3 steps on 3 ranks
 (averaging the gradients itself before every ``step``) and compares the
-parameters with plain AdamW stepping all of them. It also weighs the
+parameters with the plain optimizer stepping all of them: first SGD, whose
+step shows a gradient of the wrong scale, then AdamW. It also weighs the
 optimizer state each rank keeps (in every optimizer your object holds): no
 more than AdamW's state for this rank's piece, the memory ZeRO-1 saves.
 """

@@ -10,7 +10,8 @@ backward of ``GatherComputeFree``; then, from the repository's root:
 
 The grader trains a model of 4 units for 3 SGD steps on 3 ranks and compares
 with one process on the whole batch; it also notes the bytes of every
-gathered tensor still alive each time a unit is gathered.
+gathered tensor still alive each time a unit is gathered, and checks that
+backward gathers every unit again.
 """
 
 import torch

@@ -88,7 +88,7 @@ def slice_gradients(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, loss_f
         probe.zero_grad()
         for xi, yi in zip(x, y):
             (loss_fn(probe(xi), yi) / len(x)).backward()
-        everyone.append([p.grad.clone() for p in probe.parameters()])
+        everyone.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in probe.parameters()])
     return everyone
 
 

@@ -49,6 +49,15 @@ def watched_messages(used: set, sent: list):
 
 
 SHAPES = [(12,), (7,), (4, 5), (2,)]
+CASES = [(shape, torch.float32) for shape in SHAPES] + [((7,), torch.float16)]  # a ring works for any dtype
+
+
+def example(shape: tuple, dtype: torch.dtype, rank: int) -> torch.Tensor:
+    """This rank's tensor to sum: float32 normals; for float16, whole numbers, which any order sums exactly."""
+    generator = torch.Generator().manual_seed(10 * rank + len(shape))
+    if dtype == torch.float32:
+        return torch.randn(shape, generator=generator)
+    return torch.randint(-8, 8, shape, generator=generator).to(dtype)
 
 
 def ring_allowance(shape: tuple, p: int) -> int:
@@ -70,8 +79,8 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     p = world_size
     failures = []
-    for shape in SHAPES:
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(10 * rank + len(shape)))
+    for shape, dtype in CASES:
+        x = example(shape, dtype, rank)
         before = x.clone()
         used, sent = set(), []
         with watched_messages(used, sent):
@@ -92,8 +101,18 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
             got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
             failures.append(f"for a tensor of shape {tuple(shape)} you returned {got}: return a tensor shaped like x")
             break
+        kind, got = (str(t).removeprefix("torch.") for t in (dtype, result.dtype))
+        if result.dtype != dtype:
+            failures.append(f"for a {kind} tensor you returned a {got} one: return x's dtype (build the result "
+                            f"from x.clone(), and buffers with torch.empty_like)")
+            break
         if not torch.allclose(result, right, atol=1e-5):
-            if torch.allclose(result, x):
+            if dtype != torch.float32:
+                failures.append(f"for a {kind} tensor of shape {tuple(shape)} the result is not the sum (for float32 "
+                                f"ones it is): did you receive into buffers made by torch.empty(size) or "
+                                f"torch.zeros(n)? Those are float32 whatever x is, while the numbers that arrive "
+                                f"are {kind}. Make each buffer like its chunk: torch.empty_like(chunk)")
+            elif torch.allclose(result, x):
                 failures.append(f"for shape {tuple(shape)} the result is this rank's own x: nothing was added")
             else:
                 wrong = [i for i, (a, b) in enumerate(zip(result.reshape(-1).tensor_split(p), right.reshape(-1).tensor_split(p)))
@@ -114,6 +133,11 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
     return gather_failures(failures)
 
 
+def close(mine: torch.Tensor, right: torch.Tensor) -> bool:
+    """Equal within float32 rounding; statistics computed in float64 (say) are as right as float32 ones."""
+    return mine.shape == right.shape and torch.allclose(mine.to(right.dtype), right, rtol=1e-4, atol=1e-4)
+
+
 def check_10(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     channels = 4
@@ -123,7 +147,6 @@ def check_10(rank: int, world_size: int, path: str) -> list[str]:
     mean, var = exercise.global_mean_and_var(x.clone())
     whole = torch.cat(batches)
     right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)
-    close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4)  # noqa: E731
     failures = []
     if not (isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)) or mean.shape != (channels,) or var.shape != (channels,):
         failures.append(f"return two tensors of shape ({channels},): one mean and one variance per channel")

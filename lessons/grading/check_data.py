@@ -6,7 +6,8 @@ import torch.utils.data
 
 from lessons.grading.runner import load
 
-CASES = [(11, 3), (12, 4), (10, 4), (2, 3), (12, 3)]  # (dataset size, ranks): 2 < 3 pads more than once
+# (dataset size, ranks): 2 samples on 5 ranks need 3 of padding, more than the list: padded from its start twice
+CASES = [(11, 3), (12, 4), (10, 4), (2, 3), (12, 3), (2, 5)]
 
 
 def torch_indices(n, rank, p, epoch, seed, shuffle, drop_last):
@@ -18,6 +19,21 @@ def torch_indices(n, rank, p, epoch, seed, shuffle, drop_last):
 
 def check_09(path: str) -> list[str]:
     exercise = load(path)
+    with torch.random.fork_rng(devices=[]):  # the learner's sampler may draw from (or reseed) the global generator
+        global_state = torch.get_rng_state()
+        difference = first_difference(exercise)
+        reseeded = not torch.equal(torch.get_rng_state(), global_state)
+    if difference:
+        return [difference]
+    if reseeded:
+        return ["the right indices, but your sampler changed torch's global random generator (torch.manual_seed?): "
+                "every other random draw of the program (dropout, augmentations) would then repeat the same numbers "
+                "every epoch. Shuffle with a torch.Generator of your own, seeded with seed + epoch"]
+    return []
+
+
+def first_difference(exercise) -> str | None:
+    """The first case where the learner's ranks read other indices than torch's sampler gives, explained."""
     for n, p in CASES:
         for drop_last in (False, True):
             for shuffle in (True, False):
@@ -26,8 +42,8 @@ def check_09(path: str) -> list[str]:
                             for r in range(p)]
                     right = [torch_indices(n, r, p, epoch, seed, shuffle, drop_last) for r in range(p)]
                     if mine != right:
-                        return [explain(exercise, mine, right, n, p, epoch, seed, shuffle, drop_last)]
-    return []
+                        return explain(exercise, mine, right, n, p, epoch, seed, shuffle, drop_last)
+    return None
 
 
 def explain(exercise, mine, right, n, p, epoch, seed, shuffle, drop_last) -> str:
@@ -38,7 +54,8 @@ def explain(exercise, mine, right, n, p, epoch, seed, shuffle, drop_last) -> str
         return (f"{case} the ranks got {counts} indices: every rank must get the same number, or the one that runs "
                 f"out first leaves the others waiting in an all-reduce: "
                 + ("cut the list to a multiple of the rank count" if drop_last else
-                   "pad the list with its first indices up to a multiple of the rank count"))
+                   "pad the list with its first indices up to a multiple of the rank count (from its start again "
+                   "when the padding is longer than the list)"))
     if counts[0] != len(right[0]):
         return f"{case} each rank got {counts[0]} indices, torch's sampler gives {len(right[0])}"
     flat = [i for m in mine for i in m]

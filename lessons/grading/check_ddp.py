@@ -51,7 +51,24 @@ def check_04(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     with Watch().active() as watch:  # an async all-reduce's sum lands at wait(), never by luck
         seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True)
-    return gather_failures(_never_waited(watch) + explain(seen, world_size))
+    failures = _never_waited(watch) + explain(seen, world_size)
+    return gather_failures(failures or _frozen_failures(exercise, world_size))
+
+
+def _frozen_failures(exercise, world_size: int) -> list[str]:
+    """A parameter that gets no gradient (frozen here: its .grad stays None) must be left alone."""
+    model = make_model(seed=0)
+    model[0].bias.requires_grad_(False)
+    frozen = "with 0.bias frozen (requires_grad False, so its .grad stays None)"
+    try:
+        seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), model=model, own_seeds=True)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- every rank raises alike: all_reduce(None), None / world_size...
+        reason = " ".join(str(error).split()).rstrip(".")
+        return [f"{frozen} your code raised {type(error).__name__}: {reason}: skip the parameters whose .grad is "
+                f"None, as the docstring asks"]
+    return explain(seen, world_size, f"{frozen}: ")
 
 
 def check_05(rank: int, world_size: int, path: str) -> list[str]:
@@ -80,26 +97,36 @@ def check_05(rank: int, world_size: int, path: str) -> list[str]:
         else:
             failures += explain(one, world_size)
             failures += explain(two, world_size, "with 2 micro-batches accumulated: ") if one.exact() else []
-    # require_sync: accumulating must not communicate.
+    failures += _accumulating_failures(exercise.HookAverager)
+    return gather_failures(failures)
+
+
+def _accumulating_failures(make) -> list[str]:
+    """require_sync False, as for every micro-batch but the last: backward and finish() must send nothing."""
     watch = Watch()
-    wrapper = exercise.HookAverager(make_model(seed=0))
+    wrapper = make(make_model(seed=0))
     wrapper.require_sync = False
     with watch.active():
         wrapper(torch.randn(4, FEATURES)).sum().backward()
+        getattr(wrapper, "finish", lambda: None)()
     if watch.launches:
-        failures.append(f"with require_sync False your hooks still made {len(watch.launches)} all-reduces: while "
-                        f"micro-batches accumulate nothing should be sent (test self.require_sync in the hook)")
-    return gather_failures(failures)
+        return [f"with require_sync False your code still made {len(watch.launches)} all-reduces: while "
+                f"micro-batches accumulate nothing should be sent (test self.require_sync in the hook)"]
+    return []
 
 
 def _watched_training(make, model=None) -> tuple:
     """Train through ``make`` on the bench with every all-reduce watched.
 
-    Returns (seen, watch, backward end times, handles held after each finish()).
+    Returns (seen, watch, backward end times, handles held after each finish(), when the first step's last
+    gradient was accumulated).
     """
-    watch, ends, held = Watch(), [], []
+    watch, ends, held, arrivals = Watch(), [], [], []
 
     def made(module):
+        for p in module.parameters():  # hooks registered before the learner's run before theirs
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _: arrivals.append(time.perf_counter()))
         wrapper = make(module)
         finish = wrapper.finish
 
@@ -116,10 +143,15 @@ def _watched_training(make, model=None) -> tuple:
     with watch.active():
         seen = train_vs_one_process(made, lambda: ends.append(time.perf_counter()), model=model,
                                     step_starts=step_starts)
-    return seen, watch, ends, held
+    return seen, watch, ends, held, max(t for t in arrivals if t < ends[0])
 
 
-def _launch_failures(watch: Watch, ends: list, where: str) -> list[str]:
+def _launch_failures(watch: Watch, last_gradient: float, where: str) -> list[str]:
+    """Launched without async_op, never waited for, or waited for while backward still had gradients to compute.
+
+    A wait after the last gradient (in finish(), or in a callback queued with autograd's engine, as lesson
+    07b's wrapper does) keeps nothing from overlapping.
+    """
     failures = []
     if any(not launch.is_async for launch in watch.launches):
         failures.append(f"an all-reduce was called without async_op=True: {where} waits for it, so backward stands "
@@ -127,9 +159,10 @@ def _launch_failures(watch: Watch, ends: list, where: str) -> list[str]:
     if not watch.waits:
         failures.append("nothing ever waited for the all-reduces: finish() must wait for each (handle.wait()) "
                         "before reading the sums, or it reads gradients the sum has not reached")
-    elif watch.waits[0] < ends[0]:
-        failures.append(f"{where} waited for its all-reduce inside backward: backward stands still until the sum "
-                        f"arrives, so nothing overlaps. Launch with async_op=True and wait in finish()")
+    elif watch.waits[0] < last_gradient:
+        failures.append(f"{where} waited for its all-reduce inside backward, before the last gradient was ready: "
+                        f"backward stands still until the sum arrives, so nothing overlaps. Launch with "
+                        f"async_op=True and wait in finish()")
     return failures
 
 
@@ -153,15 +186,21 @@ def _holding_failures(watch: Watch, held: list) -> list[str]:
 
 def check_06(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    seen, watch, ends, held = _watched_training(exercise.AsyncAverager)
+    seen, watch, ends, held, last_gradient = _watched_training(exercise.AsyncAverager)
     n_params = len(list(make_model(seed=0).parameters()))
-    failures = _launch_failures(watch, ends, "the hook")
+    failures = _launch_failures(watch, last_gradient, "the hook")
     launched_in_backward = sum(launch.at < ends[0] for launch in watch.launches)
+    early = sum(launch.at < last_gradient for launch in watch.launches)  # all but the last gradient's own
     if not failures and launched_in_backward < n_params:
         failures.append(f"only {launched_in_backward} of the {n_params} all-reduces of the first step were launched "
                         f"during backward: the hook must launch each gradient's sum as soon as it is ready")
+    elif not failures and early < n_params - 1:
+        failures.append(f"only {early} of the {n_params} all-reduces of the first step were launched before the "
+                        f"last gradient was ready: the others waited for it, so they did not travel while backward "
+                        f"computed. The hook must launch each gradient's sum as soon as it is ready")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
+    failures += _accumulating_failures(exercise.AsyncAverager)
     return gather_failures(failures)
 
 
@@ -189,9 +228,10 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     cap = 4096  # the bench model: 4 buckets
     made = []
-    seen, watch, ends, held = _watched_training(lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
+    seen, watch, ends, held, last_gradient = _watched_training(
+        lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
     buckets = len(made[0].buckets)
-    failures = _launch_failures(watch, ends, "a bucket")
+    failures = _launch_failures(watch, last_gradient, "a bucket")
     per_step = watch.per_step(STEPS)
     off = next((step for step, count in enumerate(per_step) if count != buckets), None)
     if off is not None:
@@ -203,6 +243,10 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
     elif not failures and watch.launches[0].at > ends[0]:
         failures.append("every bucket left after backward had returned: launch a bucket from the hook as soon as it "
                         "(and every bucket before it) is full, so it travels while backward goes on")
+    elif not failures and watch.launches[0].at > last_gradient:
+        failures.append("every bucket left once the last gradient was ready, so none traveled while backward "
+                        "computed: launch a bucket from the hook as soon as it (and every bucket before it) is "
+                        "full, not when all are")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
     if not failures:  # in-order launching: ranks that fill buckets in different orders
@@ -213,4 +257,5 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
                             "before a): collectives are matched by the order they are called, so one rank's bucket "
                             "was summed with another rank's different bucket. Launch bucket i only after buckets "
                             "0 .. i-1, whatever order they fill in")
+    failures += _accumulating_failures(lambda m: exercise.BucketAverager(m, cap))
     return gather_failures(failures)

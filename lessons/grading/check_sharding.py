@@ -16,11 +16,24 @@ _all_reduce, _all_gather = dist.all_reduce, dist.all_gather  # the grader's own
 
 def check_19(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
+    # Plain SGD first: its step is the gradient's, scaled, so a gradient of the wrong scale shows as such
+    # (AdamW divides by the gradient's own scale); then AdamW, whose state ZeRO-1 shards.
+    failures = _train_19(exercise, rank, world_size, torch.optim.SGD, lr=0.1)[1]
+    if not failures:
+        sharded, failures = _train_19(exercise, rank, world_size, torch.optim.AdamW, lr=1e-2)
+        failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)
+    return gather_failures(failures)
+
+
+def _train_19(exercise, rank: int, world_size: int, optimizer_class, **defaults) -> tuple:
+    """STEPS steps of the learner's ShardedOptimizer against ``optimizer_class`` stepping every parameter.
+
+    Returns (the ShardedOptimizer, [what went wrong at the first step that differs]).
+    """
     mine, plain = make_model(seed=0), make_model(seed=0)
-    sharded = exercise.ShardedOptimizer(mine.parameters(), torch.optim.AdamW, lr=1e-2)
-    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    sharded = exercise.ShardedOptimizer(mine.parameters(), optimizer_class, **defaults)
+    reference = optimizer_class(plain.parameters(), **defaults)
     data = torch.Generator().manual_seed(7)
-    failures = []
     for step in range(STEPS):
         x = torch.randn(world_size, PER_RANK, FEATURES, generator=data)
         y = torch.randint(0, CLASSES, (world_size, PER_RANK), generator=data)
@@ -29,21 +42,20 @@ def check_19(rank: int, world_size: int, path: str) -> list[str]:
         for p, q in zip(mine.parameters(), plain.parameters()):
             _all_reduce(p.grad)
             p.grad /= world_size
-            q.grad = p.grad.clone()  # plain AdamW steps the same averaged gradients, all of them
+            q.grad = p.grad.clone()  # the plain optimizer steps the same averaged gradients, all of them
         before = flat_weights(mine)
         sharded.step()
         reference.step()
         after, right = flat_weights(mine), flat_weights(plain)
         if worst((after - right).abs().max().item()) >= 1e-6:
-            failures.append(_wrong_step(step, before, after, right, sharded.piece, rank, world_size))
-            break
-    failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)
-    return gather_failures(failures)
+            name = optimizer_class.__name__
+            return sharded, [_wrong_step(step, before, after, right, sharded.piece, rank, world_size, name)]
+    return sharded, []
 
 
 def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: torch.Tensor, piece: int, rank: int,
-                world_size: int) -> str:
-    """What went wrong in a step whose parameters differ from plain AdamW's: which piece holds what."""
+                world_size: int, name: str) -> str:
+    """What went wrong in a step whose parameters differ from the plain optimizer's: which piece holds what."""
     numel = after.numel()
     pieces = [slice(r * piece, min((r + 1) * piece, numel)) for r in range(world_size)]
     moved = [not torch.equal(after[s], before[s]) for s in pieces]
@@ -51,6 +63,15 @@ def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: tor
     if not any(moved):
         return ("the parameters did not move: give self.shard its gradient (this rank's piece of every p.grad, "
                 "laid end to end), step self.optimizer, and copy the updated pieces back")
+    if close(after - before, world_size * (right - before)):
+        return (f"after step {step + 1} the parameters moved {world_size}x as far as with plain {name}: your shard "
+                f"stepped with {world_size}x the averaged gradient. Every p.grad already holds the average over the "
+                f"ranks, and a reduce-scatter (or all-reduce) of it sums it again: divide by {world_size}, or just "
+                f"cut this rank's piece from it")
+    if close(after - before, (right - before) / world_size):
+        return (f"after step {step + 1} the parameters moved 1/{world_size} as far as with plain {name}: your shard "
+                f"stepped with 1/{world_size} of the averaged gradient. Every p.grad already holds the average over "
+                f"the ranks: do not divide it again")
     if moved[rank] and close(after[pieces[rank]], right[pieces[rank]]) and \
             not any(moved[r] for r in range(world_size) if r != rank):
         return (f"rank {rank} updated only its own piece of the parameters; the others kept their old values, so "
@@ -70,7 +91,7 @@ def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: tor
                 + f": all_gather fills its list in rank order (tensor r receives rank r's piece), and rank r's "
                   f"piece belongs at elements r * {piece} onward")
     wrong = [r for r, where in enumerate(pieces) if not close(after[where], right[where])]
-    return (f"after step {step + 1} the parameters differ from plain AdamW's by up to "
+    return (f"after step {step + 1} the parameters differ from plain {name}'s by up to "
             f"{(after - right).abs().max():.2g}, in the pieces of rank{'s' if len(wrong) > 1 else ''} "
             f"{', '.join(map(str, wrong))} (the others are right)")
 
@@ -112,10 +133,11 @@ def _state_failures(sharded, optimizer_class, **defaults) -> list[str]:
 
 
 class Watched:
-    """Wraps every unit's gather: notes, at each call, the bytes of earlier gathered tensors still alive."""
+    """Wraps every unit's gather: notes each call's phase, and the bytes of earlier gathered tensors still alive."""
 
     def __init__(self, units):
         self.units, self.phase, self.late = units, "forward", []
+        self.gathers = []  # (phase, unit index), this step's
         for index, unit in enumerate(units):
             original = unit.gather
 
@@ -123,6 +145,7 @@ class Watched:
                 held = self.held()
                 if held:
                     self.late.append((self.phase, index, held))
+                self.gathers.append((self.phase, index))
                 return original()
             unit.gather = gather
 
@@ -149,7 +172,7 @@ def check_21(rank: int, world_size: int, path: str) -> list[str]:
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(xs.reshape(-1, 16)), ys.reshape(-1, 1)).backward()
         opt.zero_grad()
-        watch.phase = "forward"
+        watch.phase, watch.gathers = "forward", []
         loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
         watch.phase = "backward"
         loss.backward()
@@ -162,6 +185,13 @@ def check_21(rank: int, world_size: int, path: str) -> list[str]:
         if watch.held():
             failures.append(f"after backward {watch.held()} bytes of gathered parameters were still held: free "
                             f"everything you gather")
+            break
+        not_again = [i for i in range(len(model.units)) if ("backward", i) not in watch.gathers]
+        if not_again:
+            failures.append(f"backward never called unit.gather() for unit{'s' if len(not_again) > 1 else ''} "
+                            f"{', '.join(map(str, not_again))}: computing with full parameters kept from forward "
+                            f"(saved on ctx, or a copy of them) holds every unit in full from its forward to its "
+                            f"backward. Save only the input, and gather again in backward with unit.gather()")
             break
         if step == 0:
             right = _refs(model, reference, rank)

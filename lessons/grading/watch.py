@@ -6,10 +6,12 @@ reads the right sum by luck. The watched ``dist.all_reduce`` takes that luck
 away. It sums a private copy of the tensor and hands back a ``HeldWork``
 that writes the sum into the learner's tensor only when ``wait()`` is called
 (or the future from ``get_future()`` completes): reading early reads this
-rank's own numbers, every time. ``HeldWork`` also notes whether the tensor
-was changed between the launch and the wait (a division written before the
-wait), and lives only as long as the learner holds it (``handles()`` lists
-those, for a step that never lets go of what it launched).
+rank's own numbers, every time. Waiting for that future, alone or through
+``torch.futures.wait_all``, counts as a wait. ``HeldWork`` also notes
+whether the tensor was changed between the launch and the wait (a division
+written before the wait), and lives only as long as the learner holds it
+(``handles()`` lists those, for a step that never lets go of what it
+launched).
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class HeldWork:
 
 
 class WatchedFuture:
+    """The learner's future: notes when it is waited for, directly or through ``torch.futures.wait_all``."""
+
     def __init__(self, future, waits: list):
         self._future, self._waits = future, waits
 
@@ -97,6 +101,11 @@ class WatchedFuture:
 
     def __getattr__(self, name):
         return getattr(self._future, name)
+
+
+def _unwrapped(futures) -> list:
+    """torch's own futures, for ``torch.futures.wait_all`` and ``collect_all``, which hand them to C++."""
+    return [f._future if isinstance(f, WatchedFuture) else f for f in futures]
 
 
 class Watch:
@@ -131,8 +140,19 @@ class Watch:
             self._handles.add(handle)
             return handle
 
+        wait_all, collect_all = torch.futures.wait_all, torch.futures.collect_all
+
+        def waited_all(futures):
+            self.waits.append(time.perf_counter())
+            return wait_all(_unwrapped(futures))
+
+        def collected_all(futures):  # one future for them all: waiting for it waits for each
+            return WatchedFuture(collect_all(_unwrapped(futures)), self.waits)
+
         dist.all_reduce = all_reduce
+        torch.futures.wait_all, torch.futures.collect_all = waited_all, collected_all
         try:
             yield self
         finally:
             dist.all_reduce = original
+            torch.futures.wait_all, torch.futures.collect_all = wait_all, collect_all
