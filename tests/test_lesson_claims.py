@@ -92,13 +92,26 @@ def test_16_explains_a_bar_by_the_wire_the_peers_and_the_machine():
     wire = lambda nbytes: 5.0  # noqa: E731  the model's time for any bucket
     rank0 = StepView(0, 0, 0.0, 30.0, buckets=[BucketBar(0, 1.0, 7.0, 100), BucketBar(1, 2.0, 20.0, 100)])
     rank1 = StepView(1, 0, 0.0, 30.0, buckets=[BucketBar(0, 1.5, 7.0, 100), BucketBar(1, 15.0, 20.0, 100)])
-    first, second = les.explain_bars([rank0, rank1], wire)
+    first, second = les.explain_bars([rank0, rank1], wire, taken_ms=[1.0, 7.0])
     # Bucket 0: on the wire at once, 5 ms by the model, then 1 ms this machine added.
     assert (first["bar"], first["queued"], first["wire"], first["late_peer"]) == (6.0, 0.0, 5.0, 0.0)
     assert first["rest"] == pytest.approx(1.0)
     # Bucket 1: queued 2..7 behind bucket 0, modelled to end at 12, but rank 1 launched it only at 15.
     assert (second["queued"], second["wire"], second["late_peer"]) == (5.0, 5.0, 3.0)
     assert second["rest"] == pytest.approx(5.0) and second["bar"] == 18.0
+
+
+def test_16_queues_a_bar_until_the_link_took_it_not_until_the_bar_before_was_stamped():
+    # A busy core: the link freed the wire at 7 ms and took bucket 1 at once, but the callback that
+    # stamps bucket 0's end in the trace ran only at 9 ms. Bucket 1 ended on time, at 7 + 5 + 0.2.
+    les = lesson("16_overlap_trace")
+    wire = lambda nbytes: 5.0  # noqa: E731
+    views = [StepView(r, 0, 0.0, 30.0, buckets=[BucketBar(0, 1.0, 9.0, 100), BucketBar(1, 2.0, 12.2, 100)])
+             for r in (0, 1)]
+    first, second = les.explain_bars(views, wire, taken_ms=[1.0, 7.0])
+    assert (second["queued"], second["wire"], second["late_peer"]) == (5.0, 5.0, 0.0)
+    assert second["rest"] == pytest.approx(0.2)  # not -1.8 ms, as queueing until the stamped 9 ms would say
+    assert first["rest"] == pytest.approx(3.0)  # the late stamp is this machine's delay, in bucket 0's bar
 
 
 def profile(backward_ms: float) -> ComputeProfile:
