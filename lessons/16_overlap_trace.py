@@ -51,7 +51,7 @@ Try this
        = 4 ms + 1.3 ms. Then read the table under the drawing: why are most
        bars longer than that, and by how much?
     2. ``--link none``: predict whether the bars still end in launch order.
-    3. ``--bucket-cap-mb 25`` (torch's default) in place of 0.3: predict
+    3. ``--bucket-cap-mb 25`` (torch's default) in place of 0.25: predict
        the picture.
 """
 
@@ -200,9 +200,11 @@ def check_and_show(trace: dict, n_buckets: int, one_wire: bool, wire_ms=None, ta
 
 def main(rank: int, world_size: int, out: str, link_name: str, bucket_cap_mb: float) -> None:
     torch.manual_seed(0)
-    # 0.3 MiB buckets: about one layer each. A cap of 25 MiB would pack this
-    # 2 MiB model into one bucket (exercise 3). The first step sends one bucket
-    # whatever the cap (torch's first guess), then the buckets are cut at it.
+    # 0.25 MiB buckets: one layer each, since a bucket closes after the gradient
+    # that reaches its cap (256 KiB of weight and 1 KiB of bias; the first bucket
+    # holds the small head too). A cap of 25 MiB would pack this 2 MiB model into
+    # one bucket (exercise 3). The first step sends one bucket whatever the cap
+    # (torch's first guess), then the buckets are cut at it.
     ddp = MiniDDP(make_model(), bucket_cap_mb=bucket_cap_mb, trace=True)
     link = make_link(link_name)
     if link is not None:
@@ -241,7 +243,7 @@ def main(rank: int, world_size: int, out: str, link_name: str, bucket_cap_mb: fl
 def options(parser) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help="trace file (JSON)")
     add_link_option(parser)
-    parser.add_argument("--bucket-cap-mb", type=float, default=0.3, help="MiniDDP's bucket cap (default %(default)s)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.25, help="MiniDDP's bucket cap (default %(default)s)")
 
 
 if __name__ == "__main__":
