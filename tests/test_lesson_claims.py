@@ -1,8 +1,9 @@
 """The lessons' time claims rest on models and counts, never on the clock.
 
 Lessons 06, 07, 16, 17 and 17b check what they claim about time with small pure
-functions: 06 replays a backward in the link model's time, 07 lets a bucket
-leave when its own last gradient is ready, 16 splits a bar
+functions: 06 replays a backward in the link model's time and bounds its
+saving for any timing of the hooks, 07 lets a bucket leave when its own last
+gradient is ready and shows the U on a stated backward, 16 splits a bar
 into waiting and travelling, 17 states for which compute speeds, networks
 and algorithms each comparison goes which way, 17b which link gets fewer
 buckets for any length of backward. Those functions are tested
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
+from minddp.net.network import allreduce_time, get_link
 from minddp.net.simulated_link import Message
 from minddp.observe.trace_view import BucketBar, StepView
 
@@ -94,6 +96,57 @@ def test_06_the_clock_does_not_enter_the_model():
     assert modelled(early) == modelled(late)
 
 
+def buckets_07(cap: float, registration_order: bool = False):
+    """Lesson 07's BucketDDP, its buckets built as the lesson builds them, without a process group."""
+    les, common = lesson("07_buckets"), lesson("_common")
+    ddp = les.BucketDDP.__new__(les.BucketDDP)
+    torch.nn.Module.__init__(ddp)
+    ddp.bucket_cap_bytes, ddp.params = cap, list(common.make_model(seed=0, width=les.WIDTH, depth=les.DEPTH).parameters())
+    ddp._build_buckets(ddp.params if registration_order else ddp.params[::-1])
+    return ddp
+
+
+def model_07(backward_ms: float, world_size: int, registration_order: bool = False) -> list[tuple[float, float]]:
+    """Lesson 07's sweep in the model: (cap, step ms) on gradients ready evenly over ``backward_ms``."""
+    les = lesson("07_buckets")
+    wire_ms = lambda n: 1e3 * allreduce_time(n, world_size, get_link("laptop"))  # noqa: E731
+    caps = [0, 300 * 1024, 600 * 1024, 1100 * 1024, 1600 * 1024, math.inf]
+    rows = []
+    for cap in caps:
+        ddp = buckets_07(cap, registration_order)
+        ready = les.stated_readiness(len(ddp.params), backward_ms)
+        rows.append((cap, backward_ms / 2 + les.predicted_ms(les.bucket_readiness(ddp, ready), wire_ms)))
+    return rows
+
+
+def test_07_has_u_means_the_best_cap_strictly_in_between():
+    has_u = lesson("07_buckets").has_u
+    assert has_u([(0, 9.0), (1, 5.0), (math.inf, 7.0)])
+    assert not has_u([(0, 5.0), (1, 6.0), (math.inf, 7.0)])  # the smallest cap is best
+    assert not has_u([(0, 9.0), (1, 7.0), (math.inf, 7.0)])  # a tie with an end is no U
+    assert not has_u([(0, 9.0), (1, 8.0), (math.inf, 7.0)])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_07_the_u_shows_on_the_stated_backward(world_size):
+    les = lesson("07_buckets")
+    rows = model_07(les.STATED_BACKWARD_MS, world_size)
+    assert les.has_u(rows), rows
+    assert les.stated_readiness(4, 40.0) == [40.0, 30.0, 20.0, 10.0]  # the last layer's gradients first
+
+
+@pytest.mark.parametrize("backward_ms", [1.0, 40.0, 300.0])
+def test_07_in_registration_order_no_backward_shows_a_u(backward_ms):
+    rows = model_07(backward_ms, 2, registration_order=True)
+    assert min(rows, key=lambda row: row[1])[0] == math.inf, rows  # one bucket: the fewest alphas
+
+
+def test_07_a_much_faster_or_slower_machine_loses_the_u_which_is_why_it_is_not_checked_on_this_one():
+    les = lesson("07_buckets")
+    assert not les.has_u(model_07(300.0, 2))  # crawling: per-parameter all-reduces keep up
+    assert not les.has_u(model_07(2.0, 2))  # 20x the stated speed: too little backward to hide under
+
+
 def test_16_splits_a_bar_into_waiting_and_travelling():
     les = lesson("16_overlap_trace")
     view = StepView(0, 0, start_ms=0.0, end_ms=12.0, hooks=[("a", 0.0), ("b", 6.0)],
@@ -140,7 +193,7 @@ def profile(backward_ms: float) -> ComputeProfile:
                                             for i, n in enumerate(sizes)])
 
 
-@pytest.mark.parametrize("backward_ms", [45.0, 0.9, 0.05], ids=["laptop", "gpu 50x", "gpu 1000x"])
+@pytest.mark.parametrize("backward_ms", [300.0, 45.0, 0.9, 0.05], ids=["busy laptop", "laptop", "gpu 50x", "gpu 1000x"])
 @pytest.mark.parametrize("network", ["ib400", "dgx-h100", "eth100"])
 @pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_17_claims_hold_for_every_compute_speed_network_and_algorithm(backward_ms, network, algorithm):
