@@ -109,7 +109,7 @@ def draw(view: StepView, one_wire: bool, width: int = 60) -> None:
             row[last] = "|"
         print0(f"  bucket {bar.index:<2} {''.join(row)}")
     print0("  g gradient hook   # computing gradients   . waiting for the all-reduces")
-    print0("  ^ bucket launched   . waiting for the wire   = on the wire (or waiting for a slower rank)")
+    print0("  ^ bucket launched   . waiting for the wire   = on the wire (or waiting for a slower rank, or this machine)")
     print0("  | the last gradient hook")
 
 
