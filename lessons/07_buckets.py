@@ -169,13 +169,13 @@ def main(rank: int, world_size: int, args) -> None:
         print0("  (predict the best cap now; the sweep follows)\n")
 
     stated = stated_readiness(n_params)
+    wire_ms = lambda n: 1e3 * link.predicted_time(n)  # noqa: E731
     rows = []
     for cap, ddp, result in zip(caps, wrappers, results):
         buckets = bucket_readiness(ddp, ready_ms)
         if link is None:
             here = on_stated = math.nan
         else:
-            wire_ms = lambda n: 1e3 * link.predicted_time(n)  # noqa: E731
             here = forward_ms + predicted_ms(buckets, wire_ms)
             on_stated = STATED_FORWARD_MS + predicted_ms(bucket_readiness(ddp, stated), wire_ms)
         rows.append((cap, result.all_reduces, buckets[0][1], here, on_stated))
@@ -212,13 +212,14 @@ def main(rank: int, world_size: int, args) -> None:
            f"{label(best_here[0])} on this machine's ({best_here[1]:.1f} ms)")
     if args.registration_order:
         # Bucket 0 waits for the last gradient and every bucket leaves after it: only the alphas differ.
-        assert not has_u(here) and not has_u(on_stated), (
-            f"in registration order nothing leaves before backward ends, so no U; the best were "
-            f"{label(best_here[0])} and {label(best_stated[0])}")
+        assert best_here[0] == best_stated[0] == math.inf, (
+            f"in registration order nothing leaves before backward ends, so no U and one bucket is best; the best "
+            f"were {label(best_here[0])} and {label(best_stated[0])}")
         print0("checked (--registration-order): every run gives the full-batch gradients; but bucket 0, which")
         print0(f"         must leave first, holds the gradients backward makes last: every plan's first bucket")
         print0(f"         can leave only when backward ends ({backward_ms:.1f} ms here), nothing overlaps, and the U")
-        print0(f"         is gone on any backward: the fewer buckets, the fewer alphas, the faster (one bucket is best).")
+        print0(f"         is gone on any backward: the fewer buckets, the fewer alphas, the faster ({label(best_stated[0])} "
+               f"is best).")
         return
     if is_real(args.link):  # a wire with no added latency: the model charges nothing per call, so no U to check
         print0("checked: per-parameter and one-bucket runs give the full-batch gradients; one all-reduce per bucket.")
