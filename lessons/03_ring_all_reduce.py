@@ -130,6 +130,9 @@ def timed(fn, x, repeats=3):
 def show_blocking_send(rank: int, world_size: int) -> None:
     # A group of its own with a short timeout: the default group keeps its
     # long one, so the ranks can still meet and leave cleanly afterwards.
+    # They meet on it first, so that the short timeout times the deadlock,
+    # not a rank arriving late on a busy machine.
+    dist.barrier()
     group = dist.new_group(timeout=datetime.timedelta(seconds=3))
     start = time.perf_counter()
     try:

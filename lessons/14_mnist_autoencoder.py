@@ -139,9 +139,12 @@ def throughput(rank: int, world_size: int) -> None:
     """1 rank against all of them, after a warm-up, ``REPEATS`` times each, interleaved; the median and the range.
 
     Measured, not asserted: the clock moves with whatever else the machine
-    runs. What is certain is the ceiling: N ranks can reach at most N times
-    one rank's rate, and only with N free cores; a ratio above it says the
-    single rank was slowed by other work while it was timed.
+    runs. The ceiling holds while the machine runs each rank as fast as the
+    single one: N ranks, each doing the single rank's work and an all-reduce
+    besides, reach at most N times its rate, and only with N free cores. A
+    ratio above it says the machine changed between the runs, not what DDP
+    does: the single rank's runs met more of its other work (or a lower
+    clock speed) than the N ranks' did.
     """
     solo = dist.new_group(ranks=[0])  # every rank takes part in creating a group, even one it is not in
     alone = trainer(solo, rank) if rank == 0 else None
@@ -161,8 +164,8 @@ def throughput(rank: int, world_size: int) -> None:
             print(f"  {name:>8}: {statistics.median(rates):>7,.0f} samples/s (median; {min(rates):,.0f}-{max(rates):,.0f})")
         print(f"  {world_size} ranks against 1, median against median: {ratio:.2f}x; at most "
               f"{world_size}x, and only with {world_size} free cores (this machine: {cores} cores, load average "
-              f"{load:.1f})" + (f". {ratio:.2f}x is above it: the single rank was slowed by other work while it "
-                                f"was timed" if ratio > world_size else ""))
+              f"{load:.1f})" + (f". {ratio:.2f}x is above it: the machine changed between the runs (the single rank's "
+                                f"met more of its other work), not what DDP does" if ratio > world_size else ""))
 
 
 def save_reconstructions(model, dataset, path: str) -> None:

@@ -90,7 +90,10 @@ class TwoHeads(nn.Module):
 
 def short_group(timeout_s: float):
     """A fresh group whose collectives give up after ``timeout_s`` (the default group keeps
-    its long timeout, so the ranks can still meet after a failure)."""
+    its long timeout, so the ranks can still meet after a failure). The ranks first meet on
+    the default group, so that the short timeout times the hang the lesson sets up, not a
+    rank arriving late on a busy machine."""
+    dist.barrier()
     return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
 
 

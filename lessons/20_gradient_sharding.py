@@ -51,8 +51,6 @@ Try this
        its bytes on the wire against DDP's.
 """
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -60,14 +58,15 @@ from minddp.net.network import bytes_sent_per_rank
 
 
 class WireCounter:
-    """Wraps torch.distributed's three collectives; while ``on``, records (kind, bytes sent per rank, when)."""
+    """Wraps torch.distributed's three collectives; while ``on``, records (kind, bytes sent per rank,
+    how many gradients were complete when it was called: ``gradient_ready`` counts them)."""
 
     NAMES = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
              "reduce_scatter_single": "reduce_scatter", "all_gather_into_tensor": "all_gather",
              "all_gather_single": "all_gather"}
 
     def __init__(self):
-        self.on, self.calls = False, []
+        self.on, self.calls, self.gradients_ready = False, [], 0
         for name, kind in self.NAMES.items():
             original = getattr(dist, name, None)
             if original is not None:
@@ -78,9 +77,13 @@ class WireCounter:
             if self.on:
                 buffer = max((a for a in args if torch.is_tensor(a)), key=lambda t: t.numel())  # the whole buffer
                 sent = bytes_sent_per_rank(kind, buffer.nbytes, dist.get_world_size(kwargs.get("group")))
-                self.calls.append((kind, sent, time.perf_counter()))
+                self.calls.append((kind, sent, self.gradients_ready))
             return original(*args, **kwargs)
         return call
+
+    def gradient_ready(self, param: torch.Tensor) -> None:
+        """A post-accumulate-grad hook: one more gradient of this backward is complete."""
+        self.gradients_ready += 1
 
     def bytes(self, kind=None) -> float:
         return sum(sent for k, sent, _ in self.calls if kind in (None, k))
@@ -132,12 +135,11 @@ def show_the_identity(rank: int, world_size: int) -> None:
 
 
 def train(rank: int, setup: str, bucket_cap_mb: float):
-    """STEPS AdamW steps of the GPT under MiniDDP, the last one counted. Returns (model, bytes, last gradient)."""
+    """STEPS AdamW steps of the GPT under MiniDDP, the last one counted. Returns (model, bytes, gradients)."""
     torch.manual_seed(0)
     net = GPT(CONFIG)
-    last_gradient = []  # when each parameter's gradient was complete, this backward
     for p in net.parameters():  # registered before MiniDDP's: they run before it launches a bucket
-        p.register_post_accumulate_grad_hook(lambda p: last_gradient.append(time.perf_counter()))
+        p.register_post_accumulate_grad_hook(COUNTER.gradient_ready)
     model = MiniDDP(net, bucket_cap_mb=bucket_cap_mb)
     if setup == "ddp":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -148,14 +150,14 @@ def train(rank: int, setup: str, bucket_cap_mb: float):
     for step in range(STEPS):
         tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=data)
         optimizer.zero_grad()
-        last_gradient.clear()
+        COUNTER.gradients_ready = 0
         COUNTER.calls.clear()
         COUNTER.on = step == STEPS - 1
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         before_step = measured_bytes(model, optimizer)
         optimizer.step()
         COUNTER.on = False
-    return model, before_step, max(last_gradient)
+    return model, before_step, len(list(net.parameters()))
 
 
 def bucket_sizes(model) -> list[tuple[float, list[str], float]]:
@@ -178,8 +180,9 @@ def main(rank: int, world_size: int, args) -> None:
     # Part 2: DDP, stage 1 and stage 2, one counted step each.
     runs = {}
     for setup in SETUPS:
-        model, counted, last = train(rank, setup, args.bucket_cap_mb)
-        early = sum(1 for kind, _, when in COUNTER.calls if kind != "all_gather" and when < last)
+        model, counted, gradients = train(rank, setup, args.bucket_cap_mb)
+        # by the order of events, not the clock: launched while some gradient was still to come
+        early = sum(1 for kind, _, ready in COUNTER.calls if kind != "all_gather" and ready < gradients)
         wire = {kind: COUNTER.bytes(kind) for kind in ("all_reduce", "reduce_scatter", "all_gather")}
         runs[setup] = (weights(model), counted, wire, early, bucket_sizes(model))
     numel = runs["ddp"][0].numel()

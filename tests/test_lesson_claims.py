@@ -1,8 +1,9 @@
 """The lessons' time claims rest on models and counts, never on the clock.
 
 Lessons 06, 07, 16, 17 and 17b check what they claim about time with small pure
-functions: 06 replays a backward in the link model's time, 07 lets a bucket
-leave when its own last gradient is ready, 16 splits a bar
+functions: 06 replays a backward in the link model's time and bounds its
+saving for any timing of the hooks, 07 lets a bucket leave when its own last
+gradient is ready and shows the U on a stated backward, 16 splits a bar
 into waiting and travelling, 17 states for which compute speeds, networks
 and algorithms each comparison goes which way, 17b which link gets fewer
 buckets for any length of backward. Those functions are tested
@@ -12,6 +13,7 @@ cannot move them. (The lessons themselves run in tests/test_lessons.py.)
 
 import importlib.util
 import math
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
+from minddp.net.network import allreduce_time, get_link
 from minddp.net.simulated_link import Message
 from minddp.observe.trace_view import BucketBar, StepView
 
@@ -65,6 +68,24 @@ def test_06_the_drawing_and_the_count_are_of_one_replayed_backward():
     assert m["hidden"] == sum(done < m["backward"] for *_, done in m["rows"]) == 2
 
 
+def test_06_the_saving_is_bounded_whatever_the_hooks_timing():
+    # A core taken away for 35 ms after the first hook: ten 4.4 ms messages, nine of them launched late.
+    modelled = lesson("06_async_overlap").modelled
+    paused = fake_backward(0.046, [(0.001, 0.0044)] + [(0.037 + 0.001 * i, 0.0044) for i in range(9)])
+    m = modelled(paused)
+    saved, most = m["waiting"] - m["overlap"], min(m["backward"], m["wire"])
+    assert saved == pytest.approx(13.4) and most == pytest.approx(44)  # not over half of min(backward, wire)
+    assert (m["hidden"], m["hidden_wire"]) == (3, pytest.approx(13.2))  # the first, and two right after the pause
+    assert m["hidden_wire"] <= saved <= most  # what the lesson claims: it holds here too
+    rng = random.Random(0)
+    for _ in range(500):  # and for any other timing of the hooks
+        backward = rng.uniform(0.001, 0.2)
+        launches = sorted((rng.uniform(0, backward), rng.uniform(0.0001, 0.01)) for _ in range(rng.randint(1, 12)))
+        m = modelled(fake_backward(backward, launches))
+        saved = m["waiting"] - m["overlap"]
+        assert m["hidden_wire"] - 1e-9 <= saved <= min(m["backward"], m["wire"]) + 1e-9, (launches, backward, m)
+
+
 def test_06_the_clock_does_not_enter_the_model():
     # The same launches, however late the sums really arrived (a slow peer): the same replay.
     modelled = lesson("06_async_overlap").modelled
@@ -73,6 +94,57 @@ def test_06_the_clock_does_not_enter_the_model():
     late.timeline[0][2] = 0.500  # finished half a second later by the clock
     late.timeline[0][3].finished = 0.500
     assert modelled(early) == modelled(late)
+
+
+def buckets_07(cap: float, registration_order: bool = False):
+    """Lesson 07's BucketDDP, its buckets built as the lesson builds them, without a process group."""
+    les, common = lesson("07_buckets"), lesson("_common")
+    ddp = les.BucketDDP.__new__(les.BucketDDP)
+    torch.nn.Module.__init__(ddp)
+    ddp.bucket_cap_bytes, ddp.params = cap, list(common.make_model(seed=0, width=les.WIDTH, depth=les.DEPTH).parameters())
+    ddp._build_buckets(ddp.params if registration_order else ddp.params[::-1])
+    return ddp
+
+
+def model_07(backward_ms: float, world_size: int, registration_order: bool = False) -> list[tuple[float, float]]:
+    """Lesson 07's sweep in the model: (cap, step ms) on gradients ready evenly over ``backward_ms``."""
+    les = lesson("07_buckets")
+    wire_ms = lambda n: 1e3 * allreduce_time(n, world_size, get_link("laptop"))  # noqa: E731
+    caps = [0, 300 * 1024, 600 * 1024, 1100 * 1024, 1600 * 1024, math.inf]
+    rows = []
+    for cap in caps:
+        ddp = buckets_07(cap, registration_order)
+        ready = les.stated_readiness(len(ddp.params), backward_ms)
+        rows.append((cap, backward_ms / 2 + les.predicted_ms(les.bucket_readiness(ddp, ready), wire_ms)))
+    return rows
+
+
+def test_07_has_u_means_the_best_cap_strictly_in_between():
+    has_u = lesson("07_buckets").has_u
+    assert has_u([(0, 9.0), (1, 5.0), (math.inf, 7.0)])
+    assert not has_u([(0, 5.0), (1, 6.0), (math.inf, 7.0)])  # the smallest cap is best
+    assert not has_u([(0, 9.0), (1, 7.0), (math.inf, 7.0)])  # a tie with an end is no U
+    assert not has_u([(0, 9.0), (1, 8.0), (math.inf, 7.0)])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_07_the_u_shows_on_the_stated_backward(world_size):
+    les = lesson("07_buckets")
+    rows = model_07(les.STATED_BACKWARD_MS, world_size)
+    assert les.has_u(rows), rows
+    assert les.stated_readiness(4, 40.0) == [40.0, 30.0, 20.0, 10.0]  # the last layer's gradients first
+
+
+@pytest.mark.parametrize("backward_ms", [1.0, 40.0, 300.0])
+def test_07_in_registration_order_no_backward_shows_a_u(backward_ms):
+    rows = model_07(backward_ms, 2, registration_order=True)
+    assert min(rows, key=lambda row: row[1])[0] == math.inf, rows  # one bucket: the fewest alphas
+
+
+def test_07_a_much_faster_or_slower_machine_loses_the_u_which_is_why_it_is_not_checked_on_this_one():
+    les = lesson("07_buckets")
+    assert not les.has_u(model_07(300.0, 2))  # crawling: per-parameter all-reduces keep up
+    assert not les.has_u(model_07(2.0, 2))  # 20x the stated speed: too little backward to hide under
 
 
 def test_16_splits_a_bar_into_waiting_and_travelling():
@@ -92,13 +164,26 @@ def test_16_explains_a_bar_by_the_wire_the_peers_and_the_machine():
     wire = lambda nbytes: 5.0  # noqa: E731  the model's time for any bucket
     rank0 = StepView(0, 0, 0.0, 30.0, buckets=[BucketBar(0, 1.0, 7.0, 100), BucketBar(1, 2.0, 20.0, 100)])
     rank1 = StepView(1, 0, 0.0, 30.0, buckets=[BucketBar(0, 1.5, 7.0, 100), BucketBar(1, 15.0, 20.0, 100)])
-    first, second = les.explain_bars([rank0, rank1], wire)
+    first, second = les.explain_bars([rank0, rank1], wire, taken_ms=[1.0, 7.0])
     # Bucket 0: on the wire at once, 5 ms by the model, then 1 ms this machine added.
     assert (first["bar"], first["queued"], first["wire"], first["late_peer"]) == (6.0, 0.0, 5.0, 0.0)
     assert first["rest"] == pytest.approx(1.0)
     # Bucket 1: queued 2..7 behind bucket 0, modelled to end at 12, but rank 1 launched it only at 15.
     assert (second["queued"], second["wire"], second["late_peer"]) == (5.0, 5.0, 3.0)
     assert second["rest"] == pytest.approx(5.0) and second["bar"] == 18.0
+
+
+def test_16_queues_a_bar_until_the_link_took_it_not_until_the_bar_before_was_stamped():
+    # A busy core: the link freed the wire at 7 ms and took bucket 1 at once, but the callback that
+    # stamps bucket 0's end in the trace ran only at 9 ms. Bucket 1 ended on time, at 7 + 5 + 0.2.
+    les = lesson("16_overlap_trace")
+    wire = lambda nbytes: 5.0  # noqa: E731
+    views = [StepView(r, 0, 0.0, 30.0, buckets=[BucketBar(0, 1.0, 9.0, 100), BucketBar(1, 2.0, 12.2, 100)])
+             for r in (0, 1)]
+    first, second = les.explain_bars(views, wire, taken_ms=[1.0, 7.0])
+    assert (second["queued"], second["wire"], second["late_peer"]) == (5.0, 5.0, 0.0)
+    assert second["rest"] == pytest.approx(0.2)  # not -1.8 ms, as queueing until the stamped 9 ms would say
+    assert first["rest"] == pytest.approx(3.0)  # the late stamp is this machine's delay, in bucket 0's bar
 
 
 def profile(backward_ms: float) -> ComputeProfile:
@@ -108,7 +193,7 @@ def profile(backward_ms: float) -> ComputeProfile:
                                             for i, n in enumerate(sizes)])
 
 
-@pytest.mark.parametrize("backward_ms", [45.0, 0.9, 0.05], ids=["laptop", "gpu 50x", "gpu 1000x"])
+@pytest.mark.parametrize("backward_ms", [300.0, 45.0, 0.9, 0.05], ids=["busy laptop", "laptop", "gpu 50x", "gpu 1000x"])
 @pytest.mark.parametrize("network", ["ib400", "dgx-h100", "eth100"])
 @pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_17_claims_hold_for_every_compute_speed_network_and_algorithm(backward_ms, network, algorithm):
