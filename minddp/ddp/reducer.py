@@ -270,7 +270,7 @@ class Reducer:
         """
         if (self._next_to_launch == len(self.buckets) or self.forward_inside_backward
                 or torch._C._current_autograd_node() is None):
-            self.finish_backward()  # returned: its last bucket no longer held, should a callback rebuild
+            self.finish_backward()  # returned first: no frame of it holds a bucket while the callbacks run
             for callback in list(self.backward_done_callbacks):  # a callback may remove itself
                 callback()
         else:
