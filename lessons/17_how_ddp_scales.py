@@ -65,7 +65,8 @@ Try this
 Next
     Lesson 17b turns this model into a decision: ``MiniDDP(...,
     bucket_cap_mb="auto")`` measures its own link and gradients, replays
-    candidate bucket plans with this simulator, and keeps the fastest.
+    candidate bucket plans with this simulator, and keeps the fastest
+    where it clearly beats the default.
 """
 
 import json

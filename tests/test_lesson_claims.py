@@ -214,7 +214,11 @@ def test_17_claims_hold_for_every_compute_speed_network_and_algorithm(backward_m
 def test_17b_the_planner_picks_fewer_buckets_on_the_high_latency_link_for_any_backward(backward_ms, world_size):
     les = lesson("17b_auto_buckets")
     picks = les.model_choices(les.stated_profile(backward_ms), les.LINKS, world_size)
-    assert picks["high-latency"].buckets < picks["low-bandwidth"].buckets, {n: c.buckets for n, c in picks.items()}
+    buckets = {n: c.buckets for n, c in picks.items()}
+    if backward_ms <= 30:
+        assert buckets["high-latency"] < buckets["low-bandwidth"], buckets
+    else:  # a backward 10x the wire's time hides either link's transfer: no plan is 5% faster than the default
+        assert buckets["high-latency"] <= buckets["low-bandwidth"], buckets
     for choice in picks.values():
         assert choice.predicted_ms <= choice.default_ms
 
