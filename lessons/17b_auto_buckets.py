@@ -166,7 +166,7 @@ def main(rank: int, world_size: int, args) -> None:
         rows.append((name, *decided[0]))
 
     print0(f"\n  {'link':<14} | {'buckets':>7} | {'its backward':>12} {'outside it':>10} | {'probed: alpha':>13} {'MB/s':>6} | "
-           f"{'per bucket':>10} {'CPU/MB':>8} | {'its prediction':>14} | {'on the true link':>16}")
+           f"{'per bucket':>10} {'CPU/MB':>8} {'per step':>8} | {'its prediction':>14} | {'on the true link':>16}")
     for name, choice, measured in rows:
         plan = (choice.cap_mb, choice.first_cap_mb)
         replayed = model_ms(measured, choice.link, world_size, plan, choice.costs)
@@ -178,12 +178,15 @@ def main(rank: int, world_size: int, args) -> None:
         on_true = model_ms(measured, links[name], world_size, plan, choice.costs)
         print0(f"  {name:<14} | {choice.buckets:>7} | {measured.backward_ms:>9.1f} ms {measured.forward_ms:>7.1f} ms | "
                f"{choice.link.alpha_s * 1e3:>10.3f} ms {choice.link.bandwidth_Bps / 1e6:>6.0f} | "
-               f"{choice.costs.per_bucket_us:>7.0f} us {choice.costs.contention_us_per_MB:>5.0f} us | "
+               f"{choice.costs.per_bucket_us:>7.0f} us {choice.costs.contention_us_per_MB:>5.0f} us "
+               f"{choice.costs.per_step_ms:>5.1f} ms | "
                f"{choice.predicted_ms:>11.1f} ms | {on_true:>13.1f} ms")
     print0("  (its backward, and the time outside it -- the optimizer step and the next forward -- are the medians")
     print0("   MiniDDP measured in its first steps, and the probe its fit of the link; per bucket: its own fill and")
     print0("   launch of a bucket, measured then too; CPU/MB: backward's CPU an all-reduce beside it takes per MB")
-    print0("   sent, from the probe (0 with a core to spare). Its prediction replays its plan on all of these.")
+    print0("   sent, from the probe (0 with a core to spare); per step: how much longer its measured steps, with the")
+    print0("   default's buckets, took than the model of them, added to every plan. Its prediction replays its plan")
+    print0("   on all of these.")
     print0("   It differs from part 1 exactly where these differ from part 1's stated compute and")
     print0("   the true links, which a busy machine moves from run to run: part 1 is the lesson's answer.)")
     print0()

@@ -9,6 +9,8 @@ buckets on a slow high-latency link, several on a fast one with compute to
 hide behind, the same on both ranks, with parameters equal to torch's DDP.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
 from minddp.net.bucket_costs import contention_us_per_MB, fixed_cost_us
-from minddp.net.bucket_planner import LEAVE_DEFAULT_MARGIN, MEASURED_BACKWARDS, choose_plan
+from minddp.net.bucket_planner import LEAVE_DEFAULT_MARGIN, MEASURED_BACKWARDS, AutoBuckets, choose_plan, replay
 from minddp.net.network import Link
 from minddp.simulate import ComputeProfile, Gradient
 from minddp.simulate.overheads import Overheads
@@ -126,6 +128,52 @@ def test_minddps_own_cost_per_bucket_is_the_fill_at_zero_bytes_plus_the_launch()
     # Noise that tilts the line below zero bytes: nothing, not a negative cost.
     assert fixed_cost_us([(MB, 900e-6), (3 * MB, 3000e-6)], []) == 0
     assert fixed_cost_us([], []) == 0, "no bucket filled: nothing measured, nothing charged"
+
+
+def _planner_of(nbytes: list[int]) -> AutoBuckets:
+    """An AutoBuckets on a stand-in reducer with parameters of these sizes (float32), for its pure parts."""
+    params = [torch.zeros(n // 4) for n in nbytes]
+    reducer = SimpleNamespace(options=SimpleNamespace(reduce_dtype=None), params=params,
+                              names=[f"g{i}" for i in range(len(params))], add_observer=lambda observer: None,
+                              backward_done_callbacks=[])
+    return AutoBuckets(reducer)
+
+
+def _instantly(buffer: torch.Tensor) -> torch.futures.Future:
+    """A link that costs nothing: the probe's all-reduce is done as soon as it is sent."""
+    done = torch.futures.Future()
+    done.set_result([buffer])
+    return done
+
+
+def test_the_defaults_measured_step_sets_what_every_plan_is_charged_beyond_the_model():
+    # Backwards of 30 ms (two gradients, ready at 0 and 30 ms), each ending 25 ms after its last hook (waiting
+    # for its buckets, writing .grad), the next starting 20 ms later: a measured step of 55 + 20 = 75 ms with
+    # the default's buckets. On a link that costs nothing the model sees 20 + 30 = 50 ms (and MiniDDP's own
+    # work, here none): 25 ms per step it does not explain, charged to every plan, so the default is
+    # predicted at its measured 75 ms.
+    planner = _planner_of([MB, MB])
+    start = 0.0
+    for _ in range(MEASURED_BACKWARDS + 1):
+        arrivals = [(1, start), (0, start + 0.030)]
+        assert planner.backward_done(arrivals, start + 0.055) == (start > 0.2)
+        start += 0.075
+    assert planner.measured_step_ms() == pytest.approx(75)
+    assert planner.profile().backward_ms == pytest.approx(30) and planner.profile().forward_ms == pytest.approx(20)
+    choice = planner.decide(_instantly, 2, torch.device("cpu"), torch.float32, is_rank0=True)
+    assert choice.costs.per_step_ms == pytest.approx(75 - 50, abs=0.5)
+    assert choice.default_ms == pytest.approx(75, abs=0.5)
+    assert replay(planner.profile(), choice.link, 2, (choice.cap_mb, choice.first_cap_mb), choice.costs) == \
+        pytest.approx(choice.predicted_ms), "the prediction is the replay with every cost it charged"
+
+
+def test_a_step_faster_than_the_model_charges_nothing_negative():
+    planner = _planner_of([MB, MB])
+    for k in range(MEASURED_BACKWARDS + 1):  # steps that end at their last hook and start at once again
+        planner.backward_done([(1, k * 0.03), (0, k * 0.03 + 0.03)], k * 0.03 + 0.03)
+    assert planner.measured_step_ms() == pytest.approx(30)
+    choice = planner.decide(_instantly, 2, torch.device("cpu"), torch.float32, is_rank0=True)
+    assert choice.costs.per_step_ms == 0
 
 
 # -------------------------------------------------------- MiniDDP, 2 ranks

@@ -11,7 +11,7 @@ as the timed steps:
 * **the link**: ``all_reduce`` of a small buffer (64 KiB) and of one as large
   as all the gradients, the fastest of a few tries each (load only adds
   time), fitted as ``bucket_cap_mb="auto"`` fits it
-  (:func:`minddp.net.bucket_planner.fit_latency_bandwidth`).
+  (:func:`minddp.net.link_probe.fit_latency_bandwidth`).
 
 After each row's timing, rank 0 replays its bucket cap, the profile's
 compute scaled to that row's measured bare step (``local``). Whether communication may run beside
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from benchlib.tables import markdown_table, with_spread
-from minddp.net.bucket_planner import fit_latency_bandwidth
+from minddp.net.link_probe import fit_latency_bandwidth
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step
 
 PROFILE_STEPS = 4  # traced steps after the warm-up ones

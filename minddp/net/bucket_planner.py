@@ -21,8 +21,8 @@ finally calls ``rebuild``. :class:`~minddp.ddp.wrapper.MiniDDP` sets it up when
    ready, in ms since the backward's first hook, and how long the step spends
    outside backward (optimizer, next forward). Medians over the steps make a
    :class:`~minddp.simulate.profile.ComputeProfile`;
-2. **link**: a short probe: all-reduces of two sizes through the very path
-   the buckets take (the comm hook included, so a simulated link is measured
+2. **link**: a short probe (:mod:`minddp.net.link_probe`): all-reduces of
+   two sizes through the very path the buckets take (the comm hook included, so a simulated link is measured
    as such), the fastest of a few tries each (load only adds time), fitted
    with :func:`minddp.net.network.fit_link`;
 3. **costs** (:mod:`minddp.net.bucket_costs`), measured too: MiniDDP's own
@@ -35,6 +35,13 @@ finally calls ``rebuild``. :class:`~minddp.ddp.wrapper.MiniDDP` sets it up when
    ranks on 2 cores, under load), a 1 Gbit/s link between network
    namespaces 0.07 to 0.15; the replay slows backward by that share while a
    bucket is on the wire, so a partly busy all-reduce still hides the rest;
+   and what the replay still misses: the measured steps ran with the
+   default's buckets, so their median step against the default's replay is
+   what the model leaves out there (waiting for the slower rank, the end of
+   backward, an all-reduce slower in a step than in the probe). That rest
+   is charged to every plan once per step (``Overheads.per_step_ms``): the
+   default's prediction is its measured step, and every other plan is
+   predicted from there;
 4. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
    :func:`minddp.simulate.simulate_step` with those costs; the smallest
    predicted step wins if it beats torch's default by more than
@@ -61,7 +68,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -69,13 +76,14 @@ import torch.distributed as dist
 
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
 from minddp.net.bucket_costs import BucketCostLog, contention_us_per_MB, fixed_cost_us
-from minddp.net.network import Link, fit_link
+from minddp.net.link_probe import communicate_buffer, fit_latency_bandwidth, timed
+from minddp.net.network import Link
 from minddp.simulate.overheads import NO_OVERHEADS, Overheads
 from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.ddp.placement import global_rank
 
-__all__ = ["CANDIDATE_CAPS_MB", "LEAVE_DEFAULT_MARGIN", "BucketChoice", "choose_plan", "AutoBuckets", "MEASURED_BACKWARDS"]
+__all__ = ["CANDIDATE_CAPS_MB", "LEAVE_DEFAULT_MARGIN", "BucketChoice", "choose_plan", "replay", "AutoBuckets", "MEASURED_BACKWARDS"]
 
 DEFAULT_CAP_MB = 25.0  # torch's
 # Caps tried, each with torch's 1 MiB first bucket and with no smaller first
@@ -116,6 +124,7 @@ class BucketChoice:
             f"{self.link.bandwidth_Bps / 1e9:.3g} GB/s; MiniDDP's own work {self.costs.per_bucket_us:.0f} us per "
             f"bucket; an all-reduce beside backward takes {self.costs.contention_us_per_MB:.0f} us of its CPU "
             f"per MB sent" + ("" if self.cpu_share is None else f" (busy {self.cpu_share:.0%} of a probe all-reduce)")
+            + f"; the default's measured step {self.costs.per_step_ms:.1f} ms longer than the model's, added to every plan"
         )
 
 
@@ -131,15 +140,25 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Ove
     everything = max(total_mb, DEFAULT_CAP_MB) * 2  # room for every gradient in one bucket
     candidates.append((everything, everything))
     results = []
-    for order, (cap, first) in enumerate(candidates):
-        policy = DDPPolicy(cap, first, overheads=costs, buckets_may_pass_cap=True)  # the buckets MiniDDP builds
-        step = simulate_step(profile, link, world_size, policy)
-        results.append((round(step.step_ms, 9), len(step.buckets), order, cap, first))
+    for order, plan in enumerate(candidates):
+        step = simulate_step(profile, link, world_size, _policy(plan, costs))
+        results.append((round(step.step_ms, 9), len(step.buckets), order, *plan))
     default = results[0]
     best = min(results)
     if best[0] > default[0] * (1 - LEAVE_DEFAULT_MARGIN):
         best = default
     return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, costs, cpu_share)
+
+
+def _policy(plan: tuple[float, float], costs: Overheads) -> DDPPolicy:
+    """The buckets MiniDDP builds with caps ``plan`` (MB: every bucket, the first), charged ``costs``."""
+    return DDPPolicy(*plan, overheads=costs, buckets_may_pass_cap=True)
+
+
+def replay(profile: ComputeProfile, link: Link, world_size: int, plan: tuple[float, float],
+           costs: Overheads = NO_OVERHEADS) -> float:
+    """The step the model predicts for ``profile`` with the buckets of ``plan``, in ms."""
+    return simulate_step(profile, link, world_size, _policy(plan, costs)).step_ms
 
 
 # ----------------------------------------------------------- measuring it
@@ -162,6 +181,7 @@ class AutoBuckets:
         self.backwards_seen = 0
         self._ready_ms: list[list[float]] = [[] for _ in self.names]
         self._outside_ms: list[float] = []  # end of one backward to the first hook of the next
+        self._inside_ms: list[float] = []  # first hook of a backward to its end (gradients written)
         self._fills: list[tuple[int, float]] = []  # (bytes, seconds) of every bucket filled in the measured ones
         self._launches: list[float] = []
         self._last_finished: float | None = None
@@ -219,6 +239,7 @@ class AutoBuckets:
                 self._ready_ms[index].append((t - started) * 1e3)
             if self._last_finished is not None:
                 self._outside_ms.append((started - self._last_finished) * 1e3)
+            self._inside_ms.append((finished - started) * 1e3)
             self._fills += fills
             self._launches += launches
         self._last_finished = finished
@@ -235,6 +256,12 @@ class AutoBuckets:
         outside = statistics.median(self._outside_ms) if self._outside_ms else 0.0
         return ComputeProfile(outside, sorted(gradients, key=lambda g: g.ready_ms), 0.0)
 
+    def measured_step_ms(self) -> float | None:
+        """The median measured step with the default's buckets, their communication included (None: none measured)."""
+        if not (self._inside_ms and self._outside_ms):
+            return None
+        return statistics.median(self._inside_ms) + statistics.median(self._outside_ms)
+
     def decide(self, communicate: Callable[[torch.Tensor], torch.futures.Future], world_size: int,
                device: torch.device, dtype: torch.dtype, is_rank0: bool) -> BucketChoice | None:
         """Probe the link and the CPU its all-reduces take (every rank: collectives), choose (rank 0 only)."""
@@ -243,7 +270,7 @@ class AutoBuckets:
         sizes = [PROBE_SMALL_BYTES, total]
         element = torch.empty((), dtype=dtype).element_size()
         buffers = [torch.zeros(n // element, dtype=dtype, device=device) for n in sizes]
-        timings = [[_timed(communicate, b) for _ in range(PROBE_REPEATS)] for b in buffers]
+        timings = [[timed(communicate, b) for _ in range(PROBE_REPEATS)] for b in buffers]
         seconds = [min(wall for wall, _ in t) for t in timings]
         cpu_share = statistics.median(cpu / wall for wall, cpu in timings[-1])  # the largest all-reduces
         if not is_rank0:
@@ -253,52 +280,9 @@ class AutoBuckets:
                           contention_us_per_MB=contention_us_per_MB(
                               device, world_size, statistics.median(cpu for _, cpu in timings[-1]), buffers[-1].nbytes),
                           source="measured by bucket_cap_mb='auto' (minddp/net/bucket_costs.py)")
-        self.choice = choose_plan(self.profile(), link, world_size, costs, cpu_share)
+        profile, measured = self.profile(), self.measured_step_ms()
+        if measured is not None:  # what the replay misses, from the steps that ran with the default's buckets
+            missed = measured - replay(profile, link, world_size, (DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB), costs)
+            costs = replace(costs, per_step_ms=max(0.0, missed))
+        self.choice = choose_plan(profile, link, world_size, costs, cpu_share)
         return self.choice
-
-
-@dataclass
-class ScratchBucket:
-    """A stand-in bucket with no parameters, for the link probe; its index is past the real buckets',
-    so no comm hook mistakes it for one."""
-
-    buffer: torch.Tensor
-    index: int
-    params: tuple = ()
-    views: tuple = ()
-
-
-def communicate_buffer(reducer, buffer: torch.Tensor) -> torch.futures.Future:
-    """Send a scratch ``buffer`` the way ``reducer``'s buckets travel (its communication part: a comm hook
-    included, so a simulated link is measured as such)."""
-    return reducer.communication.communicate(ScratchBucket(buffer, len(reducer.buckets)))
-
-
-def fit_latency_bandwidth(sizes: list[float], seconds: list[float], world_size: int) -> Link:
-    """:func:`~minddp.net.network.fit_link`, or a latency-only link where time does not grow with size.
-
-    On a link whose latency dwarfs the probe's bytes (tens of ms per message,
-    GB/s), the noise between two timings can exceed what the bytes add, and
-    the fitted slope comes out <= 0: the bytes cost nothing measurable.
-    """
-    try:
-        return fit_link(sizes, seconds, world_size, "measured")
-    except ValueError:
-        steps = 2 * (world_size - 1)
-        return Link("measured", statistics.median(seconds) / steps, 1e18,
-                    "latency only: all-reduce times did not grow with size")
-
-
-def _done(future: torch.futures.Future, buffer: torch.Tensor) -> None:
-    """Wait until the all-reduce has really happened: an NCCL future's wait
-    only makes the current stream wait, so the host waits for the device too."""
-    future.wait()
-    if buffer.is_cuda:
-        torch.cuda.synchronize(buffer.device)
-
-
-def _timed(communicate: Callable[[torch.Tensor], torch.futures.Future], buffer: torch.Tensor) -> tuple[float, float]:
-    """Wall seconds of one all-reduce, and CPU seconds this process spent meanwhile."""
-    start, cpu = time.perf_counter(), time.process_time()
-    _done(communicate(buffer), buffer)
-    return time.perf_counter() - start, time.process_time() - cpu
