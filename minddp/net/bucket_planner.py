@@ -111,7 +111,7 @@ class BucketChoice:
     default_ms: float
     default_buckets: int
     link: Link
-    costs: Overheads = NO_OVERHEADS  # what it charged beyond the wire: per bucket, and backward's CPU per MB sent
+    costs: Overheads = NO_OVERHEADS  # charged beyond the wire: per bucket, backward's CPU per MB sent, per step
     cpu_share: float | None = None  # how busy this process's CPU was during the link probe's all-reduces
 
     def describe(self) -> str:
@@ -131,7 +131,8 @@ class BucketChoice:
 def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Overheads = NO_OVERHEADS,
                 cpu_share: float | None = None) -> BucketChoice:
     """The candidate bucket plan with the smallest predicted step (fewer buckets on a tie), each replayed with
-    ``costs`` (:mod:`minddp.net.bucket_costs`: MiniDDP's per bucket, backward's CPU per MB on the wire beside it);
+    ``costs`` (:mod:`minddp.net.bucket_costs`: MiniDDP's per bucket, backward's CPU per MB on the wire beside it,
+    what the model misses per step);
     torch's default unless that plan is predicted more than :data:`LEAVE_DEFAULT_MARGIN` faster."""
     total_mb = profile.gradient_bytes / MiB
     candidates = [(DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)]
