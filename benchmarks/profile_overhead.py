@@ -45,7 +45,7 @@ from minddp.ddp.reducer import CopyGradients, Reducer  # noqa: E402
 
 from benchlib import models  # noqa: E402
 from benchlib.timing import Runner  # noqa: E402
-from benchlib.wrappers import return_bucket  # noqa: E402
+from benchlib.wrappers import cap_argument, return_bucket  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(minddp.__file__)) + os.sep
 SECTIONS = {  # (class, method) -> what the report calls it
@@ -86,7 +86,7 @@ def timed_sections(totals: dict, calls: dict):
 def sections(runner: Runner, view: bool, n_steps: int) -> str:
     totals, calls = defaultdict(float), defaultdict(int)
     with timed_sections(totals, calls):
-        ddp = MiniDDP(runner.fresh(), bucket_cap_mb=runner.cap_mb, gradient_as_bucket_view=view)
+        ddp = MiniDDP(runner.fresh(), bucket_cap_mb=cap_argument(runner.cap_mb), gradient_as_bucket_view=view)
     ddp.register_comm_hook(None, return_bucket)
     step = runner.stepper(ddp)
     with timed_sections(totals, calls):

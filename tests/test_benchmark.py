@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
@@ -170,6 +171,24 @@ def test_ratio_auto_is_auto_over_torch_at_its_defaults():
     figures = spread.run_figures(blocks, ["copy", "view"])
     assert figures["ratio_auto"] == 17.0 / 20.0
     assert "ratio_auto" not in spread.run_figures({k: v for k, v in blocks.items() if k != "minddp_auto"}, ["copy"])
+
+
+def test_the_25_mb_row_is_torchs_default_and_every_other_cap_is_given():
+    """torch's DDP at its defaults has a 1 MiB first bucket; a cap given, even 25, makes the first bucket
+    the cap too (torch's _BucketCapacityConfig): for these models, one bucket. The 25 MB row gives no cap."""
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    from benchlib.wrappers import bucket_sizes, cap_argument, first_bucket_mb
+    from minddp.ddp.arguments import first_bucket_cap_mb
+
+    MiB = 1024 * 1024
+    for cap, first in ((25.0, 1.0), (5.0, 5.0), (0.25, 0.25)):
+        torch_config = _BucketCapacityConfig.create(cap_argument(cap), None, use_python_reducer=False)
+        assert torch_config.first_bucket_bytes_cap == int(first * MiB), (cap, torch_config)
+        assert first_bucket_cap_mb(cap_argument(cap), None, cap) == first_bucket_mb(cap) == first, cap
+    params = [torch.zeros(MiB // 2) for _ in range(4)]  # 2 MiB each: at the default, the first one alone
+    assert bucket_sizes(params, 25.0) == [MiB // 2, 3 * MiB // 2]
+    assert bucket_sizes(params, 5.0) == [3 * MiB // 2, MiB // 2]
 
 
 def test_show_reads_a_json_written_before_the_bound(tmp_path, capsys):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from benchlib.tables import markdown_table, with_spread
+from benchlib.wrappers import first_bucket_mb
 from minddp.net.link_probe import fit_latency_bandwidth
 from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step
 
@@ -80,7 +81,8 @@ def predicted_step(inputs, cap_mb: float, local_ms: float, world_size: int, over
     profile, link = inputs
     traced = profile.forward_ms + profile.backward_ms + profile.after_backward_ms
     profile = profile.scaled(traced / local_ms) if traced > 0 and local_ms > 0 else profile
-    return simulate_step(profile, link, world_size, DDPPolicy(bucket_cap_mb=cap_mb, overlap=overlap)).step_ms
+    policy = DDPPolicy(bucket_cap_mb=cap_mb, first_bucket_cap_mb=first_bucket_mb(cap_mb), overlap=overlap)
+    return simulate_step(profile, link, world_size, policy).step_ms
 
 
 def table(cfg: dict, rows: list[dict]) -> str:

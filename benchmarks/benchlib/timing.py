@@ -11,8 +11,8 @@ the same initial state, the things it can step:
                          the overlap bound (``benchlib/bound.py``)
 ``allreduce``            no model: ``dist.all_reduce`` of the gradient bytes
                          alone, in flat buffers laid out like DDP's buckets
-                         (reverse parameter order, first bucket capped at
-                         1 MiB, then the chosen cap), all launched
+                         (reverse parameter order, the first bucket capped at
+                         1 MiB at the default cap, else at the cap), all launched
                          asynchronously, then waited for. With a compression
                          hook the buffers are in the wire dtype (fp16/bf16)
 ``allreduce_flat``       one ``all_reduce`` of all those bytes in one flat
@@ -21,7 +21,10 @@ the same initial state, the things it can step:
                          every ``.grad`` after backward (no buckets, no
                          overlap), SGD step
 ``torch_copy``           ``torch.nn.parallel.DistributedDataParallel`` with
-``torch_view``           ``gradient_as_bucket_view`` False (its default) / True
+``torch_view``           ``gradient_as_bucket_view`` False (its default) / True;
+                         at the 25 MB row no cap is given (torch's default:
+                         the first bucket 1 MiB); a cap given, torch makes
+                         the first bucket that cap too
 ``minddp_copy``          ``minddp.MiniDDP``, the same two settings (False is
 ``minddp_view``          its default too)
 ``minddp_auto``          MiniDDP at its fastest: ``bucket_cap_mb="auto"`` (it
@@ -77,7 +80,8 @@ from minddp import MiniDDP
 
 from benchlib import bound, memory, models, overlap, prediction, progress
 from benchlib.progress import Progress
-from benchlib.wrappers import AUTO, NOCOMM, bucket_sizes, comm_hooks, return_bucket, wire_dtype, wrapper_names
+from benchlib.wrappers import (AUTO, NOCOMM, bucket_sizes, cap_argument, comm_hooks, return_bucket, wire_dtype,
+                               wrapper_names)
 
 LR = 0.01
 
@@ -106,7 +110,7 @@ class Runner:
 
     def wrap_torch(self, model: torch.nn.Module, view: bool, nocomm: bool = False) -> torch.nn.Module:
         kw = {"device_ids": [self.device]} if self.device.type == "cuda" else {}
-        ddp = DistributedDataParallel(model, bucket_cap_mb=self.cap_mb, gradient_as_bucket_view=view, **kw)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cap_argument(self.cap_mb), gradient_as_bucket_view=view, **kw)
         hook = return_bucket if nocomm else self.torch_hook
         if hook is not None:
             ddp.register_comm_hook(None, hook)
@@ -114,7 +118,7 @@ class Runner:
 
     def wrap_minddp(self, model: torch.nn.Module, view: bool = True, nocomm: bool = False, **extra) -> torch.nn.Module:
         """``extra``: further MiniDDP arguments (``trace``, ``learn_bucket_order``)."""
-        ddp = MiniDDP(model, bucket_cap_mb=self.cap_mb, gradient_as_bucket_view=view, **extra)
+        ddp = MiniDDP(model, bucket_cap_mb=cap_argument(self.cap_mb), gradient_as_bucket_view=view, **extra)
         hook = return_bucket if nocomm else self.minddp_hook
         if hook is not None:
             ddp.register_comm_hook(None, hook)

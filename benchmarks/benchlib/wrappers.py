@@ -55,10 +55,26 @@ def wire_dtype(hook: str, dtype: torch.dtype) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(hook, dtype)
 
 
+# torch's DDP at its defaults is bucket_cap_mb *not given*: buckets of 25 MiB, the first 1 MiB. A cap that is
+# given, even 25, makes torch's first bucket the cap too (its _BucketCapacityConfig, torch 2.13 and on), and
+# MiniDDP's as well: for every model here, one bucket. So the 25 MB row is torch's default: no cap given.
+DEFAULT_CAP_MB = 25.0
+
+
+def cap_argument(cap_mb: float) -> float | None:
+    """What both wrappers are given as ``bucket_cap_mb`` for a row's cap: nothing for the default's row."""
+    return None if cap_mb == DEFAULT_CAP_MB else cap_mb
+
+
+def first_bucket_mb(cap_mb: float) -> float:
+    """The first bucket's cap the wrappers build with at a row's cap: 1 MiB at the default, else the cap."""
+    return FIRST_BUCKET_CAP_MB if cap_mb == DEFAULT_CAP_MB else cap_mb
+
+
 def bucket_sizes(params: list[torch.Tensor], cap_mb: float) -> list[int]:
-    """Element counts of the buckets MiniDDP would build first (reverse order, 1 MiB first, then cap)."""
+    """Element counts of the buckets the wrappers build (reverse order, the first bucket's cap, then cap)."""
     ordered = list(reversed(params))
-    groups = assign_buckets([TensorSpec.of(p) for p in ordered], int(cap_mb * MiB), int(FIRST_BUCKET_CAP_MB * MiB))
+    groups = assign_buckets([TensorSpec.of(p) for p in ordered], int(cap_mb * MiB), int(first_bucket_mb(cap_mb) * MiB))
     return [sum(ordered[i].numel() for i in group) for group in groups]
 
 
