@@ -17,7 +17,7 @@ What you will learn
        (``minddp.net.bucket_costs``);
     3. replays candidate bucket plans with the simulator of lesson 17
        (``minddp.simulate.simulate_step``) and keeps the fastest predicted,
-       unless it beats the default by less than 5%: a gain that small is
+       unless it beats the default by less than 2%: a gain that small is
        within the error of what it measured, so the default stays;
     4. rank 0 decides and broadcasts, every rank rebuilds the same buckets,
        and rank 0 prints one line: what it chose, and the predicted step

@@ -95,9 +95,10 @@ PROBE_SMALL_BYTES = 64 * 1024
 # machine only ever adds time, so the fastest is the link's own (a median
 # under load read a 0.05 ms link as several ms, and chose too few buckets).
 PROBE_REPEATS = 5
-# A plan other than the default must be predicted this much faster to be chosen: less is within the
-# model's own error on a shared machine (its predictions came within 10% of the measured step).
-LEAVE_DEFAULT_MARGIN = 0.05
+# A plan other than the default must be predicted this much faster to be chosen. Its inputs move with the
+# load; a smaller predicted gain is within their error, and chasing it made the choice flip from run to run
+# (1 to 13 buckets on the same model and link). 2%: what the benchmark accepts as "as fast as the best cap".
+LEAVE_DEFAULT_MARGIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -113,19 +114,25 @@ class BucketChoice:
     link: Link
     costs: Overheads = NO_OVERHEADS  # charged beyond the wire: per bucket, backward's CPU per MB sent, per step
     cpu_share: float | None = None  # how busy this process's CPU was during the link probe's all-reduces
+    passed_over: tuple[int, float] | None = None  # (buckets, predicted ms) of a faster plan not faster by the margin
 
     def describe(self) -> str:
         """The one line MiniDDP prints when it rebuilds its buckets."""
-        return (
-            f"MiniDDP bucket_cap_mb='auto': {self.buckets} bucket(s) (cap {self.cap_mb:g} MB, first "
-            f"{self.first_cap_mb:g} MB), predicted {self.predicted_ms:.1f} ms/step against "
-            f"{self.default_ms:.1f} ms for the default ({DEFAULT_CAP_MB:g} MB, first {FIRST_BUCKET_CAP_MB:g} MB: "
-            f"{self.default_buckets} bucket(s)); measured link alpha {self.link.alpha_s * 1e3:.3f} ms, "
-            f"{self.link.bandwidth_Bps / 1e9:.3g} GB/s; MiniDDP's own work {self.costs.per_bucket_us:.0f} us per "
-            f"bucket; an all-reduce beside backward takes {self.costs.contention_us_per_MB:.0f} us of its CPU "
-            f"per MB sent" + ("" if self.cpu_share is None else f" (busy {self.cpu_share:.0%} of a probe all-reduce)")
-            + f"; the default's measured step {self.costs.per_step_ms:.1f} ms longer than the model's, added to every plan"
-        )
+        choice = (f"MiniDDP bucket_cap_mb='auto': {self.buckets} bucket(s) (cap {self.cap_mb:g} MB, first "
+                  f"{self.first_cap_mb:g} MB), predicted {self.predicted_ms:.1f} ms/step against {self.default_ms:.1f} "
+                  f"ms for the default ({DEFAULT_CAP_MB:g} MB, first {FIRST_BUCKET_CAP_MB:g} MB: "
+                  f"{self.default_buckets} bucket(s))")
+        if self.passed_over is not None:
+            buckets, ms = self.passed_over
+            choice += f", kept: the fastest plan, {buckets} bucket(s) at {ms:.1f} ms, is not {LEAVE_DEFAULT_MARGIN:.0%} faster"
+        busy = "" if self.cpu_share is None else f" (busy {self.cpu_share:.0%} of a probe all-reduce)"
+        return "; ".join([
+            choice,
+            f"measured link alpha {self.link.alpha_s * 1e3:.3f} ms, {self.link.bandwidth_Bps / 1e9:.3g} GB/s",
+            f"MiniDDP's own work {self.costs.per_bucket_us:.0f} us per bucket",
+            f"an all-reduce beside backward takes {self.costs.contention_us_per_MB:.0f} us of its CPU per MB sent{busy}",
+            f"the default's measured step {self.costs.per_step_ms:.1f} ms longer than the model's, added to every plan",
+        ])
 
 
 def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Overheads = NO_OVERHEADS,
@@ -144,11 +151,15 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Ove
     for order, plan in enumerate(candidates):
         step = simulate_step(profile, link, world_size, _policy(plan, costs))
         results.append((round(step.step_ms, 9), len(step.buckets), order, *plan))
-    default = results[0]
-    best = min(results)
-    if best[0] > default[0] * (1 - LEAVE_DEFAULT_MARGIN):
-        best = default
-    return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, costs, cpu_share)
+    default = best = results[0]
+    fastest = min(results)
+    passed_over = None
+    if fastest[0] < default[0] * (1 - LEAVE_DEFAULT_MARGIN):
+        best = fastest
+    elif fastest[0] < default[0]:
+        passed_over = (fastest[1], fastest[0])
+    return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, costs, cpu_share,
+                        passed_over)
 
 
 def _policy(plan: tuple[float, float], costs: Overheads) -> DDPPolicy:
