@@ -22,9 +22,10 @@ finally calls ``rebuild``. :class:`~minddp.ddp.wrapper.MiniDDP` sets it up when
    outside backward (optimizer, next forward). Medians over the steps make a
    :class:`~minddp.simulate.profile.ComputeProfile`;
 2. **link**: a short probe (:mod:`minddp.net.link_probe`): all-reduces of
-   two sizes through the very path the buckets take (the comm hook included, so a simulated link is measured
-   as such), the fastest of a few tries each (load only adds time), fitted
-   with :func:`minddp.net.network.fit_link`;
+   two sizes through the very path the buckets take (the comm hook
+   included, so a simulated link is measured as such), the fastest of a few
+   tries each (load only adds time), fitted with
+   :func:`minddp.net.network.fit_link`;
 3. **costs** (:mod:`minddp.net.bucket_costs`), measured too: MiniDDP's own
    work per bucket (the fill's fixed part and the launch, timed in the
    measured backwards), since backward waits for it; and the CPU an
@@ -45,11 +46,8 @@ finally calls ``rebuild``. :class:`~minddp.ddp.wrapper.MiniDDP` sets it up when
 4. **choice**: every candidate plan of :data:`CANDIDATE_CAPS_MB` replayed by
    :func:`minddp.simulate.simulate_step` with those costs; the smallest
    predicted step wins if it beats torch's default by more than
-   :data:`LEAVE_DEFAULT_MARGIN`, otherwise the default stays. The model's
-   inputs move with the load (run to run, the same model and link chose 1
-   to 13 buckets where the best plans were predicted within a few percent
-   of each other), so a smaller predicted gain is within its own error, and
-   the default is what torch's DDP would have done.
+   :data:`LEAVE_DEFAULT_MARGIN`, otherwise the default stays: a smaller
+   predicted gain is within the error of what was measured.
 
 Rank 0 decides and broadcasts its choice (as with the learned bucket order),
 so every rank rebuilds the same buckets. :func:`choose_plan` is the pure
@@ -83,7 +81,8 @@ from minddp.simulate.profile import ComputeProfile, Gradient
 from minddp.simulate.replay import DDPPolicy, simulate_step
 from minddp.ddp.placement import global_rank
 
-__all__ = ["CANDIDATE_CAPS_MB", "LEAVE_DEFAULT_MARGIN", "BucketChoice", "choose_plan", "replay", "AutoBuckets", "MEASURED_BACKWARDS"]
+__all__ = ["CANDIDATE_CAPS_MB", "LEAVE_DEFAULT_MARGIN", "MEASURED_BACKWARDS", "BucketChoice", "choose_plan", "replay",
+           "AutoBuckets"]
 
 DEFAULT_CAP_MB = 25.0  # torch's
 # Caps tried, each with torch's 1 MiB first bucket and with no smaller first
@@ -124,13 +123,15 @@ class BucketChoice:
                   f"{self.default_buckets} bucket(s))")
         if self.passed_over is not None:
             buckets, ms = self.passed_over
-            choice += f", kept: the fastest plan, {buckets} bucket(s) at {ms:.1f} ms, is not {LEAVE_DEFAULT_MARGIN:.0%} faster"
+            choice += (f", kept: the fastest plan, {buckets} bucket(s) at {ms:.1f} ms, is not "
+                       f"{LEAVE_DEFAULT_MARGIN:.0%} faster")
         busy = "" if self.cpu_share is None else f" (busy {self.cpu_share:.0%} of a probe all-reduce)"
         return "; ".join([
             choice,
             f"measured link alpha {self.link.alpha_s * 1e3:.3f} ms, {self.link.bandwidth_Bps / 1e9:.3g} GB/s",
             f"MiniDDP's own work {self.costs.per_bucket_us:.0f} us per bucket",
-            f"an all-reduce beside backward takes {self.costs.contention_us_per_MB:.0f} us of its CPU per MB sent{busy}",
+            f"an all-reduce beside backward takes {self.costs.contention_us_per_MB:.0f} us of its CPU per MB "
+            f"sent{busy}",
             f"the default's measured step {self.costs.per_step_ms:.1f} ms longer than the model's, added to every plan",
         ])
 
@@ -138,9 +139,8 @@ class BucketChoice:
 def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Overheads = NO_OVERHEADS,
                 cpu_share: float | None = None) -> BucketChoice:
     """The candidate bucket plan with the smallest predicted step (fewer buckets on a tie), each replayed with
-    ``costs`` (:mod:`minddp.net.bucket_costs`: MiniDDP's per bucket, backward's CPU per MB on the wire beside it,
-    what the model misses per step);
-    torch's default unless that plan is predicted more than :data:`LEAVE_DEFAULT_MARGIN` faster."""
+    ``costs`` (MiniDDP's work per bucket, backward's CPU per MB on the wire beside it, what the model misses per
+    step); torch's default unless that plan is predicted more than :data:`LEAVE_DEFAULT_MARGIN` faster."""
     total_mb = profile.gradient_bytes / MiB
     candidates = [(DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)]
     for cap in CANDIDATE_CAPS_MB:
