@@ -68,12 +68,11 @@ import torch.distributed as dist
 
 from _common import REAL, add_link_option, is_exact, is_real, parse_args, print0, print_results, run, train_and_compare
 from minddp import MiniDDP
-from minddp.net.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan
+from minddp.net.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan, replay
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB
 from minddp.net.links import parse_rate
 from minddp.net.network import Link, get_link
-from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
-from minddp.simulate.overheads import NO_OVERHEADS, Overheads
+from minddp.simulate import ComputeProfile, Gradient
 from minddp.net.simulated_link import SimulatedLink, simulated_allreduce_hook
 
 LINKS = {
@@ -110,15 +109,6 @@ def wrap(link: Link, cap, real: bool = False):
         return ddp
 
     return make
-
-
-def model_ms(profile: ComputeProfile, link: Link, world_size: int, plan: tuple[float, float],
-             costs: Overheads = NO_OVERHEADS) -> float:
-    """Forward + backward + the wire, as the alpha-beta model replays ``profile`` with buckets ``plan``
-    (cut as MiniDDP and torch's DDP cut them: a bucket closes after the gradient that reaches its cap),
-    each bucket charged ``costs`` (MiniDDP's work per bucket, backward's CPU taken per MB on the wire)."""
-    policy = DDPPolicy(*plan, overheads=costs, buckets_may_pass_cap=True)
-    return simulate_step(profile, link, world_size, policy).step_ms
 
 
 def model_choices(profile: ComputeProfile, links: dict[str, Link], world_size: int) -> dict[str, BucketChoice]:
@@ -169,13 +159,13 @@ def main(rank: int, world_size: int, args) -> None:
            f"{'per bucket':>10} {'CPU/MB':>8} {'per step':>8} | {'its prediction':>14} | {'on the true link':>16}")
     for name, choice, measured in rows:
         plan = (choice.cap_mb, choice.first_cap_mb)
-        replayed = model_ms(measured, choice.link, world_size, plan, choice.costs)
+        replayed = replay(measured, choice.link, world_size, plan, choice.costs)
         assert abs(replayed - choice.predicted_ms) < 1e-6, (
             f"link {name}: MiniDDP's prediction is the model on its own measurements: {choice.predicted_ms:.3f} ms "
             f"printed, {replayed:.3f} ms replayed")
         assert choice.predicted_ms <= choice.default_ms, f"link {name}: the choice must not be predicted slower"
         assert choice.costs.per_bucket_us > 0, f"link {name}: MiniDDP's own work per bucket was not measured"
-        on_true = model_ms(measured, links[name], world_size, plan, choice.costs)
+        on_true = replay(measured, links[name], world_size, plan, choice.costs)
         print0(f"  {name:<14} | {choice.buckets:>7} | {measured.backward_ms:>9.1f} ms {measured.forward_ms:>7.1f} ms | "
                f"{choice.link.alpha_s * 1e3:>10.3f} ms {choice.link.bandwidth_Bps / 1e6:>6.0f} | "
                f"{choice.costs.per_bucket_us:>7.0f} us {choice.costs.contention_us_per_MB:>5.0f} us "
