@@ -72,7 +72,8 @@ figure goes, ``profile_overhead.py`` shows.
 
 A third: the peak memory each wrapper adds (construction + steps, in fresh
 windows: ``torch.cuda.max_memory_allocated`` on GPU, peak RSS on CPU; see
-``benchlib/memory.py`` for why ``ru_maxrss`` alone would be unfair), and the fraction
+``benchlib/memory.py`` for why ``ru_maxrss`` alone would be unfair; the lowest
+of 5 windows per wrapper (3 with ``--quick``), the wrappers taking turns), and the fraction
 of the all-reduce each wrapper hid behind compute::
 
       hidden = (local + allreduce - t) / allreduce, clipped to [0, 1]
@@ -288,6 +289,7 @@ def config(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "warmup": warmup,
         "memory_steps": 1 if args.quick else 2,
+        "memory_windows": 3 if args.quick else 5,  # each peak: the lowest of these (benchlib/memory.py)
         "threads_per_rank": args.threads_per_rank,
         "comm_hook": args.comm_hook,
         "bucket_views": ["copy", "view"] if args.bucket_view == "both" else [args.bucket_view],

@@ -131,6 +131,7 @@ def make_rows(cfg: dict, runs: list[list[dict]], memory: list[dict]) -> list[dic
             per_run.append({"model": entry["model"], "bucket_cap_mb": entry["bucket_cap_mb"], **figures})
             diff = max(diff, entry["max_param_diff"])
         row = make_row(cfg, per_run, diff, mem["peak_mb"])
+        row["peak_mem_windows_mb"] = mem.get("peak_windows_mb", {})  # every window's reading; the lowest is the peak
         if auto_diff is not None:
             row["max_param_diff_auto"] = auto_diff  # bucketing may reorder sums: float32 rounding, not 0
             row["per_run"]["auto_buckets"] = [r["auto_buckets"] for r in per_run]

@@ -263,28 +263,31 @@ class Runner:
         memory.release()
         return out
 
-    def peak_memory(self, n_steps: int | None = None) -> dict:
-        """Peak memory of each wrapper's construction + steps (with communication),
-        in fresh windows, max over ranks."""
+    def peak_memory(self, n_steps: int | None = None, windows: int | None = None) -> dict[str, list[float]]:
+        """Peak memory of each wrapper's construction + steps (with communication), max over ranks,
+        in ``windows`` fresh windows each, the wrappers taking turns: every wrapper's readings."""
         if n_steps is None:  # past torch's bucket rebuild (second step), then steady steps
             n_steps = self.cfg["warmup"] + self.cfg["memory_steps"]
+        if windows is None:
+            windows = self.cfg["memory_windows"]
         names = [n for n in wrapper_names(self.cfg) if not n.endswith(NOCOMM)]
-        out = []
-        for name in names:
+
+        def window(name: str) -> float:
             dist.barrier()
 
-            def run(after_step, name=name) -> None:
+            def run(after_step) -> None:
                 step = self.stepper(self.wrapped(name))
                 for _ in range(n_steps):
                     step()
                     after_step()
                 del step
 
-            out.append(memory.peak_delta_mb(run, self.device))
+            peak = torch.tensor([memory.peak_delta_mb(run, self.device)], dtype=torch.float64, device=self.comm_device)
             memory.release()
-        t = torch.tensor(out, dtype=torch.float64, device=self.comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return dict(zip(names, t.tolist()))
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            return peak.item()
+
+        return memory.peak_windows(window, names, windows)
 
 
 def _device(cfg: dict) -> torch.device:
@@ -367,7 +370,8 @@ def _peak_memory_rows(cfg: dict, rank: int, world_size: int, device: torch.devic
             bar.update(progress.units_before(cfg, cfg["runs"], 0) + case, "peak memory", f"{name}, cap {cap:g} MB")
         runner = Runner(cfg, name, cap, rank, world_size, device)
         if name not in seen:  # unmeasured: first-use costs (code pages, lazy init) land here
-            runner.peak_memory(n_steps=2)
+            runner.peak_memory(n_steps=2, windows=1)
             seen.add(name)
-        out.append({"model": name, "bucket_cap_mb": cap, "peak_mb": runner.peak_memory()})
+        readings = runner.peak_memory()
+        out.append({"model": name, "bucket_cap_mb": cap, "peak_mb": memory.lowest(readings), "peak_windows_mb": readings})
     return out
