@@ -9,7 +9,9 @@ whole step, ``zero_grad``, forward with the loss, the ``loss.backward()``
 call (DDP waits there for the last bucket), the CPU time of the thread that
 ran it (``time.thread_time``: backward's compute and the hooks, not the
 waiting), and the optimizer step. ``--link``: loopback, or every rank in a
-network namespace of its own on links shaped to that rate (root).
+network namespace of its own on links shaped to that rate (root). The cap
+of 25 MB is both wrappers' default, no cap given (the first bucket 1 MiB),
+as in ``compare.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from minddp import MiniDDP
 from minddp.launch import spawn
 
 from benchlib import models
+from benchlib.wrappers import cap_argument
 
 PARTS = ("step", "zero_grad", "forward", "backward", "backward_cpu", "optimizer")
 
@@ -52,7 +55,7 @@ def _measure(rank: int, world_size: int, name: str, cap_mb: float, blocks: int, 
     wrappers = {}
     for kind, wrap in (("torch", TorchDDP), ("minddp", MiniDDP)):
         torch.manual_seed(0)
-        wrappers[kind] = wrap(models.build(name), bucket_cap_mb=cap_mb)
+        wrappers[kind] = wrap(models.build(name), bucket_cap_mb=cap_argument(cap_mb))
     optimizers = {kind: torch.optim.SGD(w.parameters(), lr=1e-3) for kind, w in wrappers.items()}
     times = {kind: {part: [] for part in PARTS} for kind in wrappers}
     for kind in wrappers:
@@ -75,7 +78,7 @@ def _measure(rank: int, world_size: int, name: str, cap_mb: float, blocks: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt", choices=models.ALL_MODELS)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="25 (default): no cap given, torch's default")
     parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 1gbit (minddp/net/links.py)")
     parser.add_argument("--blocks", type=int, default=10, help="alternating blocks (default 10)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block and wrapper (default 5)")

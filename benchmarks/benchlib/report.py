@@ -153,7 +153,8 @@ def memory_table(rows: list[dict], views: list[str], method: str) -> str:
             cells.append(f"{r[f'hidden_fraction_torch_{v}']:.2f} / {r[f'hidden_fraction_minddp_{v}']:.2f}")
         cells_all.append(cells)
     lines = [
-        f"Memory and overlap: peak MiB each wrapper adds (construction + steps; {method}), max over ranks;",
+        f"Memory and overlap: peak MiB each wrapper adds (construction + steps; {method}), max over ranks,",
+        "  the lowest of the wrapper's windows (Gloo's scratch memory lands on some: benchlib/memory.py);",
         "  hidden = (local + allreduce - step) / allreduce, clipped to [0, 1]: the all-reduce hidden behind compute",
     ]
     return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)
