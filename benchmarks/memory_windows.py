@@ -19,7 +19,6 @@ import argparse
 import os
 
 import torch
-import torch.distributed as dist
 
 from minddp.launch import spawn
 
@@ -34,22 +33,8 @@ def _windows(rank: int, world_size: int, model: str, windows: int, steps: int) -
     torch.set_num_threads(1)
     cfg = {"comm_hook": "none", "backend": "gloo"}
     runner = Runner(cfg, model, 25.0, rank, world_size, torch.device("cpu"))  # 25: no cap given, torch's default
-
-    def window(name: str) -> float:
-        dist.barrier()
-
-        def run(after_step) -> None:
-            step = runner.stepper(runner.wrapped(name))
-            for _ in range(steps):
-                step()
-
-        peak = torch.tensor([memory.peak_delta_mb(run, runner.device)], dtype=torch.float64)
-        memory.release()
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return peak.item()
-
-    memory.peak_windows(window, WRAPPERS, 1)  # unmeasured: first-use costs land here
-    readings = memory.peak_windows(window, WRAPPERS, windows)
+    runner.peak_memory(n_steps=2, windows=1, names=WRAPPERS)  # unmeasured: first-use costs land here
+    readings = runner.peak_memory(n_steps=steps, windows=windows, names=WRAPPERS)
     if rank == 0:
         print(f"{model}, {windows} windows per wrapper of {steps} steps each, MiB (max over {world_size} ranks), sorted:")
         for name, values in readings.items():

@@ -263,14 +263,17 @@ class Runner:
         memory.release()
         return out
 
-    def peak_memory(self, n_steps: int | None = None, windows: int | None = None) -> dict[str, list[float]]:
-        """Peak memory of each wrapper's construction + steps (with communication), max over ranks,
-        in ``windows`` fresh windows each, the wrappers taking turns: every wrapper's readings."""
+    def peak_memory(self, n_steps: int | None = None, windows: int | None = None,
+                    names: list[str] | None = None) -> dict[str, list[float]]:
+        """Peak memory of each wrapper's construction + steps (with communication, unless ``names`` asks
+        for a ``_nocomm`` one), max over ranks, in ``windows`` fresh windows each, the wrappers taking
+        turns: every wrapper's readings."""
         if n_steps is None:  # past torch's bucket rebuild (second step), then steady steps
             n_steps = self.cfg["warmup"] + self.cfg["memory_steps"]
         if windows is None:
             windows = self.cfg["memory_windows"]
-        names = [n for n in wrapper_names(self.cfg) if not n.endswith(NOCOMM)]
+        if names is None:
+            names = [n for n in wrapper_names(self.cfg) if not n.endswith(NOCOMM)]
 
         def window(name: str) -> float:
             dist.barrier()
