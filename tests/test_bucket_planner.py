@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
 from minddp.net.bucket_costs import contention_us_per_MB, fixed_cost_us
-from minddp.net.bucket_planner import (LEAVE_DEFAULT_MARGIN, MEASURED_BACKWARDS, AutoBuckets, choose_plan,
+from minddp.net.bucket_planner import (CANDIDATE_CAPS_MB, LEAVE_DEFAULT_MARGIN, MEASURED_BACKWARDS, AutoBuckets, choose_plan,
                                        leave_default_margin, replay)
 from minddp.net.network import Link
 from minddp.simulate import ComputeProfile, Gradient
@@ -198,6 +198,22 @@ def test_a_step_faster_than_the_model_charges_nothing_negative():
     choice = planner.decide(_instantly, 2, torch.device("cpu"), torch.float32, is_rank0=True)
     assert choice.costs.per_step_ms == 0
     assert choice.margin == pytest.approx(0.01, abs=0.005), "the model explains these steps to within 1%"
+
+
+def test_the_link_probe_never_holds_more_than_the_largest_candidate_bucket():
+    # 3 gradients of 48 MiB: the probe's large all-reduce was a buffer of all 144 MiB, a third copy of the
+    # gradients for a moment (a GPU's memory, on a large model); the largest bucket any plan builds is enough.
+    planner = _planner_of([48 * MB] * 3)
+    for k in range(MEASURED_BACKWARDS + 1):
+        planner.backward_done([(2, k * 0.03), (1, k * 0.03 + 0.01), (0, k * 0.03 + 0.02)], k * 0.03 + 0.03)
+    sent = []
+
+    def communicate(buffer: torch.Tensor) -> torch.futures.Future:
+        sent.append(buffer.nbytes)
+        return _instantly(buffer)
+
+    planner.decide(communicate, 2, torch.device("cpu"), torch.float32, is_rank0=True)
+    assert max(sent) == max(CANDIDATE_CAPS_MB) * MB, sent
 
 
 # -------------------------------------------------------- MiniDDP, 2 ranks

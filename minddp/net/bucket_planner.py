@@ -285,8 +285,10 @@ class AutoBuckets:
                device: torch.device, dtype: torch.dtype, is_rank0: bool) -> BucketChoice | None:
         """Probe the link and the CPU its all-reduces take (every rank: collectives), choose (rank 0 only)."""
         self.decided = True
-        total = max(sum(self.nbytes), 2 * PROBE_SMALL_BYTES)
-        sizes = [PROBE_SMALL_BYTES, total]
+        # The large probe: every gradient's bytes, up to the largest candidate cap (past tens of MB it only
+        # measures the same bandwidth, and on a large model it would be a third copy of the gradients).
+        large = min(sum(self.nbytes), int(max(CANDIDATE_CAPS_MB) * MiB))
+        sizes = [PROBE_SMALL_BYTES, max(large, 2 * PROBE_SMALL_BYTES)]
         element = torch.empty((), dtype=dtype).element_size()
         buffers = [torch.zeros(n // element, dtype=dtype, device=device) for n in sizes]
         timings = [[timed(communicate, b) for _ in range(PROBE_REPEATS)] for b in buffers]
