@@ -116,8 +116,11 @@ def test_an_exception_inside_the_block_still_removes_everything():
 
 HOLDER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from minddp.net import links
+    # Ctrl-C as a terminal's Python gets it: a suite started in the background (no job control)
+    # hands its children SIGINT ignored, and then nothing would interrupt this one.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with links.shaped_network(2, "1gbit") as net:
         print(" ".join(net.all_namespaces()), flush=True)
         time.sleep(60)
