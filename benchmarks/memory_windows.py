@@ -24,7 +24,7 @@ from minddp.launch import spawn
 
 from benchlib import memory, models
 from benchlib.timing import Runner
-from benchlib.wrappers import NOCOMM
+from benchlib.wrappers import DEFAULT_CAP_MB, NOCOMM
 
 WRAPPERS = ["torch_view", "minddp_view", "torch_view" + NOCOMM, "minddp_view" + NOCOMM]
 
@@ -32,7 +32,7 @@ WRAPPERS = ["torch_view", "minddp_view", "torch_view" + NOCOMM, "minddp_view" + 
 def _windows(rank: int, world_size: int, model: str, windows: int, steps: int) -> None:
     torch.set_num_threads(1)
     cfg = {"comm_hook": "none", "backend": "gloo"}
-    runner = Runner(cfg, model, 25.0, rank, world_size, torch.device("cpu"))  # 25: no cap given, torch's default
+    runner = Runner(cfg, model, DEFAULT_CAP_MB, rank, world_size, torch.device("cpu"))  # no cap given
     runner.peak_memory(n_steps=2, windows=1, names=WRAPPERS)  # unmeasured: first-use costs land here
     readings = runner.peak_memory(n_steps=steps, windows=windows, names=WRAPPERS)
     if rank == 0:

@@ -34,20 +34,20 @@ the baseline). Before a model's first measured window, an unmeasured one
 takes the one-off costs (code pages touched, lazy initialisation: without it
 the first window of the CNN read 70 MiB against 43 for the next ones). What lands in a window is what the wrapper
 adds: its buckets, the gradients, its construction-time copies, and
-activations (equal for both).
+activations (equal for both). Where ``clear_refs`` cannot be written (not
+Linux, a locked-down container) the window falls back to current RSS sampled
+after every step, which misses short-lived peaks inside a step; the method
+used is reported.
 
 One thing lands in a window that neither wrapper allocates: Gloo's own
 scratch memory while an all-reduce is on its thread (C++, no tensor), when
 that all-reduce happens to run at the moment backward's activations peak.
 It is a race, and it only adds: on the mlp with bucket views, 16 windows of
-each wrapper read 49.0 to 49.2 MiB in about half of them and 49.9 to 50.2 in
-the others, for torch's DDP and MiniDDP alike, and with a hook that
+each wrapper read 49.0 to 49.5 MiB in some and 49.9 to 50.2 in others (1 to
+8 of 16), for torch's DDP and MiniDDP alike, and with a hook that
 communicates nothing 49.0 to 49.2 in all of them. So each wrapper's window
 is opened several times, the wrappers taking turns (:func:`peak_windows`),
-and the lowest reading is its peak; the JSON keeps every reading. Where ``clear_refs`` cannot be written (not
-Linux, a locked-down container) the window falls back to current RSS sampled
-after every step, which misses short-lived peaks inside a step; the method
-used is reported.
+and the lowest reading is its peak; the JSON keeps every reading.
 """
 
 from __future__ import annotations
