@@ -34,14 +34,13 @@ import tempfile
 import torch
 
 from minddp.launch import spawn
-from minddp.net.bucket_planner import MEASURED_BACKWARDS
 
 from benchlib.timing import Runner
 from benchlib.wrappers import AUTO, DEFAULT_CAP_MB
 
 TARGET = 1.02  # issue 47: auto at most torch's best cap + 2%
 CAPS_MB = (0.25, 1.0, 5.0, DEFAULT_CAP_MB)  # the issue's sweep; 25 is torch's default (no cap given)
-AUTO_WARMUP = MEASURED_BACKWARDS + 5  # auto's first backward, its measured ones, one with its buckets, 3 more
+WARMUP = 3  # steps of every wrapper before timing (auto's: after its buckets are final)
 
 
 def _torch_name(cap: float) -> str:
@@ -136,7 +135,7 @@ def main() -> None:
         print(report(saved["config"], saved["runs"]))
         return
     cfg = {"models": args.models.split(","), "caps": list(CAPS_MB), "link": args.link, "world_size": args.world_size,
-           "comm_hook": "none", "backend": "gloo", "warmup": AUTO_WARMUP, "repeats": args.rounds,
+           "comm_hook": "none", "backend": "gloo", "warmup": WARMUP, "repeats": args.rounds,
            "steps": args.rounds * args.steps}
     runs = []
     with tempfile.TemporaryDirectory(prefix="minddp-auto-vs-caps-") as tmp:

@@ -53,12 +53,12 @@ medians over rounds, each block's time the slowest rank's:
 * ``ratio copy``/``ratio view`` = minddp / torch with the same setting;
 * ``minddp auto`` (skip it with ``--no-auto``): MiniDDP at its fastest,
   ``MiniDDP(bucket_cap_mb="auto", buffer_sync="with_gradients")``: it
-  measures its first steps and the link and picks its buckets with the
-  alpha-beta model (``minddp/net/bucket_planner.py``), and its buffers ride in
+  measures its first steps and the link, proposes buckets with the
+  alpha-beta model (``minddp/net/bucket_planner.py``) and keeps the fastest
+  of its proposals timed in turn (``minddp/net/plan_trials.py``), and its buffers ride in
   the last gradient bucket (``minddp/ddp/parts/buffers_in_bucket.py``); with how many
   buckets it chose; ``ratio auto`` = minddp auto / torch copy (torch at its
-  defaults). Every implementation then warms up for at least
-  ``AUTO_WARMUP`` steps, so that the choice is made before timing;
+  defaults). It is stepped until its buckets are final before timing;
 * ``max diff``: largest parameter difference between torch's DDP and MiniDDP
   after the same steps from the same weights on the same data (0: bit-equal).
 
@@ -119,13 +119,11 @@ from benchlib import bound, report, runs, spread, summary
 from benchlib.models import ALL_MODELS, DEFAULT_MODELS
 from benchlib.wrappers import like_for_like_hook
 from minddp.net import links
-from minddp.net.bucket_planner import MEASURED_BACKWARDS
 
 # The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
 # run's ratio moved by +-10% between runs on the shared 2-core machine; five
 # give a median and a min-max that a sixth run falls inside 2 times in 3.
 RUNS, STEPS, REPEATS, WARMUP = 5, 40, 8, 3
-AUTO_WARMUP = MEASURED_BACKWARDS + 2  # the first backward, the measured ones, one with the chosen buckets
 TRACE_STEPS = 3  # steps kept in each --trace file, after warm-up
 # At the default 25 MB cap shuffled_mlp's 9.6 MiB are two buckets, and their order barely matters.
 LEARNED_ORDER_CAP_MB = 2.0
@@ -271,11 +269,9 @@ def check_environment(args: argparse.Namespace) -> list[str]:
 def config(args: argparse.Namespace) -> dict:
     import torch
 
-    # The auto column (with copy among the settings: it is set against torch_copy)
-    # needs its measured steps and the rebuild inside the warm-up, for everyone alike.
-    # Alone (world size 1) there is no network to plan for: MiniDDP keeps its default, no column.
+    # The auto column (with copy among the settings: it is set against torch_copy) is stepped
+    # until its buckets are final before the timing (benchlib.timing.settle). Alone (world size 1) there is no network to plan for: MiniDDP keeps its default, no column.
     auto = not args.no_auto and args.bucket_view in ("both", "copy") and args.world_size > 1
-    warmup = max(args.warmup, AUTO_WARMUP) if auto else args.warmup
 
     return {
         "backend": args.backend,
@@ -287,7 +283,7 @@ def config(args: argparse.Namespace) -> dict:
         "runs": args.runs,
         "steps": args.steps,
         "repeats": args.repeats,
-        "warmup": warmup,
+        "warmup": args.warmup,
         "memory_steps": 1 if args.quick else 2,
         "memory_windows": 3 if args.quick else 5,  # each peak: the lowest of these (benchlib/memory.py)
         "threads_per_rank": args.threads_per_rank,

@@ -130,7 +130,8 @@ def test_the_gradient_path_knows_no_policy_above_it():
     # outside. Not vacuous: the reducer imported minddp.net.bucket_planner (and
     # through it minddp.simulate) until the planner moved out.
     graph = import_graph()
-    above = ("minddp.net.bucket_planner", "minddp.simulate", "minddp.zero", "minddp.fsdp")
+    above = ("minddp.net.auto_buckets", "minddp.net.bucket_planner", "minddp.net.plan_trials", "minddp.simulate",
+             "minddp.zero", "minddp.fsdp")
     path = ("minddp.ddp.reducer", "minddp.ddp.buckets", "minddp.ddp.bucket_assignment")
     parts = tuple(m for m in graph if m.startswith("minddp.ddp.parts"))  # the parts beside the path, too
     assert "minddp.ddp.parts.unused_parameters" in parts
@@ -176,7 +177,7 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
     assert not found, f"__class__ assigned at run time: {found}"
 
 
-CORE = ("minddp.ddp", "minddp.observe", "minddp.net.bucket_planner")
+CORE = ("minddp.ddp", "minddp.observe", "minddp.net.auto_buckets")
 
 
 def layer_of(module: str) -> str:

@@ -153,6 +153,21 @@ class Runner:
         step.count = count
         return step
 
+    def settle(self, step: Callable[[], None]) -> None:
+        """Run a ``bucket_cap_mb="auto"`` wrapper's ``step`` until its buckets are final (its planner timed its
+        proposals and asked for the kept plan, which the next step builds), then start it over from the same
+        weights and batches as the other wrappers, so that their parameters still compare after the same
+        steps. Every rank steps alike: the planner's schedule is the same on all of them."""
+        planner = getattr(getattr(step, "module", None), "bucket_planner", None)
+        if planner is None:
+            return
+        while not planner.settled:
+            step()
+        step()
+        with torch.no_grad():
+            step.module.module.load_state_dict(self.init_state)
+        step.count[0] = 0
+
     def forward_only(self) -> Callable[[], None]:
         """The bare model's forward pass and loss on the next batch, no backward (``benchlib/bound.py``)."""
         count = [0]
@@ -203,11 +218,12 @@ class Runner:
         return (time.perf_counter() - t0) / k * 1000.0
 
     def block_times(self, steps: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
-        """Warm every step up, then time ``repeats`` rounds of one block each,
+        """Warm every step up (``bucket_cap_mb="auto"`` settled first: :meth:`settle`), then time ``repeats`` rounds of one block each,
         the order rotating by one per round. Per name, every round's
         slowest-rank ms per step."""
         cfg = self.cfg
         for step in steps.values():
+            self.settle(step)
             for _ in range(cfg["warmup"]):
                 step()
         k = max(1, cfg["steps"] // cfg["repeats"])

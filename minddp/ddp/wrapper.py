@@ -193,7 +193,7 @@ class MiniDDP(nn.Module):
             LearnedBucketOrder(self.reducer, ArrivalLog())  # watches the first backward's arrivals, then rebuilds
         self.bucket_planner = None
         if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
-            from minddp.net.bucket_planner import AutoBuckets  # it brings the simulator: only when asked for
+            from minddp.net.auto_buckets import AutoBuckets  # it brings the simulator: only when asked for
 
             self.bucket_planner = AutoBuckets(self.reducer)
         # The forward's parts (join_hook adds the last):

@@ -5,7 +5,9 @@
 * :mod:`~minddp.net.links`, :mod:`~minddp.net.link_hosts`: real links between
   network namespaces, shaped to a rate (``spawn(..., link="1gbit")``);
 * :mod:`~minddp.net.simulated_link`: a link's delay added in the process;
-* :mod:`~minddp.net.bucket_planner`: ``bucket_cap_mb="auto"``, a cap chosen
-  from the measured link and the first steps' profile;
-  :mod:`~minddp.net.bucket_costs`: what a bucket costs it beyond the wire.
+* :mod:`~minddp.net.auto_buckets`: ``bucket_cap_mb="auto"``, buckets chosen
+  for the measured link and the first steps' profile: proposed by the model
+  of :mod:`~minddp.net.bucket_planner`, timed in turn by
+  :mod:`~minddp.net.plan_trials`; :mod:`~minddp.net.bucket_costs`: what a
+  bucket costs beyond the wire.
 """
