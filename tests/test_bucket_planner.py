@@ -249,9 +249,9 @@ class Tower(nn.Module):
         return self.layers(x)
 
 
-def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps):
+def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps, bucket_view=False):
     torch.manual_seed(0)
-    mini = MiniDDP(Tower(), bucket_cap_mb="auto")
+    mini = MiniDDP(Tower(), bucket_cap_mb="auto", gradient_as_bucket_view=bucket_view)
     mini.register_comm_hook(SimulatedLink(Link("sim", alpha_s, bandwidth_Bps)), simulated_allreduce_hook)
     torch.manual_seed(0)
     native = TorchDDP(Tower())
@@ -260,7 +260,7 @@ def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(256, 512, generator=g), torch.randn(256, 512, generator=g)
         for model, opt in zip((mini, native), optimizers):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not bucket_view)  # views: .grad kept, a slot of the buckets at each rebuild
             F.mse_loss(model(x), y).backward()
             opt.step()
         if step == 1:  # one bucket until the first backward showed the order; from the next forward, the default's
@@ -315,6 +315,13 @@ def test_auto_on_a_fast_link_rebuilds_rank_0s_choice_on_every_rank_and_matches_t
     # 50 us latency, 4 MiB take ~100 ms at 40 MB/s: longer than the backward.
     choice = _check_auto_end_to_end(ranks(2).run(_train_auto, 50e-6, 40e6, STEPS, timeout_s=120))
     assert choice.costs.per_bucket_us > 0, "MiniDDP's own fill and launch of each bucket were measured"
+
+
+def test_auto_with_bucket_views_moves_every_gradient_through_each_plan_it_times_and_matches_torch(ranks):
+    # Each plan timed is a rebuild at a forward: every .grad, kept by zero_grad(set_to_none=False) as a slot
+    # of the old buckets, moves into its slot of the new ones.
+    choice = _check_auto_end_to_end(ranks(2).run(_train_auto, 50e-6, 40e6, STEPS, True, timeout_s=120))
+    assert len(choice.trials) >= 2, f"the fast link proposes more buckets than the default: {choice.describe()}"
 
 
 def _misuse(rank, world_size):
