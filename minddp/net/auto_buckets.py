@@ -25,8 +25,8 @@ import torch.distributed as dist
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
 from minddp.ddp.placement import global_rank
 from minddp.net.bucket_costs import BucketCostLog, contention_us_per_MB, fixed_cost_us
-from minddp.net.bucket_planner import (CANDIDATE_CAPS_MB, DEFAULT_CAP_MB, BucketChoice, plan_policy, choose_plan,
-                                       leave_default_margin, replay)
+from minddp.net.bucket_planner import (CANDIDATE_CAPS_MB, DEFAULT_CAP_MB, MAX_PROPOSALS, BucketChoice, choose_plan,
+                                       leave_default_margin, plan_policy, replay)
 from minddp.net.link_probe import communicate_buffer, fit_latency_bandwidth, timed
 from minddp.net.plan_trials import STEPS_PER_TRIAL, TRIAL_ROUNDS, Plan, PlanTrials
 from minddp.simulate.overheads import Overheads
@@ -37,8 +37,8 @@ __all__ = ["MEASURED_BACKWARDS", "SETTLING_BACKWARDS", "AutoBuckets"]
 
 MEASURED_BACKWARDS = 3  # synchronized backwards measured, after the first one
 # At most this many synchronized backwards before the buckets are final: the first, the measured ones, and
-# the contenders' trials (the default and up to two more plans); the next forward builds the kept plan.
-SETTLING_BACKWARDS = 1 + MEASURED_BACKWARDS + 3 * TRIAL_ROUNDS * STEPS_PER_TRIAL
+# the proposals' trials; the next forward builds the kept plan.
+SETTLING_BACKWARDS = 1 + MEASURED_BACKWARDS + MAX_PROPOSALS * TRIAL_ROUNDS * STEPS_PER_TRIAL
 PROBE_SMALL_BYTES = 64 * 1024
 # Each probe is timed this many times and the fastest counts: load on the
 # machine only ever adds time, so the fastest is the link's own (a median
@@ -76,6 +76,7 @@ class AutoBuckets:
         self.trials: PlanTrials | None = None  # the contenders timed in turn, once proposed
         self.settled = False
         self._buckets_of: dict[Plan, int] = {}  # how many buckets each timed plan built
+        self._trial_clock = 0.0  # when the last trial step ended (perf_counter)
 
         self.arrivals = BucketCostLog()
         reducer.add_observer(self.arrivals)
@@ -99,7 +100,7 @@ class AutoBuckets:
             why = f"MiniDDP bucket_cap_mb='auto': kept the default ({error})"
         default = (reducer.options.bucket_cap_mb, FIRST_BUCKET_CAP_MB)
         proposed = list(self.choice.contenders) if self.choice else [default]
-        plans = self._from_rank0(proposed + [(math.nan, math.nan)] * (3 - len(proposed)))
+        plans = self._from_rank0(proposed + [(math.nan, math.nan)] * (MAX_PROPOSALS - len(proposed)))
         self.trials = PlanTrials([plan for plan in plans if not math.isnan(plan[0])])
         if len(self.trials.plans) == 1:  # nothing to time against the default
             return self._settle(why)

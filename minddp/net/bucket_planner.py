@@ -72,10 +72,11 @@ from minddp.simulate.overheads import NO_OVERHEADS, Overheads
 from minddp.simulate.profile import ComputeProfile
 from minddp.simulate.replay import DDPPolicy, simulate_step
 
-__all__ = ["CANDIDATE_CAPS_MB", "DEFAULT_CAP_MB", "LEAVE_DEFAULT_MARGIN", "MIN_LEAVE_DEFAULT_MARGIN", "BucketChoice",
-           "choose_plan", "leave_default_margin", "plan_policy", "replay"]
+__all__ = ["CANDIDATE_CAPS_MB", "DEFAULT_CAP_MB", "MAX_PROPOSALS", "LEAVE_DEFAULT_MARGIN", "MIN_LEAVE_DEFAULT_MARGIN",
+           "BucketChoice", "choose_plan", "leave_default_margin", "plan_policy", "replay"]
 
 DEFAULT_CAP_MB = 25.0  # torch's
+MAX_PROPOSALS = 3  # plans proposed for timing: the default, the best with fewer buckets, the best with more
 # Caps tried, each with torch's 1 MiB first bucket and with no smaller first
 # bucket; one more candidate puts every gradient into a single bucket.
 CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
@@ -149,8 +150,9 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Ove
         best = fastest
     elif fastest[0] < default[0]:
         passed_over = (fastest[1], fastest[0])
-    # Worth timing (minddp.net.plan_trials): the best plan with fewer buckets and the best with more, unless
-    # predicted slower than the default by more than the model's error, which it then knows better than that.
+    # Worth timing (minddp.net.plan_trials): the best plan with fewer buckets than the default and the best
+    # with more (the model's pick is one of them, unless it only splits the default's count differently), each
+    # unless predicted slower than the default by more than the model's error, which it then knows better than.
     worth_timing = [r for r in results if r[0] <= default[0] * (1 + margin)]
     sides = ([r for r in worth_timing if r[1] < default[1]], [r for r in worth_timing if r[1] > default[1]])
     contenders = tuple(tuple(r[3:]) for r in [default, *(min(side) for side in sides if side)])
