@@ -57,8 +57,10 @@ class PlanTrials:
         if steps_per_trial < 2:
             raise ValueError("a block needs an untimed step after its rebuild and at least one timed step")
         self.plans, self.rounds, self.steps_per_trial = list(plans), rounds, steps_per_trial
-        self.schedule = [plan for r in range(rounds) for plan in self.plans[r % len(plans):] + self.plans[:r % len(plans)]
-                         for _ in range(steps_per_trial)] if len(plans) > 1 else []  # the default alone: nothing to time
+        self.schedule: list[Plan] = []  # the plan of every trial step (the default alone: nothing to time)
+        for r in range(rounds if len(plans) > 1 else 0):
+            turn = self.plans[r % len(plans):] + self.plans[:r % len(plans)]  # the order rotates by one a round
+            self.schedule += [plan for plan in turn for _ in range(steps_per_trial)]
         self.position = 0  # the step running now: schedule[position]
         self.blocks: dict[Plan, list[list[float]]] = {plan: [[] for _ in range(rounds)] for plan in plans}
 
