@@ -218,9 +218,9 @@ class Runner:
         return (time.perf_counter() - t0) / k * 1000.0
 
     def block_times(self, steps: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
-        """Warm every step up (``bucket_cap_mb="auto"`` settled first: :meth:`settle`), then time ``repeats`` rounds of one block each,
-        the order rotating by one per round. Per name, every round's
-        slowest-rank ms per step."""
+        """Warm every step up (``bucket_cap_mb="auto"`` settled first: :meth:`settle`), then time
+        ``repeats`` rounds of one block each, the order rotating by one per round. Per name, every
+        round's slowest-rank ms per step."""
         cfg = self.cfg
         for step in steps.values():
             self.settle(step)

@@ -132,7 +132,8 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Ove
                 cpu_share: float | None = None, margin: float = LEAVE_DEFAULT_MARGIN) -> BucketChoice:
     """The candidate bucket plan with the smallest predicted step (fewer buckets on a tie), each replayed with
     ``costs`` (MiniDDP's work per bucket, backward's CPU per MB on the wire beside it, what the model misses per
-    step); torch's default unless that plan is predicted more than ``margin`` faster."""
+    step); torch's default unless that plan is predicted more than ``margin`` faster. Its ``contenders``: the
+    plans worth timing on real steps (:mod:`minddp.net.plan_trials`)."""
     total_mb = profile.gradient_bytes / MiB
     candidates = [(DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)]
     for cap in CANDIDATE_CAPS_MB:
@@ -152,7 +153,7 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Ove
         passed_over = (fastest[1], fastest[0])
     # Worth timing (minddp.net.plan_trials): the best plan with fewer buckets than the default and the best
     # with more (the model's pick is one of them, unless it only splits the default's count differently), each
-    # unless predicted slower than the default by more than the model's error, which it then knows better than.
+    # unless predicted slower than the default by more than the model's error: a loss that large it can see.
     worth_timing = [r for r in results if r[0] <= default[0] * (1 + margin)]
     sides = ([r for r in worth_timing if r[1] < default[1]], [r for r in worth_timing if r[1] > default[1]])
     contenders = tuple(tuple(r[3:]) for r in [default, *(min(side) for side in sides if side)])
