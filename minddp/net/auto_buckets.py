@@ -71,7 +71,6 @@ class AutoBuckets:
         self._fills: list[tuple[int, float]] = []  # (bytes, seconds) of every bucket filled in the measured ones
         self._launches: list[float] = []
         self._last_finished: float | None = None
-        self.decided = False
         self.choice: BucketChoice | None = None  # rank 0's, once decided (with the trials' verdict once settled)
         self.trials: PlanTrials | None = None  # the contenders timed in turn, once proposed
         self.settled = False
@@ -191,7 +190,6 @@ class AutoBuckets:
     def decide(self, communicate: Callable[[torch.Tensor], torch.futures.Future], world_size: int,
                device: torch.device, dtype: torch.dtype, is_rank0: bool) -> BucketChoice | None:
         """Probe the link and the CPU its all-reduces take (every rank: collectives), choose (rank 0 only)."""
-        self.decided = True
         # The large probe: every gradient's bytes, up to the largest candidate cap (past tens of MB it only
         # measures the same bandwidth, and on a large model it would be a third copy of the gradients).
         large = min(sum(self.nbytes), int(max(CANDIDATE_CAPS_MB) * MiB))
