@@ -270,7 +270,8 @@ def config(args: argparse.Namespace) -> dict:
     import torch
 
     # The auto column (with copy among the settings: it is set against torch_copy) is stepped
-    # until its buckets are final before the timing (benchlib.timing.settle). Alone (world size 1) there is no network to plan for: MiniDDP keeps its default, no column.
+    # until its buckets are final before the timing (benchlib.timing.Runner.settle).
+    # Alone (world size 1) there is no network to plan for: MiniDDP keeps its default, no column.
     auto = not args.no_auto and args.bucket_view in ("both", "copy") and args.world_size > 1
 
     return {
