@@ -80,7 +80,8 @@ of the all-reduce each wrapper hid behind compute::
 
 How it runs: the ranks are spawned processes (``minddp.launch.spawn``), each
 with ``--threads-per-rank`` intra-op threads; the rank side is
-``benchlib/timing.py`` (wrappers in ``benchlib/wrappers.py``, models and their batches in
+``benchlib/rank_work.py``, each row measured by ``benchlib/timing.py`` (wrappers in
+``benchlib/wrappers.py``, models and their batches in
 ``benchlib/models.py``), the statistics ``benchlib/spread.py``, the tables/JSON/plot
 ``benchlib/report.py``. Data are fixed random tensors (images of MNIST shape, or
 token sequences for ``gpt``), seeded per rank: this measures steps, not

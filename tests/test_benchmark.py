@@ -8,12 +8,15 @@ fast). The statistics over rounds and runs are checked on made-up block
 times, without processes.
 """
 
+import contextlib
+import io
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -338,3 +341,32 @@ def test_each_wrappers_peak_is_the_lowest_of_windows_taken_in_turns():
     assert order == ["torch_view", "minddp_view"] * 3
     assert windows == {"torch_view": [49.1, 50.1, 49.1], "minddp_view": [50.0, 50.1, 49.0]}
     assert memory.lowest(windows) == {"torch_view": 49.1, "minddp_view": 49.0}
+
+
+def _settle_auto_then_step(rank, world_size, steps):
+    """cnn (BatchNorm's buffers): ``auto`` settled by :meth:`Runner.settle`, then ``steps`` steps of it and
+    of torch's DDP at its defaults, from the same weights."""
+    from benchlib.timing import Runner
+    from benchlib.wrappers import AUTO
+
+    runner = Runner({"comm_hook": "none", "backend": "gloo"}, "cnn", 25.0, rank, world_size, torch.device("cpu"))
+    auto, plain = runner.stepper(runner.wrapped(AUTO)), runner.stepper(runner.wrapped("torch_copy"))
+    with contextlib.redirect_stdout(io.StringIO()):  # auto's decision line
+        runner.settle(auto)
+    restarted = all(torch.equal(p, runner.init_state[n]) for n, p in auto.module.module.named_parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            auto()
+            plain()
+    pairs = zip(auto.module.module.parameters(), plain.module.module.parameters())
+    return restarted, [str(w.message) for w in caught if "MiniDDP" in str(w.message)], max(
+        (a - b).abs().max().item() for a, b in pairs)
+
+
+def test_settle_restarts_auto_from_the_starting_weights_and_leaves_the_buffers_alone(ranks):
+    # Restoring BatchNorm's buffers between a backward and a forward is what buffer_sync="with_gradients"
+    # warns about (the other ranks would get rank 0's old values): the benchmark must not do it.
+    for restarted, minddp_warnings, diff in ranks(2).run(_settle_auto_then_step, 4, timeout_s=120):
+        assert restarted and minddp_warnings == [], minddp_warnings
+        assert diff < 1e-6, f"auto and torch's DDP diverged by {diff} after the same steps"

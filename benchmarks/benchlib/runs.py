@@ -42,7 +42,7 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
     import torch.multiprocessing as mp
 
     from benchlib import memory
-    from benchlib.timing import memory_main, timing_main
+    from benchlib.rank_work import memory_main, timing_main
     from minddp.launch import RankFailed, spawn
 
     cfg = {**cfg, "started": time.time()}  # for the progress line's elapsed and remaining time
