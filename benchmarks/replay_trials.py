@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 
-from minddp.net.plan_trials import STEPS_PER_TRIAL, PlanTrials
+from minddp.net.plan_trials import STEPS_PER_TRIAL, TRIAL_ROUNDS, PlanTrials
 
 from auto_vs_caps import TARGET
 from benchlib.wrappers import DEFAULT_CAP_MB
@@ -61,7 +61,7 @@ def costs(blocks: dict[str, list[float]], rounds: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", nargs="+", help="files auto_vs_caps.py wrote with --json")
-    parser.add_argument("--rounds", default="4,8,16", help="trial rounds to replay (auto's: 4)")
+    parser.add_argument("--rounds", default="4,8,16", help=f"trial rounds to replay (auto's: {TRIAL_ROUNDS})")
     args = parser.parse_args()
     print("| file | trial rounds | mean cost of the plan kept | kept more than 2% slower than the best |")
     print("|---|---|---|---|")

@@ -6,6 +6,8 @@ which steps are timed) and the verdict come out. Whether MiniDDP follows it
 on every rank is checked end to end in tests/test_bucket_planner.py.
 """
 
+import random
+
 import pytest
 
 from minddp.net.plan_trials import MIN_MEASURED_GAIN, PlanTrials
@@ -59,6 +61,26 @@ def test_one_busy_round_does_not_decide():
     trials = PlanTrials([DEFAULT, MORE], rounds=4)
     _run(trials, lambda plan, r, k: (30.0 if r == 1 else 10.0) if plan == DEFAULT else 10.5)
     assert trials.fastest() == DEFAULT, "the median ratio, not the mean: one spell is one round of four"
+
+
+def test_enough_rounds_to_find_a_plan_4_percent_faster_through_the_noise_of_two_shared_cores():
+    # On 2 shared cores a block's time moves by itself: the ratio of two blocks in one round spreads by 10% to
+    # 15% (docs/real_links/issue47-rounds-{1gbit,loopback}.json), a block here by 10% (the ratio's by 14%).
+    # MORE is truly 4% faster than the default (missing it costs twice the issue's 2% target), FEWER 3%
+    # slower (keeping it misses the target). The default number of rounds must find MORE in 7 windows of 10
+    # and keep FEWER in at most 1 of 20.
+    truth = {DEFAULT: 1.0, FEWER: 1.03, MORE: 0.96}
+    rng = random.Random(0)
+
+    def one_window():
+        trials, spell = PlanTrials(list(truth)), {}
+        _run(trials, lambda plan, r, k: 100 * truth[plan] * (1 + r % 3)  # the machine drifts, too
+             * spell.setdefault((r, plan), rng.lognormvariate(0, 0.10)))
+        return trials.fastest()
+
+    kept = [one_window() for _ in range(400)]
+    assert kept.count(MORE) / len(kept) >= 0.70, f"the faster plan kept in {kept.count(MORE)} of {len(kept)} windows"
+    assert kept.count(FEWER) / len(kept) <= 0.05, f"the slower plan kept in {kept.count(FEWER)} of {len(kept)} windows"
 
 
 def test_a_plan_must_be_measured_more_than_the_least_gain_faster_to_replace_the_default():
