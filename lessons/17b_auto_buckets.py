@@ -17,9 +17,10 @@ What you will learn
        (``minddp.net.bucket_costs``);
     3. replays candidate bucket plans with the simulator of lesson 17
        (``minddp.simulate.simulate_step``) and proposes the default, the
-       best plan with fewer buckets and the best with more, leaving out a
-       plan predicted slower than the default by more than the model's own
-       error on the default's measured step;
+       best plan with fewer buckets, the best with more and one halfway
+       between the default and that best, leaving out a plan predicted
+       slower than the default by more than the model's own error on the
+       default's measured step;
     4. times its proposals in turn on the next steps (a block of steps
        each, a few rounds), each against the default in the same round,
        and keeps the fastest if it is more than 1% faster: the model

@@ -68,20 +68,33 @@ def _buckets(plan, link=FAST, costs=Overheads()) -> int:
     return len(simulate_step(_step(), link, 2, plan_policy(plan, costs)).buckets)
 
 
-def test_the_model_proposes_the_default_and_its_best_plan_on_either_side_of_it_for_the_clock_to_decide():
+def test_the_model_proposes_the_default_its_best_plan_on_either_side_and_one_halfway_for_the_clock_to_decide():
     # Where the model cannot tell (a step it explains only to within 30%), both sides are worth timing: the
-    # default (2 buckets here), the best with fewer (1) and the best with more.
+    # default (2 buckets here), the best with fewer (1), the best with more (8), and the plan halfway between
+    # the default and that best on a log scale (4), in case the model's best has too many buckets.
     unsure = choose_plan(_step(), FAST, world_size=2, margin=0.30)
     default = unsure.contenders[0]
     assert default == (25.0, 1.0) and _buckets(default) == 2
-    assert [_buckets(plan) for plan in unsure.contenders[1:]] == [1, unsure.buckets], unsure.contenders
-    assert unsure.contenders[2] == (unsure.cap_mb, unsure.first_cap_mb), "the model's pick is among them"
+    assert [_buckets(plan) for plan in unsure.contenders[1:]] == [1, unsure.buckets, 4], unsure.contenders
+    assert unsure.buckets == 8 and unsure.contenders[2] == (unsure.cap_mb, unsure.first_cap_mb), "the model's pick"
     # Where the model knows the step to 1%, one bucket is predicted far slower than the default: not timed.
     sure = choose_plan(_step(), FAST, world_size=2, margin=0.01)
-    assert [_buckets(plan) for plan in sure.contenders] == [2, sure.buckets]
-    # On a 50 ms link every other plan is predicted slower by far more than 30%, but one bucket saves a latency.
+    assert [_buckets(plan) for plan in sure.contenders] == [2, sure.buckets, 4]
+    # On a 50 ms link every other plan is predicted slower by far more than 30%, but one bucket saves a latency;
+    # with no plan of more buckets worth timing, none halfway either.
     slow = choose_plan(_step(), Link("slow", alpha_s=50e-3, bandwidth_Bps=1e9), world_size=2, margin=0.30)
     assert [_buckets(plan, slow.link) for plan in slow.contenders] == [2, 1], slow.contenders
+
+
+def test_no_plan_halfway_when_the_best_with_more_buckets_is_next_to_the_default():
+    # Three 1 MiB gradients: the default has 2 buckets (1 MiB, then 2), the most any plan builds is 3, and
+    # halfway between 2 and 3 is one of them, already timed. With four, halfway between 2 and 4 is 3.
+    three, four = _step(n_gradients=3), _step(n_gradients=4)
+    for step, expected in ((three, [2, 1, 3]), (four, [2, 1, 4, 3])):
+        choice = choose_plan(step, FAST, world_size=2, margin=0.30)
+        timed = [len(simulate_step(step, FAST, 2, plan_policy(plan, choice.costs)).buckets)
+                 for plan in choice.contenders]
+        assert timed == expected, choice.contenders
 
 
 def test_each_bucket_pays_minddps_own_cost_so_a_large_one_means_fewer_buckets():

@@ -12,7 +12,7 @@ import pytest
 
 from minddp.net.plan_trials import MIN_MEASURED_GAIN, PlanTrials
 
-DEFAULT, FEWER, MORE = (25.0, 1.0), (64.0, 64.0), (4.0, 4.0)
+DEFAULT, FEWER, MORE, HALFWAY = (25.0, 1.0), (64.0, 64.0), (4.0, 4.0), (16.0, 1.0)
 
 
 def _run(trials: PlanTrials, step_ms) -> list:
@@ -63,13 +63,15 @@ def test_one_busy_round_does_not_decide():
     assert trials.fastest() == DEFAULT, "the median ratio, not the mean: one spell is one round of four"
 
 
-def test_enough_rounds_to_find_a_plan_4_percent_faster_through_the_noise_of_two_shared_cores():
+@pytest.mark.parametrize("halfway", [None, 1.03], ids=["three plans", "four plans"])
+def test_enough_rounds_to_find_a_plan_4_percent_faster_through_the_noise_of_two_shared_cores(halfway):
     # On 2 shared cores a block's time moves by itself: the ratio of two blocks in one round spreads by 10% to
     # 15% (docs/real_links/issue47-rounds-{1gbit,loopback}.json), a block here by 10% (the ratio's by 14%).
     # MORE is truly 4% faster than the default (missing it costs twice the issue's 2% target), FEWER 3%
-    # slower (keeping it misses the target). The default number of rounds must find MORE in 7 windows of 10
-    # and keep FEWER in at most 1 of 20.
-    truth = {DEFAULT: 1.0, FEWER: 1.03, MORE: 0.96}
+    # slower (keeping it misses the target), and with four plans HALFWAY 3% slower too: one more chance for
+    # the noise to fool the verdict. The default number of rounds must find MORE in 7 windows of 10 and keep
+    # each slower plan in at most 1 of 20.
+    truth = {DEFAULT: 1.0, FEWER: 1.03, MORE: 0.96} | ({HALFWAY: halfway} if halfway else {})
     rng = random.Random(0)
 
     def one_window():
@@ -78,9 +80,10 @@ def test_enough_rounds_to_find_a_plan_4_percent_faster_through_the_noise_of_two_
              * spell.setdefault((r, plan), rng.lognormvariate(0, 0.10)))
         return trials.fastest()
 
-    kept = [one_window() for _ in range(400)]
+    kept = [one_window() for _ in range(1000)]
     assert kept.count(MORE) / len(kept) >= 0.70, f"the faster plan kept in {kept.count(MORE)} of {len(kept)} windows"
-    assert kept.count(FEWER) / len(kept) <= 0.05, f"the slower plan kept in {kept.count(FEWER)} of {len(kept)} windows"
+    for slower in (plan for plan, ratio in truth.items() if ratio > 1):
+        assert kept.count(slower) / len(kept) <= 0.05, f"{slower} kept in {kept.count(slower)} of {len(kept)} windows"
 
 
 def test_a_plan_must_be_measured_more_than_the_least_gain_faster_to_replace_the_default():

@@ -47,8 +47,10 @@ the proposals in turn and keeps the fastest (5).
    predicted step, counts if it beats torch's default by more than the
    model's own error on the default's measured step (1% at least:
    :func:`leave_default_margin`); what it proposes for timing is the
-   default and its best plan with fewer buckets and with more, each unless
-   predicted slower than the default by more than that error;
+   default, its best plan with fewer buckets and with more, and one halfway
+   between the default and that best (the model undercounts what a bucket
+   costs where ranks wait for a core), each unless predicted slower than
+   the default by more than that error;
 5. **the clock**: the proposals run in turn on real steps, and the fastest
    measured is kept (:mod:`minddp.net.plan_trials`).
 
@@ -63,6 +65,7 @@ approximation (CUDA events per hook would fix it, at a cost every step).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
@@ -76,7 +79,7 @@ __all__ = ["CANDIDATE_CAPS_MB", "DEFAULT_CAP_MB", "MAX_PROPOSALS", "LEAVE_DEFAUL
            "BucketChoice", "choose_plan", "leave_default_margin", "plan_policy", "replay"]
 
 DEFAULT_CAP_MB = 25.0  # torch's
-MAX_PROPOSALS = 3  # plans proposed for timing: the default, the best with fewer buckets, the best with more
+MAX_PROPOSALS = 4  # plans timed: the default, the best with fewer buckets, the best with more, one halfway to it
 # Caps tried, each with torch's 1 MiB first bucket and with no smaller first
 # bucket; one more candidate puts every gradient into a single bucket.
 CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
@@ -100,7 +103,7 @@ class BucketChoice:
     cpu_share: float | None = None  # how busy this process's CPU was during the link probe's all-reduces
     passed_over: tuple[int, float] | None = None  # (buckets, predicted ms) of a faster plan not faster by the margin
     margin: float = LEAVE_DEFAULT_MARGIN  # how much faster than the default a plan had to be predicted
-    contenders: tuple[Plan, ...] = ()  # to time in turn: the default, the best plans with fewer and more buckets
+    contenders: tuple[Plan, ...] = ()  # to time in turn: the default, the best with fewer and more buckets, one halfway
     trials: tuple[Trial, ...] = ()  # once they ran (minddp.net.plan_trials): the kept plan is the measured fastest
 
     def describe(self) -> str:
@@ -155,8 +158,19 @@ def choose_plan(profile: ComputeProfile, link: Link, world_size: int, costs: Ove
     # with more (the model's pick is one of them, unless it only splits the default's count differently), each
     # unless predicted slower than the default by more than the model's error: a loss that large it can see.
     worth_timing = [r for r in results if r[0] <= default[0] * (1 + margin)]
-    sides = ([r for r in worth_timing if r[1] < default[1]], [r for r in worth_timing if r[1] > default[1]])
-    contenders = tuple(tuple(r[3:]) for r in [default, *(min(side) for side in sides if side)])
+    fewer = [r for r in worth_timing if r[1] < default[1]]
+    more = [r for r in worth_timing if r[1] > default[1]]
+    timed = [default] + [min(side) for side in (fewer, more) if side]
+    # And a plan halfway (on a log scale) between the default's number of buckets and that best's: MiniDDP's
+    # cost per bucket is measured as CPU time, not the wait for a core, so where ranks share cores the model's
+    # best with more buckets has too many (4 ranks on 2 cores, gpt: it proposed 7 or 13, where 4 buckets were
+    # 3% to 5% faster than the default).
+    if more:
+        halfway = math.sqrt(default[1] * min(more)[1])
+        middle = min(more, key=lambda r: (abs(math.log(r[1] / halfway)), r[0]))
+        if middle not in timed:
+            timed.append(middle)
+    contenders = tuple(tuple(r[3:]) for r in timed)
     return BucketChoice(best[3], best[4], best[1], best[0], default[0], default[1], link, costs, cpu_share,
                         passed_over, margin, contenders)
 
