@@ -6,9 +6,10 @@ their cores with Gloo it misses by 8% to 30%: how much an all-reduce beside
 backward slows it, and how much of the wire backward still hides, are what
 the model knows least, and exactly what decides between fewer buckets (less
 latency, less contention) and more (more overlap). So the model proposes a
-few plans (the default, its best on either side of it, one halfway to its best with more), and
-:class:`PlanTrials` runs each for a block of real steps, in turn, for a few
-rounds (the order rotating, so that no plan always follows the same one):
+few plans (the default, its best on either side of it, one halfway to its
+best with more), and :class:`PlanTrials` runs each for a block of real
+steps, in turn, for a few rounds (the order rotating, so that no plan
+always follows the same one):
 
 * a block's first step rebuilds the buckets and touches their new buffers,
   so only the steps after it are timed;
