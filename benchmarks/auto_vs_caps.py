@@ -20,7 +20,10 @@ ratios of every run together, their median with a 95% bootstrap interval.
 The issue's target, ``auto`` at most 1.02 of torch's best cap, is judged on
 that interval: **met** when all of it is at most 1.02, **missed** when all
 of it is above, else **not told apart** (more rounds narrow it: 10 rounds a
-run read a 4% gap on loopback that 150 did not).
+run read a 4% gap on loopback that 150 did not). ``--show`` prints the
+table of a saved JSON again; given several, it pools their runs (the same
+link, ranks and caps; runs of the same code, as two sessions' runs of one
+pair), the models they all hold.
 """
 
 from __future__ import annotations
@@ -114,6 +117,23 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
 
 
+def pooled_runs(saved: list[dict], paths: list[str]) -> tuple[dict, list[dict]]:
+    """The runs of several JSONs this script wrote, as one measurement: the same link, ranks and caps in
+    each (else a ValueError naming the file that differs), the models every file has."""
+    cfg = saved[0]["config"]
+    for path, other in zip(paths[1:], saved[1:]):
+        for key in ("link", "world_size", "caps"):
+            if other["config"][key] != cfg[key]:
+                raise ValueError(f"{path} has {key}={other['config'][key]!r} where {paths[0]} has {cfg[key]!r}: "
+                                 "only runs of the same link, ranks and caps pool")
+    models = [m for m in cfg["models"] if all(m in other["config"]["models"] for other in saved)]
+    if not models:
+        raise ValueError(f"no model is in every one of {', '.join(paths)}")
+    rounds = sorted({other["config"]["repeats"] for other in saved})
+    cfg = {**cfg, "models": models, "repeats": rounds[0] if len(rounds) == 1 else f"{rounds[0]} to {rounds[-1]}"}
+    return cfg, [{m: run[m] for m in models} for other in saved for run in other["runs"]]
+
+
 def report(cfg: dict, runs: list[dict]) -> str:
     """The table: per model, each wrapper's median step over runs, torch's best cap, and the ratios."""
     caps = cfg["caps"]
@@ -151,12 +171,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="rounds of one block per wrapper (default 30)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per block (default 3)")
     parser.add_argument("--json", metavar="PATH", help="also write every run's block times and the table here")
-    parser.add_argument("--show", metavar="PATH.json", help="measure nothing: the table of a JSON this script wrote")
+    parser.add_argument("--show", metavar="PATH.json", nargs="+",
+                        help="measure nothing: the table of JSONs this script wrote (several: their runs pooled)")
     args = parser.parse_args()
     if args.show:
-        with open(args.show) as f:
-            saved = json.load(f)
-        print(report(saved["config"], saved["runs"]))
+        saved = []
+        for path in args.show:
+            with open(path) as f:
+                saved.append(json.load(f))
+        try:
+            print(report(*pooled_runs(saved, args.show)))
+        except ValueError as error:
+            parser.error(str(error))
         return
     cfg = {"models": args.models.split(","), "caps": list(CAPS_MB), "link": args.link, "world_size": args.world_size,
            "comm_hook": "none", "backend": "gloo", "warmup": WARMUP, "repeats": args.rounds,

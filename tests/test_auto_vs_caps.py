@@ -89,3 +89,32 @@ def test_the_table_judges_the_target_on_every_runs_rounds_together():
     assert "| 1.000 [1.000, 1.000] |" in row and row.endswith("| met |")
     row = report(cfg, [{"mlp": {**run, "block_ms": slow}}] * 3).splitlines()[-1]
     assert "| 1.100 [1.100, 1.100] |" in row and row.endswith("| missed |")
+
+
+def _saved(models: dict[str, float], repeats: int, link: str = "1gbit") -> dict:
+    """A JSON as the script writes it: one run, auto at ``models[m]`` ms against torch's best 40 ms."""
+    cfg = {"caps": CAPS, "models": list(models), "world_size": 2, "link": link, "repeats": repeats}
+    run = {m: {"auto_buckets": 2, "block_ms": _blocks({0.25: 50.0, 1.0: 40.0, 5.0: 45.0, 25.0: 48.0},
+                                                      auto_ms=ms, drift=[1.0] * repeats)}
+           for m, ms in models.items()}
+    return {"config": cfg, "runs": [run]}
+
+
+def test_several_jsons_pool_their_runs_on_the_models_they_all_hold():
+    first = _saved({"mlp": 40.0, "ae": 40.0, "gpt": 40.0}, repeats=40)  # level with torch's best
+    second = _saved({"ae": 44.0, "gpt": 44.0}, repeats=100)  # 10% slower
+    cfg, runs = auto_vs_caps.pooled_runs([first, second], ["first.json", "second.json"])
+    assert cfg["models"] == ["ae", "gpt"] and len(runs) == 2
+    table = report(cfg, runs).splitlines()
+    assert "2 run(s) of 40 to 100 rounds" in table[0]
+    # 20 odd rounds at 1.00 and 50 at 1.10: the pooled median is the second run's, each run its own weight
+    assert table[-1].startswith("| gpt |") and "| 1.100 [1.100, 1.100] |" in table[-1]
+    assert "| 1.050 [1.000, 1.100] |" in table[-1]  # per run: median [min, max]
+
+
+def test_runs_of_another_link_do_not_pool():
+    with pytest.raises(ValueError, match=r"second.json has link='loopback' where first.json has '1gbit'"):
+        auto_vs_caps.pooled_runs([_saved({"ae": 40.0}, 40), _saved({"ae": 40.0}, 40, link="loopback")],
+                                 ["first.json", "second.json"])
+    with pytest.raises(ValueError, match="no model is in every one of first.json, second.json"):
+        auto_vs_caps.pooled_runs([_saved({"ae": 40.0}, 40), _saved({"gpt": 40.0}, 40)], ["first.json", "second.json"])
