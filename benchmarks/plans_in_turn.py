@@ -2,13 +2,13 @@
 
     python benchmarks/plans_in_turn.py --model mlp --link 10gbit --rounds 64
 
-``auto`` times its proposals for 16 rounds of short blocks
+``auto`` times its proposals for a few tens of rounds of short blocks
 (:class:`minddp.net.plan_trials.PlanTrials`) and keeps the fastest. Here
 the same schedule, ``PlanTrials`` itself, runs the given plans for many
 rounds on one model per process, as a user's script runs it (in
 ``auto_vs_caps.py`` five wrappers take turns): each plan's ratio to the
-default over every round, and how far the 16-round windows that ``auto``
-decides on stray from it. Rank 0's times, as in ``auto``.
+default over every round, and how far the windows of rounds that ``auto``
+decides on (``TRIAL_ROUNDS``) stray from it. Rank 0's times, as in ``auto``.
 """
 
 from __future__ import annotations
