@@ -25,6 +25,7 @@ def test_a_window_is_what_one_decision_reads_and_a_partial_window_is_left_out():
 
 
 def test_the_table_has_a_row_per_plan():
-    measured = {"blocks": {"a": [[10.0, 10.0]] * TRIAL_ROUNDS, "b": [[9.0, 9.0]] * TRIAL_ROUNDS}, "buckets": {"a": 2, "b": 1}}
+    blocks = {"a": [[10.0, 10.0]] * TRIAL_ROUNDS, "b": [[9.0, 9.0]] * TRIAL_ROUNDS}
+    measured = {"blocks": blocks, "buckets": {"a": 2, "b": 1}}
     lines = report(measured, ["a", "b"]).splitlines()
     assert lines[-1] == "| b | 1 | 9.0 | 0.900 | 0.900 |"
