@@ -93,7 +93,7 @@ WIDTH, DEPTH, PER_RANK = 256, 12, 256  # 12 layers of 256: 2.9 MB of gradients, 
 FEATURES, CLASSES = 20, 4  # the bench's (lessons/_common.py)
 STATED_BACKWARD_MS = 8.0  # part 1's backward: about what one laptop core takes for this model and 256 samples
 STEPS = SETTLING_BACKWARDS + 2  # the first, the measured backwards, the trials, then two with the kept buckets
-LR = 0.003  # over this many steps a larger rate lets float32's rounding grow past is_exact's 1e-5, with any buckets
+LR = 0.01  # over this many steps a larger rate lets float32's rounding grow past is_exact's 1e-5, with any buckets
 DEFAULT_PLAN = (DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)  # torch's: 25 MB buckets, the first 1 MB
 
 

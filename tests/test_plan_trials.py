@@ -86,26 +86,6 @@ def test_enough_rounds_to_find_a_plan_4_percent_faster_through_the_noise_of_two_
         assert kept.count(slower) / len(kept) <= 0.05, f"{slower} kept in {kept.count(slower)} of {len(kept)} windows"
 
 
-def test_enough_rounds_to_tell_two_proposals_4_percent_apart_as_on_mlp_over_a_fast_link():
-    # mlp on loopback and at 10 Gbit/s (docs/real_links.md, ninth session): the model proposes one bucket,
-    # level with the default (0.99), and 3 buckets, 5% faster (0.95); a block there moves by about 9% by
-    # itself (the ratio of two blocks of one round by 12% to 13%: issue47-narrow-*-mlp-ae.json). Keeping
-    # either slower plan misses the issue's 2% target; 16 rounds did so in a quarter of the windows (and in
-    # 7 of 12 real runs), the default number of rounds must in at most 1 window of 6.
-    truth = {DEFAULT: 1.0, FEWER: 0.99, MORE: 0.95}
-    rng = random.Random(0)
-
-    def one_window():
-        trials, spell = PlanTrials(list(truth)), {}
-        _run(trials, lambda plan, r, k: 100 * truth[plan] * (1 + r % 3)
-             * spell.setdefault((r, plan), rng.lognormvariate(0, 0.09)))
-        return trials.fastest()
-
-    kept = [one_window() for _ in range(1000)]
-    slower = len(kept) - kept.count(MORE)
-    assert slower / len(kept) <= 1 / 6, f"a plan more than 2% slower than the best kept in {slower} of {len(kept)}"
-
-
 def test_a_plan_must_be_measured_more_than_the_least_gain_faster_to_replace_the_default():
     for gain, kept in ((MIN_MEASURED_GAIN / 2, DEFAULT), (2 * MIN_MEASURED_GAIN, MORE)):
         trials = PlanTrials([DEFAULT, MORE], rounds=2)
