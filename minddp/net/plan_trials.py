@@ -35,8 +35,8 @@ __all__ = ["MIN_MEASURED_GAIN", "STEPS_PER_TRIAL", "TRIAL_ROUNDS", "Plan", "Plan
 Plan = tuple[float, float]  # (cap MB, first bucket's cap MB)
 
 # Rounds of one block per plan. Replayed on long runs (docs/real_links.md), a plan more than 2% slower than
-# the best is kept in 13% of the choices with 16 rounds, 8% with 32; but 32, measured on every link, lowered
-# no pair's ratio to torch's best cap, and doubled the trial steps every user and lesson 17b run.
+# the best is kept in 13% of the choices with 16 rounds, 8% with 32; but 32, measured on every link, did not
+# lower mlp's ratio to torch's best cap on fast links, the pairs it was for, and doubled the trial steps.
 TRIAL_ROUNDS = 16
 STEPS_PER_TRIAL = 3  # a block: one step after the rebuild, untimed, then the timed ones
 MIN_MEASURED_GAIN = 0.01  # a plan replaces the default only if measured more than 1% faster
