@@ -2,7 +2,7 @@
 
     python benchmarks/plans_in_turn.py --model mlp --link 10gbit --rounds 64
 
-``auto`` times its proposals for a few tens of rounds of short blocks
+``auto`` times its proposals for ``TRIAL_ROUNDS`` (16) rounds of short blocks
 (:class:`minddp.net.plan_trials.PlanTrials`) and keeps the fastest. Here
 the same schedule, ``PlanTrials`` itself, runs the given plans for many
 rounds on one model per process, as a user's script runs it (in
