@@ -23,7 +23,10 @@ of it is above, else **not told apart** (more rounds narrow it: 10 rounds a
 run read a 4% gap on loopback that 150 did not). ``--show`` prints the
 table of a saved JSON again; given several, it pools their runs (the same
 link, ranks and caps; runs of the same code, as two sessions' runs of one
-pair), the models they all hold.
+pair), the models they all hold. ``--plans 4:4,5:1`` adds MiniDDP at those
+fixed plans (cap and first bucket's cap, MB) to the same rounds, each set
+against torch's best cap as ``auto`` is, in a second table: whether what
+``auto`` misses is its choice or MiniDDP's step at it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import tempfile
 
 import torch
 
+from minddp import MiniDDP
+from minddp.ddp.bucket_assignment import MiB
 from minddp.launch import spawn
 
 from benchlib.timing import Runner
@@ -55,6 +60,24 @@ def _torch_name(cap: float) -> str:
     return f"torch@{cap:g}"
 
 
+def _plan_name(plan: list[float]) -> str:
+    return f"minddp@{plan[0]:g}:{plan[1]:g}"
+
+
+def _fixed_plan(runner: Runner, plan: list[float]):
+    """A step of MiniDDP at ``plan`` (as ``auto``'s wrapper: ``buffer_sync="with_gradients"``), its buckets
+    rebuilt with the learned order and ``plan``'s caps, as ``auto`` rebuilds them for a plan it keeps."""
+    ddp = MiniDDP(runner.fresh(), buffer_sync="with_gradients")
+    if runner.minddp_hook is not None:
+        ddp.register_comm_hook(None, runner.minddp_hook)
+    step = runner.stepper(ddp)
+    step()  # the first backward learns the order,
+    step()  # the next forward builds its buckets
+    ddp.reducer.rebuild(ddp.reducer.bucket_order, int(plan[0] * MiB), int(plan[1] * MiB))
+    step()  # and the next, the plan's
+    return step
+
+
 def _measure(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     torch.set_num_threads(1)
     device, results = torch.device("cpu"), {}
@@ -62,18 +85,23 @@ def _measure(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
         runner = {cap: Runner(cfg, model, cap, rank, world_size, device) for cap in cfg["caps"]}
         steps = {_torch_name(cap): runner[cap].stepper(runner[cap].wrapped("torch_copy")) for cap in cfg["caps"]}
         steps[AUTO] = runner[cfg["caps"][0]].stepper(runner[cfg["caps"][0]].wrapped(AUTO))
+        for plan in cfg.get("plans", []):
+            steps[_plan_name(plan)] = _fixed_plan(runner[cfg["caps"][0]], plan)
         with contextlib.redirect_stdout(io.StringIO()) as printed:  # auto's decision line
             blocks = runner[cfg["caps"][0]].block_times(steps)
         decision = next((line for line in printed.getvalue().splitlines() if "bucket_cap_mb=" in line), "")
         results[model] = {"block_ms": blocks, "auto_buckets": len(steps[AUTO].module.bucket_names),
-                          "auto_decision": decision}
+                          "auto_decision": decision,
+                          "plan_buckets": {_plan_name(plan): len(steps[_plan_name(plan)].module.bucket_names)
+                                           for plan in cfg.get("plans", [])}}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
 
 
-def run_figures(blocks: dict[str, list[float]], caps: list[float]) -> dict:
-    """One run's figures from its block times (every name: one ms per step per round, the same rounds).
+def run_figures(blocks: dict[str, list[float]], caps: list[float], plans: list[str] = ()) -> dict:
+    """One run's figures from its block times (every name: one ms per step per round, the same rounds);
+    ``plans``: the names of MiniDDP's fixed plans, each set against torch's best cap as ``auto`` is.
 
     torch's best cap is chosen on the even rounds and ``auto`` is set against it on the odd ones: the
     lowest of four noisy medians is lower than its cap's true step (a quiet spell picks it), so a ratio
@@ -81,13 +109,14 @@ def run_figures(blocks: dict[str, list[float]], caps: list[float]) -> dict:
     choose = {name: statistics.median(times[0::2]) for name, times in blocks.items()}
     best = min(caps, key=lambda cap: choose[_torch_name(cap)])
 
-    def ratios(cap: float, rounds: slice) -> list[float]:
-        return [a / t for a, t in zip(blocks[AUTO][rounds], blocks[_torch_name(cap)][rounds])]
+    def ratios(cap: float, rounds: slice, name: str = AUTO) -> list[float]:
+        return [a / t for a, t in zip(blocks[name][rounds], blocks[_torch_name(cap)][rounds])]
 
     judged = ratios(best, slice(1, None, 2))
     return {"ms": {name: statistics.median(times) for name, times in blocks.items()}, "best_cap": best,
             "auto_over_best": statistics.median(judged), "auto_over_best_rounds": judged,
-            "auto_over_default": statistics.median(ratios(DEFAULT_CAP_MB, slice(None)))}
+            "auto_over_default": statistics.median(ratios(DEFAULT_CAP_MB, slice(None))),
+            "plans_over_best_rounds": {plan: ratios(best, slice(1, None, 2), plan) for plan in plans}}
 
 
 def pooled_interval(runs: list[list[float]], seed: int = 0) -> tuple[float, float, float]:
@@ -118,14 +147,14 @@ def _spread(values: list[float]) -> str:
 
 
 def pooled_runs(saved: list[dict], paths: list[str]) -> tuple[dict, list[dict]]:
-    """The runs of several JSONs this script wrote, as one measurement: the same link, ranks and caps in
+    """The runs of several JSONs this script wrote, as one measurement: the same link, ranks, caps and plans in
     each (else a ValueError naming the file that differs), the models every file has."""
     cfg = saved[0]["config"]
     for path, other in zip(paths[1:], saved[1:]):
-        for key in ("link", "world_size", "caps"):
-            if other["config"][key] != cfg[key]:
-                raise ValueError(f"{path} has {key}={other['config'][key]!r} where {paths[0]} has {cfg[key]!r}: "
-                                 "only runs of the same link, ranks and caps pool")
+        for key in ("link", "world_size", "caps", "plans"):
+            if other["config"].get(key) != cfg.get(key):
+                raise ValueError(f"{path} has {key}={other['config'].get(key)!r} where {paths[0]} has "
+                                 f"{cfg.get(key)!r}: only runs of the same link, ranks, caps and fixed plans pool")
     models = [m for m in cfg["models"] if all(m in other["config"]["models"] for other in saved)]
     if not models:
         raise ValueError(f"no model is in every one of {', '.join(paths)}")
@@ -159,6 +188,20 @@ def report(cfg: dict, runs: list[dict]) -> str:
                                             f"{pooled:.3f} [{low:.3f}, {high:.3f}]",
                                             _spread([f["auto_over_default"] for f in figures]), verdict(low, high)]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    if cfg.get("plans"):
+        lines += ["", "MiniDDP at fixed plans in the same rounds, against torch's best cap as auto is: ms per step, "
+                  "median over runs; pooled ratio, median [95% bootstrap interval]",
+                  "| model | plan (cap:first MB) | buckets (per run) | ms per step | / torch's best, pooled |",
+                  "|---|---|---|---|---|"]
+        for model in cfg["models"]:
+            names = [_plan_name(plan) for plan in cfg["plans"]]
+            figures = [run_figures(r[model]["block_ms"], caps, names) for r in runs]
+            for name in names:
+                buckets = ",".join(str(r[model]["plan_buckets"][name]) for r in runs)
+                ms = statistics.median(f["ms"][name] for f in figures)
+                pooled, low, high = pooled_interval([f["plans_over_best_rounds"][name] for f in figures])
+                lines.append(f"| {model} | {name.removeprefix('minddp@')} | {buckets} | {ms:.1f} | "
+                             f"{pooled:.3f} [{low:.3f}, {high:.3f}] |")
     return "\n".join(lines)
 
 
@@ -170,6 +213,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="fresh processes each; auto chooses again (default 3)")
     parser.add_argument("--rounds", type=int, default=30, help="rounds of one block per wrapper (default 30)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per block (default 3)")
+    parser.add_argument("--plans", default="", help="MiniDDP at fixed plans too, cap:first-bucket cap in MB, "
+                        "comma-separated (as 4:4,5:1)")
     parser.add_argument("--json", metavar="PATH", help="also write every run's block times and the table here")
     parser.add_argument("--show", metavar="PATH.json", nargs="+",
                         help="measure nothing: the table of JSONs this script wrote (several: their runs pooled)")
@@ -186,7 +231,8 @@ def main() -> None:
         return
     cfg = {"models": args.models.split(","), "caps": list(CAPS_MB), "link": args.link, "world_size": args.world_size,
            "comm_hook": "none", "backend": "gloo", "warmup": WARMUP, "repeats": args.rounds,
-           "steps": args.rounds * args.steps}
+           "steps": args.rounds * args.steps,
+           "plans": [[float(x) for x in plan.split(":")] for plan in args.plans.split(",") if plan]}
     runs = []
     with tempfile.TemporaryDirectory(prefix="minddp-auto-vs-caps-") as tmp:
         out_path = os.path.join(tmp, "run.json")

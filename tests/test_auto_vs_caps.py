@@ -118,3 +118,15 @@ def test_runs_of_another_link_do_not_pool():
                                  ["first.json", "second.json"])
     with pytest.raises(ValueError, match="no model is in every one of first.json, second.json"):
         auto_vs_caps.pooled_runs([_saved({"ae": 40.0}, 40), _saved({"gpt": 40.0}, 40)], ["first.json", "second.json"])
+
+
+def test_minddp_at_fixed_plans_is_set_against_torchs_best_cap_in_the_same_rounds():
+    # --plans: MiniDDP at a fixed plan beside the caps, to tell auto's choice from MiniDDP's step at it
+    cfg = {"caps": CAPS, "models": ["mlp"], "world_size": 2, "link": "loopback", "repeats": 40, "plans": [[4.0, 4.0]]}
+    blocks = _blocks({0.25: 50.0, 1.0: 40.0, 5.0: 45.0, 25.0: 48.0}, auto_ms=44.0, drift=[1.0] * 40)
+    blocks["minddp@4:4"] = [42.0, 46.0] * 20  # 46 in the odd rounds, where it is judged
+    run = {"mlp": {"auto_buckets": 3, "plan_buckets": {"minddp@4:4": 3}, "block_ms": blocks}}
+    figures = run_figures(blocks, CAPS, ["minddp@4:4"])
+    assert figures["plans_over_best_rounds"]["minddp@4:4"] == pytest.approx([46.0 / 40.0] * 20)
+    table = report(cfg, [run] * 2)
+    assert "| mlp | 4:4 | 3,3 | 44.0 | 1.150 [1.150, 1.150] |" in table.splitlines()
