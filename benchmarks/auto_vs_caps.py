@@ -147,19 +147,23 @@ def _spread(values: list[float]) -> str:
 
 
 def pooled_runs(saved: list[dict], paths: list[str]) -> tuple[dict, list[dict]]:
-    """The runs of several JSONs this script wrote, as one measurement: the same link, ranks, caps and plans in
-    each (else a ValueError naming the file that differs), the models every file has."""
+    """The runs of several JSONs this script wrote, as one measurement: the same link, ranks and caps in
+    each (else a ValueError naming the file that differs), the models every file has; MiniDDP's fixed
+    plans only if every file timed the same ones."""
     cfg = saved[0]["config"]
     for path, other in zip(paths[1:], saved[1:]):
-        for key in ("link", "world_size", "caps", "plans"):
-            if other["config"].get(key) != cfg.get(key):
-                raise ValueError(f"{path} has {key}={other['config'].get(key)!r} where {paths[0]} has "
-                                 f"{cfg.get(key)!r}: only runs of the same link, ranks, caps and fixed plans pool")
+        for key in ("link", "world_size", "caps"):
+            if other["config"][key] != cfg[key]:
+                raise ValueError(f"{path} has {key}={other['config'][key]!r} where {paths[0]} has {cfg[key]!r}: "
+                                 "only runs of the same link, ranks and caps pool")
     models = [m for m in cfg["models"] if all(m in other["config"]["models"] for other in saved)]
     if not models:
         raise ValueError(f"no model is in every one of {', '.join(paths)}")
     rounds = sorted({other["config"]["repeats"] for other in saved})
-    cfg = {**cfg, "models": models, "repeats": rounds[0] if len(rounds) == 1 else f"{rounds[0]} to {rounds[-1]}"}
+    same_plans = all(other["config"].get("plans", []) == cfg.get("plans", []) for other in saved)
+    plans = cfg.get("plans", []) if same_plans else []
+    cfg = {**cfg, "models": models, "repeats": rounds[0] if len(rounds) == 1 else f"{rounds[0]} to {rounds[-1]}",
+           "plans": plans}
     return cfg, [{m: run[m] for m in models} for other in saved for run in other["runs"]]
 
 

@@ -130,3 +130,16 @@ def test_minddp_at_fixed_plans_is_set_against_torchs_best_cap_in_the_same_rounds
     assert figures["plans_over_best_rounds"]["minddp@4:4"] == pytest.approx([46.0 / 40.0] * 20)
     table = report(cfg, [run] * 2)
     assert "| mlp | 4:4 | 3,3 | 44.0 | 1.150 [1.150, 1.150] |" in table.splitlines()
+
+
+def test_runs_with_and_without_fixed_plans_pool_without_the_plans_table():
+    with_plans = _saved({"ae": 40.0}, 40)
+    with_plans["config"]["plans"] = [[4.0, 4.0]]
+    for run in with_plans["runs"]:
+        run["ae"]["block_ms"]["minddp@4:4"] = [40.0] * 40
+        run["ae"]["plan_buckets"] = {"minddp@4:4": 1}
+    cfg, runs = auto_vs_caps.pooled_runs([with_plans, _saved({"ae": 40.0}, 40)], ["first.json", "second.json"])
+    assert cfg["plans"] == [] and len(runs) == 2
+    assert "fixed plans" not in report(cfg, runs)
+    cfg, runs = auto_vs_caps.pooled_runs([with_plans, with_plans], ["first.json", "second.json"])
+    assert "| ae | 4:4 | 1,1 | 40.0 | 1.000 [1.000, 1.000] |" in report(cfg, runs).splitlines()
