@@ -14,8 +14,10 @@ the order rotating by one each round (each block: the slowest rank's ms per
 step). In each run, torch's best cap is the one with the lowest median
 step over the even rounds, and ``auto / torch's best`` the median of the
 ratio within each odd round (a quiet spell that picks a cap does not also
-flatter it). Every run starts fresh processes (``auto`` chooses
-again); reported: the median [min, max] over runs, and the odd rounds'
+flatter it). Every run starts fresh processes for each model (``auto``
+chooses again, as in a user's script: before any other model has
+trained, which had it keep a slower plan on mlp in 13 of 30 runs,
+``Runner.warm_up``); reported: the median [min, max] over runs, and the odd rounds'
 ratios of every run together, their median with a 95% bootstrap interval.
 The issue's target, ``auto`` at most 1.02 of torch's best cap, is judged on
 that interval: **met** when all of it is at most 1.02, **missed** when all
@@ -66,19 +68,24 @@ def _plan_name(plan: list[float]) -> str:
 
 def _fixed_plan(runner: Runner, plan: list[float]):
     """A step of MiniDDP at ``plan`` (as ``auto``'s wrapper: ``buffer_sync="with_gradients"``), its buckets
-    rebuilt with the learned order and ``plan``'s caps, as ``auto`` rebuilds them for a plan it keeps."""
+    rebuilt with the learned order and ``plan``'s caps, as ``auto`` rebuilds them for a plan it keeps: after
+    its second step, a warm-up one (it takes no step before ``auto`` has chosen: ``Runner.warm_up``)."""
     ddp = MiniDDP(runner.fresh(), buffer_sync="with_gradients")
     if runner.minddp_hook is not None:
         ddp.register_comm_hook(None, runner.minddp_hook)
-    step = runner.stepper(ddp)
-    step()  # the first backward learns the order,
-    step()  # the next forward builds its buckets
-    ddp.reducer.rebuild(ddp.reducer.bucket_order, int(plan[0] * MiB), int(plan[1] * MiB))
-    step()  # and the next, the plan's
+    plain = runner.stepper(ddp)
+
+    def step() -> None:
+        plain()
+        if plain.count[0] == 2:  # the first backward learned the order, the next forward built its buckets
+            ddp.reducer.rebuild(ddp.reducer.bucket_order, int(plan[0] * MiB), int(plan[1] * MiB))
+
+    step.module, step.count = ddp, plain.count
     return step
 
 
 def _measure(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
+    """One run of every wrapper on ``cfg["models"]``."""
     torch.set_num_threads(1)
     device, results = torch.device("cpu"), {}
     for model in cfg["models"]:
@@ -242,10 +249,12 @@ def main() -> None:
         out_path = os.path.join(tmp, "run.json")
         for run in range(args.runs):
             print(f"run {run + 1}/{args.runs}", file=sys.stderr, flush=True)
-            spawn(_measure, args.world_size, cfg, out_path, link=None if args.link == "loopback" else args.link)
-            with open(out_path) as f:
-                runs.append(json.load(f))
-            for model in cfg["models"]:
+            runs.append({})
+            for model in cfg["models"]:  # each in processes of its own: no other model trained before auto chose
+                spawn(_measure, args.world_size, {**cfg, "models": [model]}, out_path,
+                      link=None if args.link == "loopback" else args.link)
+                with open(out_path) as f:
+                    runs[-1].update(json.load(f))
                 print(f"  {model}: {runs[-1][model]['auto_decision']}", file=sys.stderr, flush=True)
     table = report(cfg, runs)
     print(table)
