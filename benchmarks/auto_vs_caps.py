@@ -16,7 +16,7 @@ step over the even rounds, and ``auto / torch's best`` the median of the
 ratio within each odd round (a quiet spell that picks a cap does not also
 flatter it). Every run starts fresh processes for each model (``auto``
 chooses again, as in a user's script: before any other model has
-trained, which had it keep a slower plan on mlp in 13 of 30 runs,
+trained, which had it keep a slower plan on mlp in 14 of 30 runs,
 ``Runner.warm_up``); reported: the median [min, max] over runs, and the odd rounds'
 ratios of every run together, their median with a 95% bootstrap interval.
 The issue's target, ``auto`` at most 1.02 of torch's best cap, is judged on

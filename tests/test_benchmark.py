@@ -374,8 +374,8 @@ def test_settle_restarts_auto_from_the_starting_weights_and_leaves_the_buffers_a
 
 def test_auto_chooses_before_any_other_wrapper_has_stepped():
     """``auto`` times its proposals on real steps, so it chooses in the process as a user's script leaves
-    it: no other model trained there yet. With the other wrappers warmed up first, mlp's trials on
-    loopback kept one bucket (3 to 5% slower) in 13 of 30 runs; with none stepped, in 0 of 16 (issue 47)."""
+    it: no other model trained there yet. With the other wrappers warmed up first, mlp's trials on fast
+    links kept one bucket (3 to 5% slower) in 14 of 30 runs; with none stepped, in 0 of 18 (issue 47)."""
     from benchlib.timing import Runner
 
     runner = Runner.__new__(Runner)

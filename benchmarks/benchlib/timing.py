@@ -224,8 +224,8 @@ class Runner:
     def warm_up(self, steps: dict[str, Callable[[], None]]) -> None:
         """Settle every ``bucket_cap_mb="auto"`` wrapper (:meth:`settle`) before any other wrapper steps, then
         run each ``warmup`` steps. ``auto`` times its proposals on real steps, so it chooses in the process as
-        a user's script leaves it: with other models trained there first, mlp's trials on loopback kept one
-        bucket, 3% to 5% slower than three, in 13 of 30 runs; with none, in 0 of 16 (docs/real_links.md)."""
+        a user's script leaves it: with other models trained there first, mlp's trials on fast links kept one
+        bucket, 3% to 5% slower than three, in 14 of 30 runs; with none, in 0 of 18 (docs/real_links.md)."""
         for step in steps.values():
             self.settle(step)
         for step in steps.values():
