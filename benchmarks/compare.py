@@ -24,8 +24,11 @@ summary, one line per model: the ratios with their spread and what the
 spread lets one say (faster, slower, even; ``benchlib/summary.py``); then the
 tables below (all of them also in ``--json``).
 
-The whole timing runs ``--runs`` times, each in fresh rank processes; every
-figure below is first taken within a run, then reported as the median over
+The whole timing runs ``--runs`` times, every row (model and cap) of every
+run in fresh rank processes of its own, so that ``auto`` chooses as it would
+in a user's script, before any other model has trained in its process
+(``benchlib/timing.py``'s ``Runner.warm_up``); every figure below is first
+taken within a run, then reported as the median over
 runs with its minimum and maximum (``benchlib/spread.py``). One run's ratio is
 mostly noise on a shared machine; the spread says how much.
 

@@ -395,3 +395,37 @@ def test_auto_chooses_before_any_other_wrapper_has_stepped():
     runner.warm_up(steps)
     assert calls[:3] == ["settle torch@1", "settle minddp_auto", "settle torch@25"]
     assert calls[3:] == ["torch@1", "torch@1", "minddp_auto", "minddp_auto", "torch@25", "torch@25"]
+
+
+def test_every_row_of_compare_runs_in_processes_of_its_own(monkeypatch):
+    """``auto`` chooses as in a user's script only where nothing else has trained in its process (the test
+    above): ``compare.py`` starts fresh rank processes for every model and cap of every run, then the
+    learned-order and trace extras in processes of their own, then the memory run."""
+    import minddp.launch
+    from benchlib import runs
+    from benchlib.rank_work import extras_main, memory_main, timing_main
+
+    spawned = []
+
+    def fake_spawn(fn, world_size, cfg, out_path, **kw):
+        spawned.append((fn.__name__, cfg.get("run"), cfg.get("case")))
+        written = {timing_main: {"row": {"run": cfg.get("run"), "case": cfg.get("case")}},
+                   extras_main: {"learned_order": [{"model": "shuffled"}]},
+                   memory_main: {"memory": [], "method": "rss"}}[fn]
+        with open(out_path, "w") as f:
+            json.dump(written, f)
+
+    monkeypatch.setattr(minddp.launch, "spawn", fake_spawn)
+    cfg = {"models": ["mlp", "gpt"], "bucket_caps": [1.0, 25.0], "runs": 2, "repeats": 1, "world_size": 2,
+           "backend": "gloo", "learned_order_cap_mb": 1.0, "trace_files": {}}
+    with contextlib.redirect_stderr(io.StringIO()):
+        timed, learned, peaks = runs.measure(cfg)
+    rows = [("timing_main", run, case) for run in range(2) for case in range(4)]
+    assert spawned == rows + [("extras_main", None, None), ("memory_main", None, None)]
+    assert timed == [[{"run": run, "case": case} for case in range(4)] for run in range(2)]
+    assert learned == [{"model": "shuffled"}] and peaks["memory"] == []
+
+    spawned.clear()
+    with contextlib.redirect_stderr(io.StringIO()):
+        runs.measure({**cfg, "learned_order_cap_mb": None})  # no extras asked for: no processes for them
+    assert spawned == rows + [("memory_main", None, None)]

@@ -1,8 +1,8 @@
 """The simulator's prediction beside each measured step of ``compare.py``.
 
-Per model, once per run, every rank measures the two things
-:func:`minddp.simulate.simulate_step` needs, on the same processes and link
-as the timed steps:
+After each row's timings, every rank measures the two things
+:func:`minddp.simulate.simulate_step` needs, in the same processes and on the
+same link as the timed steps:
 
 * **the compute profile**: a few steps of ``MiniDDP(trace=True)`` on a
   process group of this rank alone (no communication, but every rank

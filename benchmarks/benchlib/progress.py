@@ -1,7 +1,7 @@
 """How far ``compare.py`` is: one live line on a terminal, a few plain lines anywhere else.
 
 A run of the benchmark takes minutes, in several sets of rank processes one
-after another (one per ``--runs``, then the memory run). Rank 0 of each
+after another (one per row of every ``--runs``, the extras, the memory run). Rank 0 of each
 reports here, so the count runs on across them: the work is counted in
 *rounds* (``--repeats`` per model and cap and run) plus one unit per row of
 the memory run, and the parent passes its start time along, so that elapsed

@@ -1,4 +1,4 @@
-"""What each rank process of ``compare.py`` runs: one timing run (every row of the table), and the memory run.
+"""What each rank process of ``compare.py`` runs: one row of one timing run, the extras, the memory run.
 
 ``benchlib/runs.py`` starts these in fresh processes and reads back the
 JSON that rank 0 writes; ``benchlib/timing.py``'s :class:`Runner` does the
@@ -26,7 +26,8 @@ def _device(cfg: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def _cases(cfg: dict) -> list[tuple[str, float]]:
+def cases(cfg: dict) -> list[tuple[str, float]]:
+    """(model, bucket cap) of every row, in the table's order."""
     return [(name, cap) for name in cfg["models"] for cap in cfg["bucket_caps"]]
 
 
@@ -36,34 +37,46 @@ def _progress(cfg: dict, rank: int) -> Progress | None:
 
 
 def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
-    """Every rank of one timing run (inside an initialised process group).
-    ``cfg["extras"]``: also the ``--learned-order`` and ``--trace`` steps."""
+    """Every rank of one row (``cfg["case"]`` of :func:`cases`) in one timing run, inside an initialised
+    process group. ``benchlib/runs.py`` starts fresh processes for every row: ``bucket_cap_mb="auto"`` times
+    its proposals on real steps, so it chooses as in a user's script only where no other model or cap has
+    trained in its process first (``Runner.warm_up``). The simulator's inputs come after the timings, in the
+    same processes."""
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
     bar = _progress(cfg, rank)
-    out, seen = [], set()
-    solos = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
-    inputs: dict = {}  # model -> the simulator's inputs (rank 0; None on the others)
-    for case, (name, cap) in enumerate(_cases(cfg)):
-        stage = f"run {cfg['run'] + 1}/{cfg['runs']}, {name}, cap {cap:g} MB"
+    case, run = cfg["case"], cfg["run"]
+    name, cap = cases(cfg)[case]
+    first_cap = cap == cfg["bucket_caps"][0]  # naive and auto's decision: once per model
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
+    stage = f"run {run + 1}/{cfg['runs']}, {name}, cap {cap:g} MB"
 
-        def on_round(r: int, case=case, stage=stage) -> None:
-            if bar is not None:
-                bar.update(progress.units_before(cfg, cfg["run"], case, r), stage, f"round {r + 1}/{cfg['repeats']}")
+    def on_round(r: int) -> None:
+        if bar is not None:
+            bar.update(progress.units_before(cfg, run, case, r), stage, f"round {r + 1}/{cfg['repeats']}")
 
-        if name not in inputs and device.type == "cpu":
-            if bar is not None:
-                bar.update(progress.units_before(cfg, cfg["run"], case), stage, "the simulator's inputs")
-            inputs[name] = prediction.measure_inputs(Runner(cfg, name, cap, rank, world_size, device), solos[rank])
-        result = Runner(cfg, name, cap, rank, world_size, device, on_round).measure(with_naive=name not in seen)
-        if name not in seen and cfg["run"] == 0 and result.get("auto_decision") and bar is not None:
-            bar.note(f"{name}: {result['auto_decision']}")
-        seen.add(name)
-        if inputs.get(name) is not None:
+    runner = Runner(cfg, name, cap, rank, world_size, device, on_round)
+    result = runner.measure(with_naive=first_cap)
+    if first_cap and run == 0 and result.get("auto_decision") and bar is not None:
+        bar.note(f"{name}: {result['auto_decision']}")
+    if device.type == "cpu":
+        if bar is not None:
+            bar.update(progress.units_before(cfg, run, case, cfg["repeats"]), stage, "the simulator's inputs")
+        inputs = prediction.measure_inputs(runner, solo)
+        if inputs is not None:  # rank 0's
             local_ms = statistics.median(result["block_ms"]["local"])
-            result["predicted_ms"] = prediction.predicted_step(inputs[name], cap, local_ms, world_size,
+            result["predicted_ms"] = prediction.predicted_step(inputs, cap, local_ms, world_size,
                                                                overlap=cfg["bound_rule"] == "max")
-        out.append({"model": name, "bucket_cap_mb": cap, **result})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"row": {"model": name, "bucket_cap_mb": cap, **result}}, f)
+
+
+def extras_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
+    """Every rank of the ``--learned-order`` and ``--trace`` steps, in processes of their own."""
+    torch.set_num_threads(cfg["threads_per_rank"])
+    device = _device(cfg)
+    bar = _progress(cfg, rank)
 
     def make_runner(name: str, cap: float) -> Runner:
         return Runner(cfg, name, cap, rank, world_size, device)
@@ -72,13 +85,11 @@ def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
         if bar is not None:
             bar.note(text)
 
-    learned = []
-    if cfg["extras"]:
-        learned = [overlap.learned_order_row(cfg, make_runner, say)] if cfg.get("learned_order_cap_mb") else []
-        overlap.record_traces(cfg, make_runner, say)
+    learned = [overlap.learned_order_row(cfg, make_runner, say)] if cfg.get("learned_order_cap_mb") else []
+    overlap.record_traces(cfg, make_runner, say)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"rows": out, "learned_order": learned}, f)
+            json.dump({"learned_order": learned}, f)
 
 
 def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
@@ -95,7 +106,7 @@ def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
 
 def _peak_memory_rows(cfg: dict, rank: int, world_size: int, device: torch.device, bar: Progress | None) -> list[dict]:
     out, seen = [], set()
-    for case, (name, cap) in enumerate(_cases(cfg)):
+    for case, (name, cap) in enumerate(cases(cfg)):
         if bar is not None:
             bar.update(progress.units_before(cfg, cfg["runs"], 0) + case, "peak memory", f"{name}, cap {cap:g} MB")
         runner = Runner(cfg, name, cap, rank, world_size, device)

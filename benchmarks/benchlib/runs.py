@@ -35,41 +35,41 @@ def report_traces(cfg: dict, plot: bool) -> None:
 
 
 def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
-    """Every timing run (fresh rank processes each), then the memory run.
-    Returns (each run's timed entries, the learned-order entries, the memory
-    run's output), or None when a rank failed. Rank 0 of each shows how far
-    the whole is (``benchlib/progress.py``), counting from now."""
+    """Every timing run, each row (model and cap) in fresh rank processes of its own, then the
+    ``--learned-order`` and ``--trace`` extras, then the memory run. Returns (each run's rows, the
+    learned-order entries, the memory run's output), or None when a rank failed. Rank 0 of each set of
+    processes shows how far the whole is (``benchlib/progress.py``), counting from now."""
     import torch.multiprocessing as mp
 
     from benchlib import memory
-    from benchlib.rank_work import memory_main, timing_main
+    from benchlib.rank_work import cases, extras_main, memory_main, timing_main
     from minddp.launch import RankFailed, spawn
 
     cfg = {**cfg, "started": time.time()}  # for the progress line's elapsed and remaining time
-    runs, learned = [], []
     with tempfile.TemporaryDirectory(prefix="minddp-compare-") as tmp:
-        timed_path, mem_path = os.path.join(tmp, "timed.json"), os.path.join(tmp, "memory.json")
+        out_path = os.path.join(tmp, "out.json")
+
+        def ranks_write(fn, fn_cfg: dict) -> dict:
+            spawn(fn, cfg["world_size"], fn_cfg, out_path, backend=cfg["backend"], link=cfg.get("link"))
+            with open(out_path) as f:
+                return json.load(f)
+
         saved = dict(os.environ)
         try:
-            for run in range(cfg["runs"]):
-                # The learned-order and trace extras once, in the first run.
-                run_cfg = {**cfg, "run": run, "extras": run == 0}
-                spawn(timing_main, cfg["world_size"], run_cfg, timed_path, backend=cfg["backend"], link=cfg.get("link"))
-                with open(timed_path) as f:
-                    timed = json.load(f)  # {"rows": [...], "learned_order": [...]}
-                runs.append(timed["rows"])
-                learned += timed["learned_order"]
+            timed = [[ranks_write(timing_main, {**cfg, "run": run, "case": case})["row"]
+                     for case in range(len(cases(cfg)))] for run in range(cfg["runs"])]
+            learned = []
+            if cfg.get("learned_order_cap_mb") or cfg.get("trace_files"):
+                learned = ranks_write(extras_main, cfg)["learned_order"]
             # Fresh processes for memory, with the allocator setting that
             # makes RSS follow live tensors (benchlib/memory.py says why).
             os.environ.update(memory.ALLOCATOR_ENV)
-            spawn(memory_main, cfg["world_size"], cfg, mem_path, backend=cfg["backend"], link=cfg.get("link"))
+            peaks = ranks_write(memory_main, cfg)
         except (RankFailed, mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             print(f"error: a rank failed:\n{e}", file=sys.stderr)
             return None
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        with open(mem_path) as f:
-            peaks = json.load(f)
     Progress(total_units(cfg), cfg["started"]).finish(f"measured in {clock(time.time() - cfg['started'])}")
-    return runs, learned, peaks
+    return timed, learned, peaks

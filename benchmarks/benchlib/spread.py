@@ -1,6 +1,6 @@
 """From block times to the figures of one table row: medians, ratios, overheads, and their spread over runs.
 
-Within one run (one set of fresh rank processes), for each implementation,
+Within one run (fresh rank processes for each row), for each implementation,
 the *median over rounds* of its block times. From those medians:
 
 * ``ratio_V`` = minddp_V / torch_V, for ``V`` in ``copy`` and ``view``

@@ -57,10 +57,12 @@ of steps (plain SGD, no momentum, so nothing hides a difference); afterwards
 the largest absolute difference between their parameters, over all ranks and
 pairs, is reported.
 
-Each rank's loop over the rows is ``benchlib/rank_work.py``'s. Peak memory is
-measured in separate processes after timing (``memory_main`` there; why, in
-``benchlib/memory.py``). The ``--learned-order`` measurement and the
-``--trace`` steps run after the table's timings, in ``benchlib/overlap.py``.
+Each row runs in rank processes of its own (``benchlib/rank_work.py``'s
+``timing_main``). Peak memory is measured in separate processes after timing
+(``memory_main`` there; why, in ``benchlib/memory.py``). The
+``--learned-order`` measurement and the ``--trace`` steps run after the
+table's timings, in processes of their own too (``extras_main``,
+``benchlib/overlap.py``).
 """
 
 from __future__ import annotations
