@@ -84,26 +84,24 @@ def _fixed_plan(runner: Runner, plan: list[float]):
     return step
 
 
-def _measure(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
-    """One run of every wrapper on ``cfg["models"]``."""
+def _measure(rank: int, world_size: int, cfg: dict, model: str, out_path: str) -> None:
+    """One run of every wrapper on ``model``, in processes where no other model has trained."""
     torch.set_num_threads(1)
-    device, results = torch.device("cpu"), {}
-    for model in cfg["models"]:
-        runner = {cap: Runner(cfg, model, cap, rank, world_size, device) for cap in cfg["caps"]}
-        steps = {_torch_name(cap): runner[cap].stepper(runner[cap].wrapped("torch_copy")) for cap in cfg["caps"]}
-        steps[AUTO] = runner[cfg["caps"][0]].stepper(runner[cfg["caps"][0]].wrapped(AUTO))
-        for plan in cfg.get("plans", []):
-            steps[_plan_name(plan)] = _fixed_plan(runner[cfg["caps"][0]], plan)
-        with contextlib.redirect_stdout(io.StringIO()) as printed:  # auto's decision line
-            blocks = runner[cfg["caps"][0]].block_times(steps)
-        decision = next((line for line in printed.getvalue().splitlines() if "bucket_cap_mb=" in line), "")
-        results[model] = {"block_ms": blocks, "auto_buckets": len(steps[AUTO].module.bucket_names),
-                          "auto_decision": decision,
-                          "plan_buckets": {_plan_name(plan): len(steps[_plan_name(plan)].module.bucket_names)
-                                           for plan in cfg.get("plans", [])}}
+    runner = {cap: Runner(cfg, model, cap, rank, world_size, torch.device("cpu")) for cap in cfg["caps"]}
+    first = runner[cfg["caps"][0]]
+    steps = {_torch_name(cap): runner[cap].stepper(runner[cap].wrapped("torch_copy")) for cap in cfg["caps"]}
+    steps[AUTO] = first.stepper(first.wrapped(AUTO))
+    for plan in cfg.get("plans", []):
+        steps[_plan_name(plan)] = _fixed_plan(first, plan)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:  # auto's decision line
+        blocks = first.block_times(steps)
+    decision = next((line for line in printed.getvalue().splitlines() if "bucket_cap_mb=" in line), "")
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(results, f)
+            json.dump({"block_ms": blocks, "auto_buckets": len(steps[AUTO].module.bucket_names),
+                       "auto_decision": decision,
+                       "plan_buckets": {_plan_name(plan): len(steps[_plan_name(plan)].module.bucket_names)
+                                        for plan in cfg.get("plans", [])}}, f)
 
 
 def run_figures(blocks: dict[str, list[float]], caps: list[float], plans: list[str] = ()) -> dict:
@@ -251,10 +249,9 @@ def main() -> None:
             print(f"run {run + 1}/{args.runs}", file=sys.stderr, flush=True)
             runs.append({})
             for model in cfg["models"]:  # each in processes of its own: no other model trained before auto chose
-                spawn(_measure, args.world_size, {**cfg, "models": [model]}, out_path,
-                      link=None if args.link == "loopback" else args.link)
+                spawn(_measure, args.world_size, cfg, model, out_path, link=None if args.link == "loopback" else args.link)
                 with open(out_path) as f:
-                    runs[-1].update(json.load(f))
+                    runs[-1][model] = json.load(f)
                 print(f"  {model}: {runs[-1][model]['auto_decision']}", file=sys.stderr, flush=True)
     table = report(cfg, runs)
     print(table)
