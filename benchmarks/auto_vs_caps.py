@@ -18,14 +18,16 @@ flatter it). Every run starts fresh processes for each model (``auto``
 chooses again, as in a user's script: before any other model has
 trained, which had it keep a slower plan on mlp in 14 of 30 runs,
 ``Runner.warm_up``); reported: the median [min, max] over runs, and the odd rounds'
-ratios of every run together, their median with a 95% bootstrap interval.
+ratios of every run together, their median with a 95% bootstrap interval
+that resamples the runs and, within each, its rounds (runs drift: one
+session's runs can move a pair by 2% with nothing changed).
 The issue's target, ``auto`` at most 1.02 of torch's best cap, is judged on
 that interval: **met** when all of it is at most 1.02, **missed** when all
-of it is above, else **not told apart** (more rounds narrow it: 10 rounds a
-run read a 4% gap on loopback that 150 did not). ``--show`` prints the
-table of a saved JSON again; given several, it pools their runs (the same
-link, ranks and caps; runs of the same code, as two sessions' runs of one
-pair), the models they all hold. ``--plans 4:4,5:1`` adds MiniDDP at those
+of it is above, else **not told apart** (more rounds and runs narrow it: 10
+rounds a run read a 4% gap on loopback that 150 did not). ``--show`` prints
+the table of a saved JSON again; given several, it pools their runs, one
+table per link and ranks (runs of the same code, as several sessions' runs
+of one pair), each model from the files that hold it. ``--plans 4:4,5:1`` adds MiniDDP at those
 fixed plans (cap and first bucket's cap, MB) to the same rounds, each set
 against torch's best cap as ``auto`` is, in a second table: whether what
 ``auto`` misses is its choice or MiniDDP's step at it.
@@ -127,11 +129,14 @@ def run_figures(blocks: dict[str, list[float]], caps: list[float], plans: list[s
 def pooled_interval(runs: list[list[float]], seed: int = 0) -> tuple[float, float, float]:
     """The median of every run's ratios together, and a 95% bootstrap interval of it.
 
-    Each resample draws, within each run, as many of its ratios as it has (with replacement): a run
-    keeps its weight, and with it the plan its ``auto`` chose. The interval is the rounds' noise; how
-    the runs differ (``auto`` choosing another plan) is the per-run [min, max] to show."""
+    Each resample draws as many runs as there are (with replacement), then within each drawn run as
+    many of its ratios as it has: a run keeps its weight, and with it the plan its ``auto`` chose.
+    Both kinds of doubt are in the interval: the rounds' noise, and how much the runs differ (on
+    these shared cores one session's runs move a pair by as much as the target, with nothing
+    changed). Resampling the rounds alone would read the runs as all there is."""
     rng = random.Random(seed)
-    medians = sorted(statistics.median([r for run in runs for r in rng.choices(run, k=len(run))])
+    medians = sorted(statistics.median([r for run in rng.choices(runs, k=len(runs))
+                                        for r in rng.choices(run, k=len(run))])
                      for _ in range(RESAMPLES))
     return (statistics.median([r for run in runs for r in run]),
             medians[round(0.025 * (RESAMPLES - 1))], medians[round(0.975 * (RESAMPLES - 1))])
@@ -151,45 +156,50 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
 
 
-def pooled_runs(saved: list[dict], paths: list[str]) -> tuple[dict, list[dict]]:
-    """The runs of several JSONs this script wrote, as one measurement: the same link, ranks and caps in
-    each (else a ValueError naming the file that differs), the models every file has; MiniDDP's fixed
-    plans only if every file timed the same ones."""
-    cfg = saved[0]["config"]
-    for path, other in zip(paths[1:], saved[1:]):
-        for key in ("link", "world_size", "caps"):
-            if other["config"][key] != cfg[key]:
-                raise ValueError(f"{path} has {key}={other['config'][key]!r} where {paths[0]} has {cfg[key]!r}: "
-                                 "only runs of the same link, ranks and caps pool")
-    models = [m for m in cfg["models"] if all(m in other["config"]["models"] for other in saved)]
-    if not models:
-        raise ValueError(f"no model is in every one of {', '.join(paths)}")
-    rounds = sorted({other["config"]["repeats"] for other in saved})
-    same_plans = all(other["config"].get("plans", []) == cfg.get("plans", []) for other in saved)
-    plans = cfg.get("plans", []) if same_plans else []
-    cfg = {**cfg, "models": models, "repeats": rounds[0] if len(rounds) == 1 else f"{rounds[0]} to {rounds[-1]}",
-           "plans": plans}
-    return cfg, [{m: run[m] for m in models} for other in saved for run in other["runs"]]
+def pooled_runs(saved: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """The runs of several JSONs this script wrote, pooled: one ``(config, runs)`` per link, ranks and
+    caps, in the order the files come. A model's runs are those of the files that hold it; MiniDDP's
+    fixed plans only if every file of the group timed the same ones."""
+    groups: dict[tuple, list[int]] = {}
+    for k, other in enumerate(saved):
+        cfg = other["config"]
+        groups.setdefault((cfg["link"], cfg["world_size"], tuple(cfg["caps"])), []).append(k)
+    pooled = []
+    for members in groups.values():
+        files = [saved[k] for k in members]
+        cfg = files[0]["config"]
+        models = list(dict.fromkeys(m for other in files for m in other["config"]["models"]))
+        rounds = sorted({other["config"]["repeats"] for other in files})
+        same_plans = all(other["config"].get("plans", []) == cfg.get("plans", []) for other in files)
+        cfg = {**cfg, "models": models, "plans": cfg.get("plans", []) if same_plans else [],
+               "repeats": rounds[0] if len(rounds) == 1 else f"{rounds[0]} to {rounds[-1]}"}
+        pooled.append((cfg, [{m: run[m] for m in other["config"]["models"]} for other in files
+                             for run in other["runs"]]))
+    return pooled
 
 
 def report(cfg: dict, runs: list[dict]) -> str:
     """The table: per model, each wrapper's median step over runs, torch's best cap, and the ratios."""
     caps = cfg["caps"]
     head = [f"torch {cap:g} MB" + (" (default)" if cap == DEFAULT_CAP_MB else "") for cap in caps]
+    model_runs = {model: [r[model] for r in runs if model in r] for model in cfg["models"]}  # pooled files may differ
+    counts = sorted({len(of_model) for of_model in model_runs.values()})
+    how_many = f"{counts[0]} run(s)" if len(counts) == 1 else f"{counts[0]} to {counts[-1]} runs a model,"
     lines = [
         f"auto against torch's DDP at every cap, timed in the same rounds ({cfg['world_size']} ranks, {cfg['link']}, "
-        f"{len(runs)} run(s) of {cfg['repeats']} rounds): ms per step, median over runs; ratios median [min, max] "
-        f"over runs; pooled: every run's odd rounds together, median [95% bootstrap interval]; target: auto at "
+        f"{how_many} of {cfg['repeats']} rounds): ms per step, median over runs; ratios median [min, max] "
+        f"over runs; pooled: every run's odd rounds together, median [95% bootstrap interval, the runs and their "
+        f"rounds resampled]; target: auto at "
         f"most {TARGET:.2f} of torch's best cap, judged on the pooled interval",
         "| model | " + " | ".join(head) + " | auto (buckets) | torch's best cap (per run) | auto / best | "
         "auto / best, pooled | auto / default | target |",
         "|---" * (len(caps) + 7) + "|",
     ]
     for model in cfg["models"]:
-        figures = [run_figures(r[model]["block_ms"], caps) for r in runs]
+        figures = [run_figures(r["block_ms"], caps) for r in model_runs[model]]
         ms = [statistics.median(f["ms"][_torch_name(cap)] for f in figures) for cap in caps]
         auto_ms = statistics.median(f["ms"][AUTO] for f in figures)
-        buckets = ",".join(str(r[model]["auto_buckets"]) for r in runs)
+        buckets = ",".join(str(r["auto_buckets"]) for r in model_runs[model])
         best = ",".join(f"{f['best_cap']:g}" for f in figures)
         pooled, low, high = pooled_interval([f["auto_over_best_rounds"] for f in figures])
         cells = [f"{m:.1f}" for m in ms] + [f"{auto_ms:.1f} ({buckets})", best,
@@ -204,9 +214,9 @@ def report(cfg: dict, runs: list[dict]) -> str:
                   "|---|---|---|---|---|"]
         for model in cfg["models"]:
             names = [_plan_name(plan) for plan in cfg["plans"]]
-            figures = [run_figures(r[model]["block_ms"], caps, names) for r in runs]
+            figures = [run_figures(r["block_ms"], caps, names) for r in model_runs[model]]
             for name in names:
-                buckets = ",".join(str(r[model]["plan_buckets"][name]) for r in runs)
+                buckets = ",".join(str(r["plan_buckets"][name]) for r in model_runs[model])
                 ms = statistics.median(f["ms"][name] for f in figures)
                 pooled, low, high = pooled_interval([f["plans_over_best_rounds"][name] for f in figures])
                 lines.append(f"| {model} | {name.removeprefix('minddp@')} | {buckets} | {ms:.1f} | "
@@ -233,10 +243,7 @@ def main() -> None:
         for path in args.show:
             with open(path) as f:
                 saved.append(json.load(f))
-        try:
-            print(report(*pooled_runs(saved, args.show)))
-        except ValueError as error:
-            parser.error(str(error))
+        print("\n\n".join(report(cfg, runs) for cfg, runs in pooled_runs(saved)))
         return
     cfg = {"models": args.models.split(","), "caps": list(CAPS_MB), "link": args.link, "world_size": args.world_size,
            "comm_hook": "none", "backend": "gloo", "warmup": WARMUP, "repeats": args.rounds,
