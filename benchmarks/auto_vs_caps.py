@@ -160,13 +160,12 @@ def pooled_runs(saved: list[dict]) -> list[tuple[dict, list[dict]]]:
     """The runs of several JSONs this script wrote, pooled: one ``(config, runs)`` per link, ranks and
     caps, in the order the files come. A model's runs are those of the files that hold it; MiniDDP's
     fixed plans only if every file of the group timed the same ones."""
-    groups: dict[tuple, list[int]] = {}
-    for k, other in enumerate(saved):
+    groups: dict[tuple, list[dict]] = {}
+    for other in saved:
         cfg = other["config"]
-        groups.setdefault((cfg["link"], cfg["world_size"], tuple(cfg["caps"])), []).append(k)
+        groups.setdefault((cfg["link"], cfg["world_size"], tuple(cfg["caps"])), []).append(other)
     pooled = []
-    for members in groups.values():
-        files = [saved[k] for k in members]
+    for files in groups.values():
         cfg = files[0]["config"]
         models = list(dict.fromkeys(m for other in files for m in other["config"]["models"]))
         rounds = sorted({other["config"]["repeats"] for other in files})
