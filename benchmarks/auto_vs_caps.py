@@ -226,7 +226,7 @@ def report(cfg: dict, runs: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,cnn,ae,gpt", help="comma-separated (default: compare.py's four)")
-    parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 1gbit (root; minddp/net/links.py)")
+    parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 1gbit (root; minddp_lab/links/namespaces.py)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3, help="fresh processes each; auto chooses again (default 3)")
     parser.add_argument("--rounds", type=int, default=30, help="rounds of one block per wrapper (default 30)")

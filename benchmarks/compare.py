@@ -11,7 +11,7 @@
 
 ``--link RATE`` (``loopback`` is the default): every rank in a network
 namespace of its own, joined to the others by links shaped to that rate
-(``minddp/net/links.py``; needs root and iproute2), so that communication waits
+(``minddp_lab/links/namespaces.py``; needs root and iproute2), so that communication waits
 on a wire instead of sharing the cores with backward. Then the bucket caps
 default to a sweep of 0.25, 1, 5 and 25 MB, and a further table sets beside
 each measured step the simulator's (``benchlib/prediction.py``) and each
@@ -57,8 +57,8 @@ medians over rounds, each block's time the slowest rank's:
 * ``minddp auto`` (skip it with ``--no-auto``): MiniDDP at its fastest,
   ``MiniDDP(bucket_cap_mb="auto", buffer_sync="with_gradients")``: it
   measures its first steps and the link, proposes buckets with the
-  alpha-beta model (``minddp/net/bucket_planner.py``) and keeps the fastest
-  of its proposals timed in turn (``minddp/net/plan_trials.py``), and its buffers ride in
+  alpha-beta model (``minddp_lab/auto/planner.py``) and keeps the fastest
+  of its proposals timed in turn (``minddp_lab/auto/trials.py``), and its buffers ride in
   the last gradient bucket (``minddp/ddp/parts/buffers_in_bucket.py``); with how many
   buckets it chose; ``ratio auto`` = minddp auto / torch copy (torch at its
   defaults). It is stepped until its buckets are final before timing;
@@ -90,7 +90,7 @@ with ``--threads-per-rank`` intra-op threads; the rank side is
 token sequences for ``gpt``), seeded per rank: this measures steps, not
 learning.
 
-Two extras (rank side in ``benchlib/overlap.py``, reading traces in ``minddp/observe/trace_view.py``):
+Two extras (rank side in ``benchlib/overlap.py``, reading traces in ``minddp_lab/trace_view.py``):
 
 * ``--trace PATH.json``: after the timings, a few more steps of
   ``MiniDDP(trace=True)`` per model, written as a Chrome trace (open it in
@@ -122,7 +122,7 @@ import time
 from benchlib import bound, report, runs, spread, summary
 from benchlib.models import ALL_MODELS, DEFAULT_MODELS
 from benchlib.wrappers import like_for_like_hook
-from minddp.net import links
+from minddp_lab.links import namespaces as links
 
 # The default: 5 runs of 40 steps per implementation (8 rounds of 5). One
 # run's ratio moved by +-10% between runs on the shared 2-core machine; five
@@ -147,7 +147,7 @@ LINK_SWEEP_MB = [0.25, 1.0, 5.0, 25.0]  # --link without --bucket-sweep: the U o
 
 
 def _link(text: str) -> str:
-    """``loopback`` or a rate for :mod:`minddp.net.links` (normalised: ``1Gbit`` -> ``1gbit``)."""
+    """``loopback`` or a rate for :mod:`minddp_lab.links.namespaces` (normalised: ``1Gbit`` -> ``1gbit``)."""
     if text == "loopback":
         return text
     try:
@@ -175,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--link", type=_link, default="loopback", metavar="RATE",
                    help="loopback (every rank on this machine's one network stack), or a rate such as 100mbit, "
                    "1gbit, 10gbit: every rank in a network namespace of its own, joined by links shaped to that "
-                   f"rate (minddp/net/links.py; needs root and iproute2); then the bucket sweep defaults to "
+                   f"rate (minddp_lab/links/namespaces.py; needs root and iproute2); then the bucket sweep defaults to "
                    f"{','.join(f'{c:g}' for c in LINK_SWEEP_MB)} MB")  # fmt: skip
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--bucket-sweep", type=_floats, default=None, metavar="1,5,25,100",

@@ -6,7 +6,7 @@
     python benchmarks/fsdp_peers.py --world-sizes 2 --link 1gbit --setups torch-ddp,stage2,stage3,fsdp2
                                                           # the timing over 1 Gbit/s links (root)
 
-``minddp.models.GPT`` (8 blocks, 0.95 M parameters, head tied to the token
+``minddp_lab.models.GPT`` (8 blocks, 0.95 M parameters, head tied to the token
 embedding), AdamW in fp32, 4 sequences of 64 tokens per rank, Gloo on CPU,
 one intra-op thread per rank. The setups are ``benchlib/fsdp_setups.py``'s: torch's
 DDP, MiniDDP, ZeRO stage 1 and 2 on MiniDDP, ``minddp.fsdp`` (stage 3) and
@@ -36,7 +36,7 @@ time (``time.process_time``: its threads, Gloo's included), the slowest rank,
 median over rounds with [min, max].
 
 With ``--link RATE`` the timing's ranks each run in a network namespace of
-their own, joined by links shaped to that rate (:mod:`minddp.net.links`): the
+their own, joined by links shaped to that rate (:mod:`minddp_lab.links.namespaces`): the
 all-gathers and reduce-scatters cross a real, rate-limited link, and wall
 time shows whether prefetch hides them. Memory is measured as without it
 (the link changes no tensor).
@@ -62,7 +62,7 @@ import torch.distributed as dist  # noqa: E402
 from benchlib.fsdp_setups import SETUPS, build, gpt_config, have_stage3, train_step, units  # noqa: E402
 from benchlib.live_bytes import LiveBytes  # noqa: E402
 from benchlib.outputs import emit, ranks_json  # noqa: E402
-from minddp.net import links  # noqa: E402
+from minddp_lab.links import namespaces as links  # noqa: E402
 
 MiB = 2**20
 
@@ -173,7 +173,7 @@ def _spread(values: list[float]) -> str:
 def report(results: list[dict], cfg, args: dict) -> str:
     sizes = units(cfg)
     psi, largest = sum(sizes.values()), max(sizes.values())
-    lines = [f"minddp.models.GPT: {psi:,} parameters, {len(sizes)} units (largest {largest:,} parameters); AdamW fp32; "
+    lines = [f"minddp_lab.models.GPT: {psi:,} parameters, {len(sizes)} units (largest {largest:,} parameters); AdamW fp32; "
              "4 x 64 tokens per rank; Gloo, CPU, 1 thread per rank",
              "memory: peak over one whole step (zero_grad, forward, backward, step), every storage an operation "
              "created (a TorchDispatchMode), max over ranks; 'state' = parameters (gathered units included), gradients, "

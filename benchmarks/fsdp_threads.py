@@ -3,7 +3,7 @@
     python benchmarks/fsdp_threads.py                 # 2 ranks, 7 rounds of 10 steps
     python benchmarks/fsdp_threads.py --rounds 9 --text docs/fsdp_threads.txt
 
-``minddp.models.GPT`` as in ``fsdp_peers.py`` (each block then the root for
+``minddp_lab.models.GPT`` as in ``fsdp_peers.py`` (each block then the root for
 stage 3), AdamW, Gloo on CPU, one intra-op thread per rank. Each round runs
 ``--steps`` steps of every setup in turn (the order rotating) and reads each
 thread's CPU time from ``/proc/self/task/<tid>/stat`` before and after:

@@ -3,7 +3,7 @@
     python benchmarks/plans_in_turn.py --model mlp --link 10gbit --rounds 64
 
 ``auto`` times its proposals for ``TRIAL_ROUNDS`` (16) rounds of short blocks
-(:class:`minddp.net.plan_trials.PlanTrials`) and keeps the fastest. Here
+(:class:`minddp_lab.auto.trials.PlanTrials`) and keeps the fastest. Here
 the same schedule, ``PlanTrials`` itself, runs the given plans for many
 rounds on one model per process, as a user's script runs it (in
 ``auto_vs_caps.py`` five wrappers take turns): each plan's ratio to the
@@ -26,7 +26,7 @@ import torch
 from minddp import MiniDDP
 from minddp.ddp.bucket_assignment import MiB
 from minddp.launch import spawn
-from minddp.net.plan_trials import TRIAL_ROUNDS, PlanTrials
+from minddp_lab.auto.trials import TRIAL_ROUNDS, PlanTrials
 
 from benchlib.timing import Runner
 from benchlib.wrappers import DEFAULT_CAP_MB
@@ -81,7 +81,7 @@ def report(measured: dict, plans: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mlp")
-    parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 10gbit (root; minddp/net/links.py)")
+    parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 10gbit (root; minddp_lab/links/namespaces.py)")
     parser.add_argument("--plans", default="25:1,16:16,4:4,5:1,1:1",
                         help="cap:first-bucket cap in MB, comma-separated, torch's default first (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=64)

@@ -16,7 +16,7 @@ The prediction, for each model: the shape of its step is traced here on CPU
 is ready, sizes), scaled to the *published* one-GPU step without DDP
 (``--step-ms``); the network is the ``dgx1-v100`` preset at achieved
 bandwidths; the overheads are the ``nccl-v100`` preset
-(:mod:`minddp.simulate.overheads`). ``--fit`` fits those overheads to
+(:mod:`minddp_lab.simulate.overheads`). ``--fit`` fits those overheads to
 CALIBRATION's rows only (smallest worst step error); the others are held out.
 
 Targets (issue 38): every step within 3%; the cost of going from 1 to 16
@@ -37,10 +37,10 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from minddp.simulate.cluster import lookup_network  # noqa: E402
-from minddp.simulate.overheads import OVERHEAD_PRESETS, Overheads  # noqa: E402
-from minddp.simulate.profile import ComputeProfile, load_profile, load_profiles, save_profiles  # noqa: E402
-from minddp.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
+from minddp_lab.simulate.cluster import lookup_network  # noqa: E402
+from minddp_lab.simulate.overheads import OVERHEAD_PRESETS, Overheads  # noqa: E402
+from minddp_lab.simulate.profile import ComputeProfile, load_profile, load_profiles, save_profiles  # noqa: E402
+from minddp_lab.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
 
 PROFILES = os.path.join(ROOT, "benchmarks", "published_ddp_profiles.json")
 TRACE_BATCH = 4  # the shape of a step, not its length: the published step time sets that
@@ -111,8 +111,8 @@ def inception_v3():  # not in the DDP table: benchmarks/published_horovod.py che
 
 
 def retrace(names=TRACED) -> None:
-    """Trace every model with ``python -m minddp.simulate --record``'s machinery; keep the small profiles."""
-    from minddp.simulate.record import record_trace
+    """Trace every model with ``python -m minddp_lab.simulate --record``'s machinery; keep the small profiles."""
+    from minddp_lab.simulate.record import record_trace
 
     saved = load_profiles(PROFILES) if os.path.exists(PROFILES) else {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ The same flags for every point: the ``pcie-eth25`` preset with 4 GPUs per
 server, PCIe 3 x16 inside (15.75 GB/s at the 80% the preset assumes for
 PCIe: 12.6 GB/s), one 25 Gb/s NIC per server at 96% of its line rate (the
 presets' figure for NCCL's InfiniBand verbs transport, which RoCE runs;
-``minddp.simulate.cluster.ACHIEVED``). One figure is fitted, on VGG-16's
+``minddp_lab.simulate.cluster.ACHIEVED``). One figure is fitted, on VGG-16's
 curve only: the latency of one ring step between servers (``--fit``), which
 takes whatever grows with the ring's length (2 x (servers - 1) such steps
 per all-reduce). ResNet-101 and Inception V3 are held out. One GPU's step:
@@ -40,11 +40,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchlib import curves  # noqa: E402
-from minddp.simulate.arguments import OneLineParser  # noqa: E402
-from minddp.simulate.network_flags import add_network_flags, network_from  # noqa: E402
-from minddp.simulate.overheads import OVERHEAD_PRESETS  # noqa: E402
-from minddp.simulate.profile import load_profiles  # noqa: E402
-from minddp.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
+from minddp_lab.simulate.arguments import OneLineParser  # noqa: E402
+from minddp_lab.simulate.network_flags import add_network_flags, network_from  # noqa: E402
+from minddp_lab.simulate.overheads import OVERHEAD_PRESETS  # noqa: E402
+from minddp_lab.simulate.profile import load_profiles  # noqa: E402
+from minddp_lab.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
 
 PROFILES = os.path.join(ROOT, "benchmarks", "published_ddp_profiles.json")
 WORLDS = (128, 512)

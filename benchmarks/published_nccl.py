@@ -1,4 +1,4 @@
-"""``python -m minddp.simulate collective`` against published ``all_reduce_perf`` (nccl-tests) tables.
+"""``python -m minddp_lab.simulate collective`` against published ``all_reduce_perf`` (nccl-tests) tables.
 
     python benchmarks/published_nccl.py          # the tables of docs/collectives_checked.md (a second)
     python benchmarks/published_nccl.py --fit    # refit LAUNCH_US on the fitting table only
@@ -8,7 +8,7 @@ each table with its source (a GitHub issue), its hardware and the network
 flags that describe that hardware to the simulator (presets, and flags for
 what differs: NICs per node, the GPUs' link). Nothing in those flags comes
 from the table it is checked against. One figure is fitted:
-``minddp.simulate.nccl.LAUNCH_US`` (what nccl-tests' time holds beyond
+``minddp_lab.simulate.nccl.LAUNCH_US`` (what nccl-tests' time holds beyond
 NCCL's cost model: a kernel launch), on the table marked ``fit`` only; the
 others are held out. Target (issue 46): every held-out row above 1 MB within
 10%; smaller rows are printed, not targeted.
@@ -25,9 +25,9 @@ from dataclasses import replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from minddp.simulate.collective_report import parse_args as collective_args  # noqa: E402
-from minddp.simulate.nccl import LAUNCH_US, bus_factor, nccl_time  # noqa: E402
-from minddp.simulate.network_flags import network_from  # noqa: E402
+from minddp_lab.simulate.collective_report import parse_args as collective_args  # noqa: E402
+from minddp_lab.simulate.nccl import LAUNCH_US, bus_factor, nccl_time  # noqa: E402
+from minddp_lab.simulate.network_flags import network_from  # noqa: E402
 
 TABLES = os.path.join(ROOT, "benchmarks", "published_nccl.json")
 MiB = 2**20
@@ -50,7 +50,7 @@ def gpus_per_node(t: dict) -> int:
 def command(t: dict) -> str:
     """The command line that gives one row of ``t`` (SIZE: the row's size); ``algorithm``: NCCL_ALGO as measured."""
     forced = f" --algorithm {t['algorithm']}" if "algorithm" in t else ""
-    return f"python -m minddp.simulate collective all_reduce {' '.join(t['flags'])} --world {t['world']}{forced} --bytes SIZE"
+    return f"python -m minddp_lab.simulate collective all_reduce {' '.join(t['flags'])} --world {t['world']}{forced} --bytes SIZE"
 
 
 def predicted_us(t: dict, size: float, launch_us: float) -> tuple[float, str]:

@@ -34,10 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchlib import curves  # noqa: E402
-from minddp.simulate.cluster import apply_flags, preset_figures  # noqa: E402
-from minddp.simulate.overheads import OVERHEAD_PRESETS  # noqa: E402
-from minddp.simulate.profile import load_profiles  # noqa: E402
-from minddp.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
+from minddp_lab.simulate.cluster import apply_flags, preset_figures  # noqa: E402
+from minddp_lab.simulate.overheads import OVERHEAD_PRESETS  # noqa: E402
+from minddp_lab.simulate.profile import load_profiles  # noqa: E402
+from minddp_lab.simulate.replay import DDPPolicy, simulate_step  # noqa: E402
 
 PROFILES = os.path.join(ROOT, "benchmarks", "published_ddp_profiles.json")
 WORLDS = (1, 2, 4, 8)

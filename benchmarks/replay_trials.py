@@ -3,7 +3,7 @@
     python benchmarks/replay_trials.py docs/real_links/issue47-rounds-loopback.json --rounds 4,8,16
 
 ``bucket_cap_mb="auto"`` times its proposals for a few rounds of short
-blocks (:class:`minddp.net.plan_trials.PlanTrials`) and keeps the fastest;
+blocks (:class:`minddp_lab.auto.trials.PlanTrials`) and keeps the fastest;
 on 2 shared cores a block's time moves by 5% to 20% from round to round, so
 a few rounds can keep a plan that is slower. How much that costs, and what
 more rounds would buy, can be read from a long ``auto_vs_caps.py`` run,
@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 
-from minddp.net.plan_trials import STEPS_PER_TRIAL, TRIAL_ROUNDS, PlanTrials
+from minddp_lab.auto.trials import STEPS_PER_TRIAL, TRIAL_ROUNDS, PlanTrials
 
 from auto_vs_caps import TARGET
 from benchlib.wrappers import DEFAULT_CAP_MB

@@ -79,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt", choices=models.ALL_MODELS)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="25 (default): no cap given, torch's default")
-    parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 1gbit (minddp/net/links.py)")
+    parser.add_argument("--link", default="loopback", help="loopback, or a rate such as 1gbit (minddp_lab/links/namespaces.py)")
     parser.add_argument("--blocks", type=int, default=10, help="alternating blocks (default 10)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block and wrapper (default 5)")
     parser.add_argument("--warmup", type=int, default=4)

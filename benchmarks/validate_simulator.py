@@ -8,7 +8,7 @@ One spawned job of ``--world-size`` Gloo ranks (one intra-op thread each) does,
 in this order:
 
 1. **the network**: ``dist.all_reduce`` alone of float32 buffers from 4 KiB to
-   32 MiB; :func:`minddp.net.network.fit_link` fits alpha and bandwidth to their
+   32 MiB; :func:`minddp_lab.network.fit_link` fits alpha and bandwidth to their
    medians. Nothing the predictions are compared with goes into the fit;
 2. **the compute profile** of each model: every rank runs ``MiniDDP(trace=True)``
    on a process group of its own (world size 1: no communication, but both
@@ -17,14 +17,14 @@ in this order:
    cap, each block's time the slowest rank's, the median over rounds.
 
 With ``--link RATE`` every rank runs in a network namespace of its own,
-joined to the others by links shaped to that rate (:mod:`minddp.net.links`):
+joined to the others by links shaped to that rate (:mod:`minddp_lab.links.namespaces`):
 the fit, the profile and the steps all cross the real, rate-limited link.
 
 The three are taken in rounds (each round: every all-reduce size, then per
 model a traced block alone and a block per cap), so that a machine whose
 load drifts (it is shared) drifts under all of them alike.
 
-Then rank 0 replays each case with :func:`minddp.simulate.simulate_step`, twice:
+Then rank 0 replays each case with :func:`minddp_lab.simulate.simulate_step`, twice:
 ``overlap`` (communication runs beside backward, as on GPUs with NCCL) and
 ``shared`` (``overlap=False``: a collective pauses backward, as when Gloo's
 thread and autograd compete for one core each rank has). Error = predicted /
@@ -47,9 +47,9 @@ import torch.distributed as dist  # noqa: E402
 
 from benchlib.outputs import emit, ranks_json  # noqa: E402
 from benchlib.timing import Runner  # noqa: E402  (the benchmark's models, batches and step: same as compare.py)
-from minddp.net import links  # noqa: E402
-from minddp.net.network import fit_link  # noqa: E402
-from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step  # noqa: E402
+from minddp_lab.links import namespaces as links  # noqa: E402
+from minddp_lab.network import fit_link  # noqa: E402
+from minddp_lab.simulate import DDPPolicy, profile_from_trace, simulate_step  # noqa: E402
 
 FIT_SIZES = [4 * 1024 * 4**k for k in range(7)]  # 4 KiB .. 16 MiB
 FIT_SIZES.append(32 * 1024 * 1024)

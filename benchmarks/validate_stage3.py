@@ -1,4 +1,4 @@
-"""Is the stage-3 simulator honest? ``minddp.simulate.stage3``'s prediction against a measured minddp.fsdp step.
+"""Is the stage-3 simulator honest? ``minddp_lab.simulate.stage3``'s prediction against a measured minddp.fsdp step.
 
     python benchmarks/validate_stage3.py                       # 2 ranks, Gloo, GPT, 9 rounds
     python benchmarks/validate_stage3.py --rounds 21 --json docs/validate_stage3.json --text docs/validate_stage3.txt
@@ -8,7 +8,7 @@ in rounds (so that a shared machine's load drifts over all of it alike):
 
 1. **the network**: ``minddp.fsdp``'s all-gather and reduce-scatter alone,
    float32 buffers of 64 KiB to 4 MiB, each after a little computation as a
-   step issues them; :func:`minddp.net.network.fit_link` fits alpha and
+   step issues them; :func:`minddp_lab.network.fit_link` fits alpha and
    bandwidth to their medians (a half all-reduce each: the fit is given
    twice their time, the all-reduce it models);
 2. **the compute**: on this rank alone, each GPT block's forward and backward
@@ -24,7 +24,7 @@ in rounds (so that a shared machine's load drifts over all of it alike):
    AdamW over the shards), prefetch on and off, each block of steps timed on
    the slowest rank.
 
-Rank 0 then replays the step with :func:`minddp.simulate.stage3.simulate_stage3`
+Rank 0 then replays the step with :func:`minddp_lab.simulate.stage3.simulate_stage3`
 (units: the root first, then the blocks), with ``overlap`` (communication
 beside compute) and ``shared`` (``overlap=False``: on 2 cores a collective
 pauses compute), the last block kept gathered from its forward into its
@@ -52,9 +52,9 @@ import torch.distributed as dist  # noqa: E402
 from benchlib.fsdp_setups import collectives_made_local  # noqa: E402
 from benchlib.outputs import emit, ranks_json  # noqa: E402
 from minddp.fsdp.collectives import all_gather, gloo_collectives, start_reduce_scatter  # noqa: E402
-from minddp.models import GPT, GPTConfig  # noqa: E402
-from minddp.net.network import fit_link  # noqa: E402
-from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3  # noqa: E402
+from minddp_lab.models import GPT, GPTConfig  # noqa: E402
+from minddp_lab.network import fit_link  # noqa: E402
+from minddp_lab.simulate.stage3 import Stage3Policy, Unit, simulate_stage3  # noqa: E402
 
 FIT_SIZES = [64 * 1024 * 4**k for k in range(4)]  # 64 KiB .. 4 MiB
 BATCH = 4
@@ -216,7 +216,7 @@ def predict(raw: dict, world_size: int) -> dict:
 
 
 def table(result: dict, world_size: int, rounds: int) -> str:
-    lines = [f"minddp.fsdp on minddp.models.GPT (each block, then the root), AdamW, {world_size} ranks, Gloo, CPU, "
+    lines = [f"minddp.fsdp on minddp_lab.models.GPT (each block, then the root), AdamW, {world_size} ranks, Gloo, CPU, "
              f"1 thread per rank; medians over {rounds} rounds",
              "network fitted to minddp.fsdp's all-gather and reduce-scatter alone, each after a little compute: "
              f"alpha = {result['alpha_us']:.1f} us per ring step, bandwidth = {result['bandwidth_MBps']:.0f} MB/s",

@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=3.8, help="MB all-reduced (default 3.8: gpt's gradients)")
     parser.add_argument("--buckets", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--link", default="1gbit", help="loopback, or a rate such as 1gbit (minddp/net/links.py)")
+    parser.add_argument("--link", default="1gbit", help="loopback, or a rate such as 1gbit (minddp_lab/links/namespaces.py)")
     args = parser.parse_args()
     spawn(_measure, 2, args.mb, args.buckets, args.repeats, link=None if args.link == "loopback" else args.link)
 

@@ -3,7 +3,7 @@
     python benchmarks/zero_memory.py                      # CPU, Gloo, world sizes 1..4 (docs/zero_memory.txt)
     python benchmarks/zero_memory.py --world-sizes 1,2 --device cuda --backend nccl
 
-One spawned job per (setup, world size): MiniDDP on ``minddp.models.GPT``
+One spawned job per (setup, world size): MiniDDP on ``minddp_lab.models.GPT``
 (the default GPTConfig) with AdamW, plain (DDP) or wrapped in
 ``minddp.zero.ZeroRedundancyOptimizer`` (stage 1, or stage 2 with
 ``shard_gradients=True``). Two steps; the second is measured (stage 2's
@@ -72,7 +72,7 @@ def rank_main(rank: int, world_size: int, setup: str, device: str, out_dir: str)
     torch.set_num_threads(1)
     counter = WireCounter()  # before minddp.zero binds the collectives it uses
     from minddp import MiniDDP
-    from minddp.models import GPT, GPTConfig
+    from minddp_lab.models import GPT, GPTConfig
     from minddp.zero import ZeroRedundancyOptimizer
     from minddp.zero.memory import measured_bytes
 
@@ -119,7 +119,7 @@ def paper(setup: str, numel: int, n: int) -> float:
 def table(results: dict, world_sizes: list[int]) -> str:
     mib = lambda b: f"{b / 2**20:7.2f}"
     numel = next(iter(results.values()))[0]["numel"]
-    lines = [f"GPT (minddp.models.GPTConfig defaults), psi = {numel:,} parameters, AdamW fp32; MiB per rank, "
+    lines = [f"GPT (minddp_lab.models.GPTConfig defaults), psi = {numel:,} parameters, AdamW fp32; MiB per rank, "
              "max over ranks [min] 'before step' (everything alive: gradients and optimizer state)",
              "paper = fp32 formula: DDP (4+4+8)psi, stage 1 (4+4)psi + 8psi/N, stage 2 4psi + (4+8)psi/N",
              "model = params + grads + optimizer_state (what the formula counts); extra = ZeRO's shard copy "

@@ -4,7 +4,7 @@
     PYTHONPATH=.:/work/deps/deepspeed DS_ACCELERATOR=cpu python benchmarks/zero_memory_peers.py  # with DeepSpeed 0.19.8
 
 Two tables. The first (``--table defaults``, issue 39): stage 2 at minddp's
-defaults (``MiniDDP(model)``, 25 MB buckets) on ``minddp.models.GPT()`` and
+defaults (``MiniDDP(model)``, 25 MB buckets) on ``minddp_lab.models.GPT()`` and
 the 10.9 M GPT below, beside DeepSpeed's stage 2 with its reduce bucket the
 size of the model (and, once, at its default 5e8 elements), every setup in
 rank processes of its own under :class:`live_bytes.LiveBytes` from before
@@ -15,7 +15,7 @@ A row "copied at launch" sets the pool's ``slots_at_hook`` off: each
 ``.grad`` copied into its bucket when the bucket is complete. (Its code:
 ``benchmarks/benchlib/zero_defaults.py``.)
 
-The second (``--table tuned``): one spawned job per (setup, world size), on ``minddp.models.GPT`` grown to
+The second (``--table tuned``): one spawned job per (setup, world size), on ``minddp_lab.models.GPT`` grown to
 ~10.8 M parameters (n_embd 384, 6 blocks), AdamW, 4 MB buckets (DeepSpeed:
 ``reduce_bucket_size`` of 1 M elements, contiguous gradients, no clipping,
 ``overlap_comm`` off, and on in a second row). Three steps; the third is
@@ -68,7 +68,7 @@ MiB = 2 ** 20
 
 
 def config():
-    from minddp.models import GPTConfig
+    from minddp_lab.models import GPTConfig
 
     return GPTConfig(n_embd=384, n_layer=6, n_head=6)
 
@@ -77,7 +77,7 @@ def rank_main(rank: int, world_size: int, setup: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from minddp import MiniDDP
-    from minddp.models import GPT
+    from minddp_lab.models import GPT
     from minddp.zero import ZeroRedundancyOptimizer
     from minddp.zero.memory import GradientPeak, allocation_peak, gradient_bytes
 

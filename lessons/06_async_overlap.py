@@ -18,8 +18,8 @@ What you will learn
 
     A laptop's loopback "network" costs microseconds, so overlap would hide
     almost nothing there. The all-reduces therefore go through a *simulated
-    link* (``minddp.net.simulated_link``): the real sum, delivered after the time
-    the alpha-beta model of ``minddp.net.network`` gives -- per message
+    link* (``minddp_lab.simulated_link``): the real sum, delivered after the time
+    the alpha-beta model of ``minddp_lab.network`` gives -- per message
     ``2(p-1) alpha + 2(p-1)/p * bytes / bandwidth`` for a ring, one message
     on the wire at a time. Preset ``laptop``: alpha 2 ms, 200 MB/s.
 

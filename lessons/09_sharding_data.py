@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.data
 
-import minddp.data
+import minddp_lab.data
 from minddp import DistributedSampler
 from _common import parse_args, print0, print_ranks, run
 
@@ -91,8 +91,8 @@ def main(rank: int, world_size: int, forget_set_epoch: bool = False, lr: float =
 
     # A real loader over the synthetic MNIST: the global batch is split.
     global_batch = 16 * p
-    loader = minddp.data.make_loader(
-        minddp.data.SyntheticMNIST(256, seed=0), global_batch, shuffle=True, seed=0, rank=rank, world_size=p
+    loader = minddp_lab.data.make_loader(
+        minddp_lab.data.SyntheticMNIST(256, seed=0), global_batch, shuffle=True, seed=0, rank=rank, world_size=p
     )
     images, labels = next(iter(loader))
     assert images.shape[0] == global_batch // p

@@ -38,7 +38,7 @@ What you will learn
     (bit-exact floating point). DataLoader workers (``num_workers > 0``) have
     RNG states of their own, not saved here, and the loader gets a generator
     of its own (see ``Training``): iterating a DataLoader draws from the
-    global RNG otherwise. ``minddp.train.checkpoint``
+    global RNG otherwise. ``minddp_lab.train.checkpoint``
     packages the same recipe for the training script.
 
     On this CPU-only run every device is ``cpu``; on GPUs, use

@@ -4,7 +4,7 @@ What you will learn
     Everything so far, in the shape of a real training script: a process
     group per rank, a sharded loader with ``set_epoch``, the model wrapped
     for data parallelism, a loss averaged over ranks for reporting, and one
-    rank printing. The model is an autoencoder (``minddp.models``' ``ae``):
+    rank printing. The model is an autoencoder (``minddp_lab.models``' ``ae``):
     it squeezes each 28x28 image through 32 numbers and rebuilds it; its
     loss is the pixel-wise mean squared error, no labels needed.
 
@@ -33,7 +33,7 @@ What to look at
     all of them, after a warm-up, 5 times each, as a median and a range
     (measured, not asserted: the clock moves with the machine's other work;
     N ranks can reach at most N times 1 rank's rate); with matplotlib installed, a PNG of a few images and
-    their reconstructions. Then ``python -m minddp.train --help`` for the
+    their reconstructions. Then ``python -m minddp_lab.train --help`` for the
     full training script.
 
 Try this
@@ -57,25 +57,25 @@ import torch.distributed as dist
 import torch.utils.data
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import minddp.data
-import minddp.models
+import minddp_lab.data
+import minddp_lab.models
 from minddp import MiniDDP
 from _common import parse_args, print0, run
 
 
 def train(wrapper, args, rank: int, world_size: int):
     torch.manual_seed(0)  # the same start for both wrappers (and rank 0 broadcasts it anyway)
-    model = minddp.models.build_model("ae")
+    model = minddp_lab.models.build_model("ae")
     ddp = wrapper(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
 
     if args.data_dir:
-        dataset = minddp.data.load_mnist(args.data_dir, train=True)
+        dataset = minddp_lab.data.load_mnist(args.data_dir, train=True)
     else:
-        dataset = minddp.data.SyntheticMNIST(args.samples, seed=0)
+        dataset = minddp_lab.data.SyntheticMNIST(args.samples, seed=0)
     if len(dataset) > args.samples:
         dataset = torch.utils.data.Subset(dataset, range(args.samples))
-    loader = minddp.data.make_loader(dataset, args.batch_size, shuffle=True, seed=0, rank=rank, world_size=world_size)
+    loader = minddp_lab.data.make_loader(dataset, args.batch_size, shuffle=True, seed=0, rank=rank, world_size=world_size)
 
     epoch_losses = []
     for epoch in range(args.epochs):
@@ -83,7 +83,7 @@ def train(wrapper, args, rank: int, world_size: int):
         total = torch.zeros(2)  # (sum of losses, number of batches)
         for images, labels in loader:
             opt.zero_grad()
-            loss = minddp.models.model_loss("ae", ddp(images), images, labels)
+            loss = minddp_lab.models.model_loss("ae", ddp(images), images, labels)
             loss.backward()
             opt.step()
             total += torch.tensor([loss.item(), 1.0])
@@ -114,14 +114,14 @@ def trainer(group, rank: int, per_rank: int = 32):
     run once, untimed. Each timed run is ``TIMED_STEPS`` steps between two barriers.
     """
     torch.manual_seed(0)
-    model = MiniDDP(minddp.models.build_model("ae"), process_group=group)
+    model = MiniDDP(minddp_lab.models.build_model("ae"), process_group=group)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     images = torch.rand(per_rank, 1, 28, 28, generator=torch.Generator().manual_seed(rank))
 
     def train(steps: int) -> None:
         for _ in range(steps):
             opt.zero_grad()
-            minddp.models.model_loss("ae", model(images), images, None).backward()
+            minddp_lab.models.model_loss("ae", model(images), images, None).backward()
             opt.step()
 
     def timed() -> float:

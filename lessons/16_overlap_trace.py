@@ -19,7 +19,7 @@ What you will learn
     backward. The lesson adds up both parts for rank 0's last step.
 
     By default the buckets travel over the simulated ``laptop`` link
-    (``minddp.net.simulated_link``, 2 ms per message, 200 MB/s), which carries
+    (``minddp_lab.simulated_link``, 2 ms per message, 200 MB/s), which carries
     one message at a time, so bars end in launch order and the wire's cost
     is plain to see. With ``--link none`` they go over plain Gloo, and a
     *later* bucket can finish before an earlier one: Gloo runs a process
@@ -41,7 +41,7 @@ What to look at
     parts: waiting for the wire, the model's time on it, waiting for the
     slowest rank to launch the same bucket, and what this machine added. With matplotlib installed
     (``pip install '.[plot]'``) the same step for every rank as a PNG
-    beside the JSON, drawn by ``minddp/observe/trace_view.py``, the code
+    beside the JSON, drawn by ``minddp_lab/trace_view.py``, the code
     behind ``benchmarks/compare.py --trace``.
 
 Try this
@@ -63,8 +63,8 @@ import torch
 import torch.nn as nn
 
 from minddp import MiniDDP
-from minddp.net.simulated_link import simulated_allreduce_hook
-from minddp.observe.trace_view import StepView, draw_overlap, read_steps  # shared with the benchmark
+from minddp_lab.simulated_link import simulated_allreduce_hook
+from minddp_lab.trace_view import StepView, draw_overlap, read_steps  # shared with the benchmark
 from _common import add_link_option, make_link, parse_args, print0, run
 
 STEPS = 4

@@ -3,9 +3,9 @@
 What you will learn
     A step of DDP on ``p`` ranks is backward plus whatever communication
     did not hide under it. Lesson 16 drew that for 2 ranks from a trace;
-    ``minddp.simulate`` replays the same trace for any ``p``: each bucket
+    ``minddp_lab.simulate`` replays the same trace for any ``p``: each bucket
     leaves when its last gradient is ready and the one before it is done,
-    and lasts ``allreduce_time(bytes, p, link)`` from ``minddp.net.network``::
+    and lasts ``allreduce_time(bytes, p, link)`` from ``minddp_lab.network``::
 
         ring: 2 (p - 1) alpha  +  2 (p - 1) / p  x  bytes / bandwidth
               \\__ latency: grows with p   \\__ bandwidth: under 2x bytes/bandwidth
@@ -57,8 +57,8 @@ Try this
     3. ``--algorithm tree``: a tree instead of the ring for every all-reduce.
        For which bucket sizes does a tree beat the ring at 1,024 ranks, and
        why does NCCL switch?
-    4. ``python -m minddp.simulate --record mlp --out mlp.json`` then
-       ``python -m minddp.simulate --trace mlp.json --step-ms 10 --network
+    4. ``python -m minddp_lab.simulate --record mlp --out mlp.json`` then
+       ``python -m minddp_lab.simulate --trace mlp.json --step-ms 10 --network
        dgx1-v100 --world 8,64,512 --accumulation 4``: a 10 ms step measured
        on a GPU, on DGX-1s. What does ``no_sync`` accumulation buy at scale?
 
@@ -77,11 +77,11 @@ import torch
 import torch.nn as nn
 
 from minddp import MiniDDP
-from minddp.net.network import HIERARCHIES, PRESETS, allreduce_time, get_link, get_network, ring_bytes_sent_per_rank
-from minddp.simulate import ComputeProfile, DDPPolicy, profile_from_trace, simulate_step
-from minddp.simulate.cluster import build_network
-from minddp.simulate.overheads import OVERHEAD_PRESETS
-from minddp.simulate.profile import load_profiles
+from minddp_lab.network import HIERARCHIES, PRESETS, allreduce_time, get_link, get_network, ring_bytes_sent_per_rank
+from minddp_lab.simulate import ComputeProfile, DDPPolicy, profile_from_trace, simulate_step
+from minddp_lab.simulate.cluster import build_network
+from minddp_lab.simulate.overheads import OVERHEAD_PRESETS
+from minddp_lab.simulate.profile import load_profiles
 from _common import parse_args, print0, run
 
 WORLDS = [8, 64, 256, 1024]
@@ -273,7 +273,7 @@ def horovod_steps_ms() -> dict:
 def compare_with_published() -> None:
     # Horovod's cluster, in the simulator's own flags: 4 GPUs per server on PCIe 3 (15.75 GB/s), one
     # 25 Gb/s RoCE NIC per server shared by the 4, both at 80% of their line rate (the achieved figure
-    # cited for InfiniBand; minddp.simulate.cluster.ACHIEVED), NCCL's latencies.
+    # cited for InfiniBand; minddp_lab.simulate.cluster.ACHIEVED), NCCL's latencies.
     cluster = build_network(get_link("eth25"), latency_us=14, nominal_Bps=25e9 / 8, efficiency=0.8,
                             gpus_per_node=4, nics_per_node=1, intra_latency_us=5.7, intra_bandwidth_Bps=0.8 * 15.75e9)
     shapes, steps = load_profiles(PROFILES), horovod_steps_ms()

@@ -1,22 +1,23 @@
-"""Lesson 17b: let the measured network choose the buckets (bucket_cap_mb="auto").
+"""Lesson 17b: let the measured network choose the buckets (minddp_lab.auto.plan_buckets).
 
 What you will learn
     Lesson 07 found the best bucket cap by sweeping; lesson 17 predicted
     step times from two numbers per link, alpha (seconds per message) and
     the bandwidth. Put together, a DDP wrapper can *choose* its buckets: no
-    sweep, no fixed 25 MB. ``MiniDDP(model, bucket_cap_mb="auto")``:
+    sweep, no fixed 25 MB. ``plan_buckets(MiniDDP(model))`` (the lab's
+    planner, :mod:`minddp_lab.auto`, attached to a MiniDDP built as usual):
 
     1. runs its first synchronized steps with torch's default buckets and
        records when each gradient is ready (its own hooks' clock);
     2. probes the link once: all-reduces of two sizes through the same path
        its buckets take, and fits alpha and the bandwidth
-       (``minddp.net.network.fit_link``); it also measures two costs that grow
+       (``minddp_lab.network.fit_link``); it also measures two costs that grow
        with the number of buckets: its own work per bucket (filling it,
        launching its all-reduce, on the thread that runs backward) and the
        CPU an all-reduce takes from backward when no core is spare for it
-       (``minddp.net.bucket_costs``);
+       (``minddp_lab.auto.costs``);
     3. replays candidate bucket plans with the simulator of lesson 17
-       (``minddp.simulate.simulate_step``) and proposes the default, the
+       (``minddp_lab.simulate.simulate_step``) and proposes the default, the
        best plan with fewer buckets, the best with more and one halfway
        between the default and that best, leaving out a plan predicted
        slower than the default by more than the model's own error on the
@@ -24,7 +25,7 @@ What you will learn
     4. times its proposals in turn on the next steps (a block of steps
        each, a few rounds), each against the default in the same round,
        and keeps the fastest if it is more than 1% faster: the model
-       proposes, the clock decides (``minddp.net.plan_trials``);
+       proposes, the clock decides (``minddp_lab.auto.trials``);
     5. rank 0 decides and broadcasts, every rank rebuilds the same buckets,
        and rank 0 prints one line: what it kept, its predicted step
        against the default's, and the steps it timed.
@@ -45,7 +46,7 @@ What to look at
     against the default's. Nothing in part 1 is measured, so it prints the
     same on every machine and every run.
 
-    Part 2: ``MiniDDP(bucket_cap_mb="auto")`` itself, on the same links. It
+    Part 2: ``plan_buckets(MiniDDP(model))`` itself, on the same links. It
     measures its own inputs (its backward, the time between backwards, the
     link by a probe), so its line can differ from part 1 and from one run to
     the next: the table puts its measurements beside part 1's, and checks
@@ -74,14 +75,14 @@ import torch.distributed as dist
 
 from _common import REAL, add_link_option, is_exact, is_real, parse_args, print0, print_results, run, train_and_compare
 from minddp import MiniDDP
-from minddp.net.auto_buckets import SETTLING_BACKWARDS
-from minddp.net.bucket_planner import DEFAULT_CAP_MB, BucketChoice, choose_plan, replay
-from minddp.net.plan_trials import MIN_MEASURED_GAIN
-from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB
-from minddp.net.links import parse_rate
-from minddp.net.network import Link, get_link
-from minddp.simulate import ComputeProfile, Gradient
-from minddp.net.simulated_link import SimulatedLink, simulated_allreduce_hook
+from minddp_lab.auto import plan_buckets
+from minddp_lab.auto.policy import SETTLING_BACKWARDS
+from minddp_lab.auto.planner import BucketChoice, choose_plan, replay
+from minddp_lab.auto.trials import MIN_MEASURED_GAIN
+from minddp_lab.links.namespaces import parse_rate
+from minddp_lab.network import Link, get_link
+from minddp_lab.simulate import ComputeProfile, Gradient
+from minddp_lab.simulated_link import SimulatedLink, simulated_allreduce_hook
 
 LINKS = {
     "high-latency": Link("high-latency", alpha_s=20e-3, bandwidth_Bps=1e9,
@@ -94,7 +95,6 @@ FEATURES, CLASSES = 20, 4  # the bench's (lessons/_common.py)
 STATED_BACKWARD_MS = 8.0  # part 1's backward: about what one laptop core takes for this model and 256 samples
 STEPS = SETTLING_BACKWARDS + 2  # the first, the measured backwards, the trials, then two with the kept buckets
 LR = 0.01  # over this many steps a larger rate lets float32's rounding grow past is_exact's 1e-5, with any buckets
-DEFAULT_PLAN = (DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB)  # torch's: 25 MB buckets, the first 1 MB
 
 
 def stated_profile(backward_ms: float = STATED_BACKWARD_MS) -> ComputeProfile:
@@ -109,12 +109,15 @@ def stated_profile(backward_ms: float = STATED_BACKWARD_MS) -> ComputeProfile:
                                             for i, n in enumerate(sizes)])
 
 
-def wrap(link: Link, cap, real: bool = False):
-    """MiniDDP with ``cap``, its buckets through a simulated ``link`` (``real``: plain Gloo on the real link)."""
+def wrap(link: Link, real: bool = False, planned: bool = False):
+    """MiniDDP at the default cap, its buckets through a simulated ``link`` (``real``: plain Gloo on the real
+    link); ``planned``: with the planner attached, to choose its buckets in its first steps."""
     def make(model):
-        ddp = MiniDDP(model, bucket_cap_mb=cap)
+        ddp = MiniDDP(model)
         if not real:
             ddp.register_comm_hook(SimulatedLink(link), simulated_allreduce_hook)
+        if planned:
+            plan_buckets(ddp)
         return ddp
 
     return make
@@ -154,12 +157,12 @@ def main(rank: int, world_size: int, args) -> None:
         links[args.link] = get_link(args.link)
     picks = show_part_1(links, world_size)
 
-    print0("\npart 2: MiniDDP(bucket_cap_mb='auto') on the same links, measuring for itself:")
+    print0("\npart 2: plan_buckets(MiniDDP(model)) on the same links, measuring for itself:")
     results, rows = [], []
     for name, link in links.items():
-        default = train_and_compare(f"{name}: default", wrap(link, DEFAULT_PLAN[0], is_real(name)),
+        default = train_and_compare(f"{name}: default", wrap(link, is_real(name)),
                                     rank, world_size, width=WIDTH, depth=DEPTH, per_rank=PER_RANK, lr=LR)[0]  # 3 steps
-        auto, ddp_auto = train_and_compare(f"{name}: auto", wrap(link, "auto", is_real(name)), rank, world_size,
+        auto, ddp_auto = train_and_compare(f"{name}: auto", wrap(link, is_real(name), planned=True), rank, world_size,
                                            width=WIDTH, depth=DEPTH, per_rank=PER_RANK, steps=STEPS, lr=LR)
         results += [default, auto]
         everyone = [None] * world_size

@@ -41,7 +41,7 @@ What to look at
     optimizer-state bytes per rank against DDP's, and part 3's two
     partitions side by side: the heaviest rank's share of the state. The
     same formulas at 8 to 1,024 ranks, with step times:
-    ``python -m minddp.simulate zero``.
+    ``python -m minddp_lab.simulate zero``.
 
 Try this
     Predict before you run; ``--reveal`` prints the answers.
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from minddp import MiniDDP
-from minddp.models import GPT, GPTConfig
+from minddp_lab.models import GPT, GPTConfig
 from minddp.zero import ZeroRedundancyOptimizer
 from minddp.zero.memory import measured_bytes
 from _common import parse_args, print0, print_ranks, run

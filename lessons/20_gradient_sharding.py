@@ -54,7 +54,7 @@ Try this
 import torch
 import torch.distributed as dist
 
-from minddp.net.network import bytes_sent_per_rank
+from minddp_lab.network import bytes_sent_per_rank
 
 
 class WireCounter:
@@ -94,7 +94,7 @@ COUNTER = WireCounter()
 
 from minddp import MiniDDP  # noqa: E402
 from minddp.ddp.bucket_assignment import MiB  # noqa: E402
-from minddp.models import GPT, GPTConfig  # noqa: E402
+from minddp_lab.models import GPT, GPTConfig  # noqa: E402
 from minddp.zero import ZeroRedundancyOptimizer  # noqa: E402
 from minddp.zero.memory import measured_bytes, paper_bytes  # noqa: E402
 from _common import parse_args, print0, print_ranks, run  # noqa: E402

@@ -18,13 +18,13 @@ What you will learn
     (one process group runs its collectives one at a time).
 
     All collectives go through lesson 06's simulated link
-    (``minddp.net.simulated_link``, now with all-gather and reduce-scatter, each
+    (``minddp_lab.simulated_link``, now with all-gather and reduce-scatter, each
     ``(p-1) alpha + (p-1)/p * bytes / bandwidth``), so a laptop shows what a
     slow network would: ``minddp.fsdp`` (prefetch on and off) and
     ``MiniDDP`` run on it and the messages are counted. Claims about time
     are decided in the link model's time: this machine's compute, each unit
     timed alone, replayed with the model's wire by
-    ``minddp.simulate.stage3`` (DDP's by ``minddp.simulate.simulate_step``).
+    ``minddp_lab.simulate.stage3`` (DDP's by ``minddp_lab.simulate.simulate_step``).
     Part 2 shows the clock beside the model, labelled: it is not checked,
     since a busy machine stretches the clock, not the model.
 
@@ -55,11 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _common import parse_args, print0, run  # imports minddp.net.simulated_link: it binds the real collectives
-from minddp.net.network import PRESETS, bytes_sent_per_rank
-from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
-from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3, working_set_bytes
-from minddp.net.simulated_link import SimulatedLink, simulated_allreduce_hook
+from _common import parse_args, print0, run  # imports minddp_lab.simulated_link: it binds the real collectives
+from minddp_lab.network import PRESETS, bytes_sent_per_rank
+from minddp_lab.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
+from minddp_lab.simulate.stage3 import Stage3Policy, Unit, simulate_stage3, working_set_bytes
+from minddp_lab.simulated_link import SimulatedLink, simulated_allreduce_hook
 
 
 class ThroughTheLink:

@@ -25,12 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minddp.net import links
-from minddp.launch import spawn
-from minddp.net.network import PRESETS, Link, ring_bytes_sent_per_rank
-from minddp.net.simulated_link import SimulatedLink
+from minddp_lab.links import namespaces as links, spawn
+from minddp_lab.network import PRESETS, Link, ring_bytes_sent_per_rank
+from minddp_lab.simulated_link import SimulatedLink
 
-REAL = "real:"  # --link real:1gbit: real links between the ranks (minddp/net/links.py), not a simulated one
+REAL = "real:"  # --link real:1gbit: real links between the ranks (minddp_lab/links/namespaces.py), not a simulated one
 
 
 def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 1) -> argparse.Namespace:
@@ -60,7 +59,7 @@ def parse_args(doc: str, world_size: int = 2, extra=None, min_world_size: int = 
 
 
 def add_link_option(parser: argparse.ArgumentParser, default: str = "laptop") -> None:
-    """``--link NAME``: a simulated network from ``minddp.net.network.PRESETS``, ``none``, or ``real:RATE``."""
+    """``--link NAME``: a simulated network from ``minddp_lab.network.PRESETS``, ``none``, or ``real:RATE``."""
     parser.add_argument("--link", default=default, type=_link_name, metavar="{" + ",".join([*PRESETS, "none"]) + ",real:RATE}",
                         help="simulated network for the all-reduces (default %(default)s; none: plain Gloo; "
                         "real:1gbit: each rank in a network namespace of its own, joined by links shaped to that "

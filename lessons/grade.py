@@ -20,7 +20,7 @@ import torch
 
 from lessons.grading.exercises import EXERCISES
 from lessons.grading.runner import close_cleanly, grade, unwritten
-from minddp.launch.rank_pool import RankPool
+from minddp_lab.rank_pool import RankPool
 
 
 def main(argv=None) -> int:

@@ -75,9 +75,9 @@ part "tests" 240 "$OUT/tests.txt" "$PY" -m pytest tests/test_cuda.py tests/test_
 # 2. Train, save, resume, evaluate with NCCL (one rank: one GPU).
 TRAIN=(--backend "$BACKEND" --nproc 1 --synthetic-size 4096 --batch-size 64 --checkpoint-dir "$WORK/ckpt" --save-every 20)
 part "train: 40 steps, saved" 120 "$OUT/train.txt" \
-    "$PY" -m minddp.train "${TRAIN[@]}" --max-steps 40
+    "$PY" -m minddp_lab.train "${TRAIN[@]}" --max-steps 40
 part "train: resumed to 64 steps (one epoch), evaluated" 120 "$WORK/resume.txt" \
-    "$PY" -m minddp.train "${TRAIN[@]}" --resume --epochs 1
+    "$PY" -m minddp_lab.train "${TRAIN[@]}" --resume --epochs 1
 cat "$WORK/resume.txt" >> "$OUT/train.txt"
 cp "$WORK/ckpt/metrics.jsonl" "$OUT/train-metrics.jsonl" 2>/dev/null
 

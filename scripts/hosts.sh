@@ -10,10 +10,10 @@
 #   ip netns exec mddp-h1a2b3c-r0 env GLOO_SOCKET_IFNAME=mh1a2b3cr0 \
 #       torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --master-addr 10.213.57.1 ... SCRIPT.py
 # so that torchrun sees a real two-node launch. The machine's own interfaces
-# and routes are not touched. The work is done by minddp/net/link_hosts.py.
+# and routes are not touched. The work is done by minddp_lab/links/hosts.py.
 #
 # Environment variables it reads:
 #   PYTHON   the python that has minddp importable (default: python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -m minddp.net.link_hosts "$@"
+exec env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -m minddp_lab.links.hosts "$@"

@@ -37,4 +37,4 @@ fi
 # -x PATH (and LD_LIBRARY_PATH, when set): remote ranks find the same python environment.
 exec mpirun -np "$NP" "${EXTRA_ARGS[@]}" --bind-to none \
     -x MASTER_ADDR="$MASTER_ADDR" -x MASTER_PORT="$MASTER_PORT" -x PATH \
-    "$PYTHON" -m minddp.train "$@"
+    "$PYTHON" -m minddp_lab.train "$@"

@@ -35,7 +35,7 @@ TRAIN_ARGS=(--checkpoint-dir "$CKPT_DIR" --save-every "${SAVE_EVERY:-500}" --res
 if [ "$NNODES" -eq 1 ]; then
     # --standalone: a private rendezvous on a free local port.
     exec "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC" \
-        --max-restarts "${MAX_RESTARTS:-3}" -m minddp.train "${TRAIN_ARGS[@]}"
+        --max-restarts "${MAX_RESTARTS:-3}" -m minddp_lab.train "${TRAIN_ARGS[@]}"
 fi
 
 : "${MASTER_ADDR:?set MASTER_ADDR to a host every node can reach (node 0)}"
@@ -44,4 +44,4 @@ RDZV_PORT=${RDZV_PORT:-29400}
 # two jobs on the same hosts apart.
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$RDZV_PORT" --rdzv-id "${RDZV_ID:-minddp}" \
-    --max-restarts "${MAX_RESTARTS:-3}" -m minddp.train "${TRAIN_ARGS[@]}"
+    --max-restarts "${MAX_RESTARTS:-3}" -m minddp_lab.train "${TRAIN_ARGS[@]}"

@@ -1,6 +1,6 @@
 """Shared fixtures: rank pools that live for the whole test session.
 
-``ranks(n)`` returns a :class:`minddp.launch.rank_pool.RankPool` of ``n`` Gloo ranks.
+``ranks(n)`` returns a :class:`minddp_lab.rank_pool.RankPool` of ``n`` Gloo ranks.
 Pools are started once and reused, since starting a rank (importing torch,
 meeting over TCP) costs more than most tests; a failing test restarts only
 its own pool.
@@ -9,7 +9,7 @@ its own pool.
 import pytest
 import torch
 
-from minddp.launch.rank_pool import RankPool
+from minddp_lab.rank_pool import RankPool
 
 torch.set_num_threads(1)
 

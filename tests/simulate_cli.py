@@ -1,10 +1,10 @@
-"""For the simulator's tests: ``python -m minddp.simulate`` in-process, and a benchmark script as a module."""
+"""For the simulator's tests: ``python -m minddp_lab.simulate`` in-process, and a benchmark script as a module."""
 
 import importlib.util
 import pathlib
 import sys
 
-from minddp.simulate.__main__ import main
+from minddp_lab.simulate.__main__ import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@
 Two layers. :func:`choose_plan` is pure: a made-up step (when each gradient
 is ready) and a made-up link go in, a plan comes out, checked against what
 the model says by hand. Then MiniDDP itself, on 2 Gloo ranks whose
-all-reduces go through a :class:`~minddp.net.simulated_link.SimulatedLink`: it
+all-reduces go through a :class:`~minddp_lab.simulated_link.SimulatedLink`: it
 measures its own steps, probes the (simulated) link, and must pick few
 buckets on a slow high-latency link, several on a fast one with compute to
 hide behind, the same on both ranks, with parameters equal to torch's DDP.
@@ -18,14 +18,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.net.bucket_costs import contention_us_per_MB, fixed_cost_us
-from minddp.net.auto_buckets import MEASURED_BACKWARDS, SETTLING_BACKWARDS, AutoBuckets
-from minddp.net.bucket_planner import (CANDIDATE_CAPS_MB, LEAVE_DEFAULT_MARGIN, choose_plan, leave_default_margin,
+from minddp_lab.auto.costs import contention_us_per_MB, fixed_cost_us
+from minddp_lab.auto.policy import MEASURED_BACKWARDS, SETTLING_BACKWARDS, AutoBuckets
+from minddp_lab.auto.planner import (CANDIDATE_CAPS_MB, LEAVE_DEFAULT_MARGIN, choose_plan, leave_default_margin,
                                        plan_policy, replay)
-from minddp.net.network import Link
-from minddp.simulate import ComputeProfile, Gradient, simulate_step
-from minddp.simulate.overheads import Overheads
-from minddp.net.simulated_link import SimulatedLink, simulated_allreduce_hook
+from minddp_lab.network import Link
+from minddp_lab.simulate import ComputeProfile, Gradient, simulate_step
+from minddp_lab.simulate.overheads import Overheads
+from minddp_lab.simulated_link import SimulatedLink, simulated_allreduce_hook
 from minddp.zero import ZeroRedundancyOptimizer
 
 MB = 1024 * 1024

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minddp.train import checkpoint as ckpt
-from minddp.train.checkpoint import CheckpointError, load_checkpoint, move_optimizer_state, save_checkpoint
+from minddp_lab.train import checkpoint as ckpt
+from minddp_lab.train.checkpoint import CheckpointError, load_checkpoint, move_optimizer_state, save_checkpoint
 
 
 def _state(step=3, name="ae"):

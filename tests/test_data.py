@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from minddp.data import MNIST_FILES, SyntheticMNIST, load_mnist, make_dataset, make_loader
+from minddp_lab.data import MNIST_FILES, SyntheticMNIST, load_mnist, make_dataset, make_loader
 
 
 # ------------------------------------------------------------------ synthetic

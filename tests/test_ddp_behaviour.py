@@ -136,7 +136,7 @@ def _unused_on_one_rank_only(rank, world_size):
 
 
 def test_rank_dependent_unused_parameter_without_the_flag_fails_not_hangs(ranks):
-    from minddp.launch.rank_pool import RankError
+    from minddp_lab.rank_pool import RankError
 
     # Each rank misses a different branch: both raise, naming what they missed.
     with pytest.raises(RankError, match="find_unused_parameters=True"):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, full_state_dict, fully_shard, is_sharded
-from minddp.models import GPT, GPTConfig
+from minddp_lab.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
 PER_RANK, STEPS = 2, 3

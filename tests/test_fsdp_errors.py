@@ -10,7 +10,7 @@ from torch import nn
 
 from minddp import MiniDDP
 from minddp.fsdp import fully_shard
-from minddp.models import GPT, GPTConfig
+from minddp_lab.models import GPT, GPTConfig
 
 from test_fsdp import gpt, micro_batches, shard_gpt
 

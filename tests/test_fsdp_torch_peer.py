@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from minddp.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard
-from minddp.models import GPT, GPTConfig, build_model
+from minddp_lab.models import GPT, GPTConfig, build_model
 
 STEPS = 3
 GPT_CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)

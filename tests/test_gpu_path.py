@@ -328,7 +328,7 @@ def test_gloo_sets_each_ranks_cuda_device(monkeypatch):
 def test_a_ranks_own_nccl_error_is_not_an_echo(message, echo):
     import torch.distributed as dist
 
-    from minddp.train.errors import is_communication_error
+    from minddp_lab.train.errors import is_communication_error
 
     assert is_communication_error(dist.DistBackendError(message)) is echo
     assert is_communication_error(RuntimeError(message)) is echo
@@ -338,7 +338,7 @@ def test_a_ranks_own_nccl_error_is_not_an_echo(message, echo):
 def test_loaders_pin_memory_when_the_ranks_train_on_gpus(monkeypatch):
     import torch.distributed as dist
 
-    from minddp.data import SyntheticMNIST, make_loader
+    from minddp_lab.data import SyntheticMNIST, make_loader
 
     data = SyntheticMNIST(size=8)
     assert make_loader(data, 4, rank=0, world_size=1).pin_memory is False

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minddp.launch.rank_pool import RankError, RankPool
+from minddp_lab.rank_pool import RankError, RankPool
 
 
 def _all_reduce_rank(rank, world_size):

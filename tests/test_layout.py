@@ -1,20 +1,40 @@
-"""The package's shape: the core stands alone, and no module imports itself through others.
+"""The repository's shape: a library and a lab beside it, imports one way, and no module imports itself.
 
-The import graph is read from the source with :mod:`ast` (every ``import``,
-at module level or inside a function), so a cycle is found even where a
-function-local import hides it from Python at import time.
+``minddp`` is the library (torch alone); ``minddp_lab`` is the lab (the
+simulator, the network model, real links, the bucket planner, the trainer,
+the tests' harness), which imports the library and never the reverse. The
+import graph is read from the source with :mod:`ast` (every ``import``, at
+module level or inside a function), so a cycle or a wrong-way import is found
+even where a function-local import hides it from Python at import time.
 """
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1] / "minddp"
-# Above the core: the training program, what the examples train on, the
-# simulator's command-line helper that runs an example model to trace it, and
-# MiniDDP inside accelerate and Lightning (each imports its framework).
-UPPER_FLOOR = ("minddp.train", "minddp.data", "minddp.models", "minddp.simulate.record", "minddp.frameworks")
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = REPO / "minddp"
+LAB_DIR = REPO / "minddp_lab"
+# Names that left the library for the lab: importing one raises, naming where it went (the library
+# cannot import the lab to stand in for it).
+MOVED = {
+    "minddp.simulate": "minddp_lab.simulate",
+    "minddp.net": "minddp_lab.network",
+    "minddp.train": "minddp_lab.train",
+    "minddp.models": "minddp_lab.models",
+    "minddp.data": "minddp_lab.data",
+    "minddp.launch.rank_pool": "minddp_lab.rank_pool",
+    "minddp.observe.trace_view": "minddp_lab.trace_view",
+}
+# Older names of modules still in the library: the very same module under both names.
+ALIASES = {"minddp.comm_hooks": "minddp.ddp.default_hooks", "minddp.replicas": "minddp.ddp.replicas"}
+# What a module of minddp.frameworks may import beyond torch: its framework.
+FRAMEWORKS = {"minddp.frameworks.accelerate": {"accelerate"},
+              "minddp.frameworks.lightning": {"lightning", "pytorch_lightning", "lightning_fabric"}}
 
 
 def _module_name(path: Path, package_dir: Path) -> str:
@@ -22,13 +42,13 @@ def _module_name(path: Path, package_dir: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
-    """The package's modules that ``name`` imports, anywhere in its source."""
+def _imported_names(path: Path, name: str, modules: set[str] = frozenset()) -> set[str]:
+    """Every absolute name ``name``'s source imports, anywhere in it (relative imports resolved)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from . import x, from ..a import b
@@ -36,14 +56,19 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
                 base = f"{anchor}.{base}" if base else anchor
             # "from a import b" runs a (even when b is a submodule: a module that
             # does so from its own package imports its parent), and a.b if it is a module.
-            targets = [base] + [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules]
-        else:
-            continue
-        for target in targets:
-            while target and target not in modules:  # "import minddp.train.cli.x" -> the module part
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules)
+    return found
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in its source."""
+    found = set()
+    for target in _imported_names(path, name, modules):
+        while target and target not in modules:  # "import minddp.train.cli.x" -> the module part
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
     return found
 
 
@@ -75,9 +100,117 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycles():
-    cycle = find_cycle(import_graph())
+@pytest.mark.parametrize("package_dir", [PACKAGE_DIR, LAB_DIR], ids=["minddp", "minddp_lab"])
+def test_no_import_cycles(package_dir):
+    cycle = find_cycle(import_graph(package_dir))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def package_graph(package_dir: Path) -> dict[str, set[str]]:
+    """The graph between a package's parts (its subpackages and top-level modules), every import counted."""
+    top = package_dir.name
+
+    def part(module: str) -> str:
+        return (module.split(".") + ["__init__"])[1]
+
+    parts: dict[str, set[str]] = {}
+    for module, imported in import_graph(package_dir).items():
+        parts.setdefault(part(module), set()).update(part(d) for d in imported if d != top and part(d) != part(module))
+    return parts
+
+
+@pytest.mark.parametrize("package_dir", [PACKAGE_DIR, LAB_DIR], ids=["minddp", "minddp_lab"])
+def test_no_cycle_between_a_packages_parts(package_dir):
+    cycle = find_cycle(package_graph(package_dir))
+    assert cycle is None, f"{package_dir.name}'s parts import each other: " + " -> ".join(cycle)
+
+
+def test_the_part_graph_sees_a_cycle_between_two_subpackages(tmp_path):
+    pkg = tmp_path / "pkg"
+    for sub in ("a", "b"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("from pkg.b.y import f\n")
+    (pkg / "b" / "y.py").write_text("def f():\n    from pkg.a import z\n")
+    (pkg / "a" / "z.py").write_text("")
+    assert find_cycle(package_graph(pkg)) == ["a", "b", "a"]
+
+
+def _library_modules() -> dict[str, Path]:
+    return {_module_name(p, PACKAGE_DIR): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def test_the_library_never_imports_the_lab():
+    # Not vacuous: the lab imports the library, and the finder reads both.
+    lab_imports = {n for p in LAB_DIR.rglob("*.py") for n in _imported_names(p, _module_name(p, LAB_DIR))}
+    assert any(n.startswith("minddp.") for n in lab_imports)
+    wrong = sorted((m, n) for m, p in _library_modules().items() for n in _imported_names(p, m)
+                   if n == "minddp_lab" or n.startswith("minddp_lab."))
+    assert not wrong, f"library modules import the lab: {wrong}"
+
+
+def test_the_library_needs_torch_alone():
+    # Beyond the standard library, torch; minddp.frameworks' modules import their framework.
+    wrong = []
+    for module, path in _library_modules().items():
+        allowed = {"torch", "minddp", "__future__", *FRAMEWORKS.get(module, ())}
+        for name in _imported_names(path, module):
+            top = name.split(".")[0]
+            if top and top not in allowed and top not in sys.stdlib_module_names:
+                wrong.append((module, name))
+    assert not wrong, f"library modules import beyond torch and the standard library: {sorted(wrong)}"
+
+
+def _loaded_after(code: str) -> list[str]:
+    """The modules of the lab, torchvision and matplotlib loaded in a fresh interpreter after ``code``."""
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in sys.modules if m.split('.')[0] in " \
+            "('minddp_lab', 'torchvision', 'matplotlib')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_minddp_loads_no_simulator_link_or_planner():
+    assert _loaded_after("import minddp") == []
+    # Not vacuous: the same probe sees the lab when it is imported.
+    assert "minddp_lab.simulate.replay" in _loaded_after("import minddp_lab.auto")
+
+
+def test_every_library_module_imports_without_the_lab():
+    # Every module of the library but the moved names' stubs and the frameworks' doors (they import their framework).
+    skip = (*MOVED, *ALIASES, "minddp.frameworks.")
+    modules = sorted(m for m in _library_modules() if not m.startswith(skip))
+    assert "minddp.ddp.wrapper" in modules and "minddp.launch.spawning" in modules
+    assert _loaded_after(f"import importlib\nfor m in {modules!r}: importlib.import_module(m)") == []
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_a_moved_name_says_where_it_went(old, new):
+    with pytest.raises(ImportError) as error:
+        importlib.import_module(old)
+    assert new in str(error.value)
+    importlib.import_module(new)  # and the new name is there
+
+
+def test_a_module_below_a_moved_package_says_where_it_went():
+    with pytest.raises(ImportError, match="minddp_lab.links"):
+        importlib.import_module("minddp.net.links")
+
+
+@pytest.mark.parametrize("old, new", sorted(ALIASES.items()))
+def test_an_older_name_is_the_same_module(old, new):
+    assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_older_names_import_as_users_wrote_them():
+    from minddp import comm_hooks
+    from minddp.ddp.default_hooks import allreduce_hook
+    from minddp.ddp.replicas import check_replicas_in_sync as new
+    from minddp.replicas import check_replicas_in_sync
+
+    assert comm_hooks.allreduce_hook is allreduce_hook
+    assert check_replicas_in_sync is new
 
 
 def test_the_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path):
@@ -87,30 +220,6 @@ def test_the_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path):
     (pkg / "a.py").write_text("from pkg.b import f\n")
     (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
     assert find_cycle(import_graph(pkg)) == ["pkg.a", "pkg.b", "pkg.a"]
-
-
-def _core(graph: dict[str, set[str]]) -> list[str]:
-    # A ``__main__`` module is a program (``python -m ...``): nothing imports
-    # it, so it may use the examples' models like any script.
-    return sorted(m for m in graph if not m.startswith(UPPER_FLOOR) and not m.endswith(".__main__"))
-
-
-def test_the_core_never_imports_the_training_program_data_or_models():
-    graph = import_graph()
-    core = _core(graph)
-    wrong = sorted((m, d) for m in core for d in graph[m] if d.startswith(UPPER_FLOOR))
-    assert not wrong, f"core modules import the floor above them: {wrong}"
-
-
-def test_core_imports_without_the_trainer_data_or_models():
-    not_core = [*UPPER_FLOOR, "torchvision"]
-    code = (
-        f"import importlib, sys\nfor m in {_core(import_graph())!r}: importlib.import_module(m)\n"
-        f"print([m for m in {not_core!r} if m in sys.modules])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
 
 
 def _imports_transitively(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -127,11 +236,9 @@ def test_the_gradient_path_knows_no_policy_above_it():
     # Mechanism below, policy above: the reducer and its buckets offer an
     # interface (observers, rebuild, backward-done callbacks, bucket storage),
     # and the bucket planner, the simulator and ZeRO/FSDP drive it from
-    # outside. Not vacuous: the reducer imported minddp.net.bucket_planner (and
-    # through it minddp.simulate) until the planner moved out.
+    # outside (the lab's planner too, which the library cannot import at all).
     graph = import_graph()
-    above = ("minddp.net.auto_buckets", "minddp.net.bucket_planner", "minddp.net.plan_trials", "minddp.simulate",
-             "minddp.zero", "minddp.fsdp")
+    above = ("minddp.zero", "minddp.fsdp")
     path = ("minddp.ddp.reducer", "minddp.ddp.buckets", "minddp.ddp.bucket_assignment")
     parts = tuple(m for m in graph if m.startswith("minddp.ddp.parts"))  # the parts beside the path, too
     assert "minddp.ddp.parts.unused_parameters" in parts
@@ -152,14 +259,6 @@ def test_the_plain_path_imports_no_part_feature_observer_or_policy():
         assert not wrong, f"{module} imports beyond the plain path: {wrong}"
 
 
-def test_importing_the_wrapper_loads_no_simulator():
-    # bucket_cap_mb="auto" needs the simulator; a default MiniDDP must not pay for it.
-    code = "import minddp.ddp.wrapper, sys; assert 'minddp.simulate' not in sys.modules, sorted(m for m in sys.modules if 'simulate' in m)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=PACKAGE_DIR.parent)
-    assert out.returncode == 0, out.stderr
-
-
 def test_no_class_is_changed_at_run_time_outside_fsdp():
     # Options are parts chosen at construction, not classes swapped under a
     # live object; fully_shard's one __class__ assignment is FSDP2's own API.
@@ -177,7 +276,7 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
     assert not found, f"__class__ assigned at run time: {found}"
 
 
-CORE = ("minddp.ddp", "minddp.observe", "minddp.net.auto_buckets")
+CORE = ("minddp.ddp", "minddp.observe")
 
 
 def layer_of(module: str) -> str:
@@ -204,16 +303,15 @@ MAY_IMPORT = {
     "ddp": set(),  # the reducer, buckets, and what the wrapper stands on (placement, broadcast, join, hooks)
     "ddp.parts": {"ddp"},
     "observe": {"ddp"},
-    "launch": {"net"},  # spawn(..., link=...) enters a real link's namespace
-    "net": {"ddp", "simulate"},  # the bucket planner replays the first steps' profile
-    "ddp.wrapper": {"ddp", "ddp.parts", "observe", "net"},
+    "launch": set(),  # spawn(..., rank_setup=...): a real link's namespace is the lab's (minddp_lab.links)
+    "ddp.wrapper": {"ddp", "ddp.parts", "observe"},
 }
 
 
 def test_the_core_layers_point_one_way():
-    # Not vacuous: the wrapper does import the parts, observers and the planner.
+    # Not vacuous: the wrapper does import the parts and the observers.
     layers = layer_graph()
-    assert {"ddp.parts", "observe", "net"} <= layers["ddp.wrapper"]
+    assert {"ddp.parts", "observe"} <= layers["ddp.wrapper"]
     wrong = {layer: sorted(layers.get(layer, set()) - allowed) for layer, allowed in MAY_IMPORT.items()}
     assert not any(wrong.values()), f"layers importing beyond what they may: {wrong}"
 

@@ -22,10 +22,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
-from minddp.net.network import allreduce_time, get_link
-from minddp.net.simulated_link import Message
-from minddp.observe.trace_view import BucketBar, StepView
+from minddp_lab.simulate import ComputeProfile, DDPPolicy, Gradient
+from minddp_lab.network import allreduce_time, get_link
+from minddp_lab.simulated_link import Message
+from minddp_lab.trace_view import BucketBar, StepView
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 

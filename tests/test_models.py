@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from minddp.models import MODEL_NAMES, build_model, model_loss
+from minddp_lab.models import MODEL_NAMES, build_model, model_loss
 
-# The size each model is there for (see minddp/models.py).
+# The size each model is there for (see minddp_lab/models.py).
 PARAMS = {"mlp": (4e6, 6e6), "cnn": (1e4, 1e5), "ae": (1e5, 1e6), "resnet": (1e5, 1e6)}
 
 

@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.models import GPT, GPTConfig
+from minddp_lab.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, checkpoint="reentrant")
 MICRO_STEPS = 4

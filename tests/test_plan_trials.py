@@ -1,6 +1,6 @@
 """bucket_cap_mb="auto" times the plans the model proposed in turn: the schedule and the verdict, without a clock.
 
-:class:`~minddp.net.plan_trials.PlanTrials` is bookkeeping: made-up step
+:class:`~minddp_lab.auto.trials.PlanTrials` is bookkeeping: made-up step
 times go in, and the schedule (which plan each step runs, when to rebuild,
 which steps are timed) and the verdict come out. Whether MiniDDP follows it
 on every rank is checked end to end in tests/test_bucket_planner.py.
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from minddp.net.plan_trials import MIN_MEASURED_GAIN, PlanTrials
+from minddp_lab.auto.trials import MIN_MEASURED_GAIN, PlanTrials
 
 DEFAULT, FEWER, MORE, HALFWAY = (25.0, 1.0), (64.0, 64.0), (4.0, 4.0), (16.0, 1.0)
 

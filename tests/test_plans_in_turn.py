@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from plans_in_turn import report, round_ratios, window_medians  # noqa: E402
 
-from minddp.net.plan_trials import TRIAL_ROUNDS  # noqa: E402
+from minddp_lab.auto.trials import TRIAL_ROUNDS  # noqa: E402
 
 
 def test_each_round_sets_a_plans_block_against_the_defaults():

@@ -31,7 +31,7 @@ import torch
 
 import minddp
 from minddp import MiniDDP
-from minddp.launch.rank_pool import RankPool
+from minddp_lab.rank_pool import RankPool
 
 MAX_FUNCTIONS, MAX_FILES, MAX_LINES = 20, 3, 910
 PLAIN_FILES = {"minddp/ddp/wrapper.py", "minddp/ddp/reducer.py", "minddp/ddp/buckets.py"}

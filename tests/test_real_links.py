@@ -1,4 +1,4 @@
-"""Real links (minddp/net/links.py): set-up, tear-down, bad rates, a crashed rank.
+"""Real links (minddp_lab/links/namespaces.py): set-up, tear-down, bad rates, a crashed rank.
 
 What needs root and iproute2 skips with the one line :func:`links.missing`
 prints; every such test lists the namespaces afterwards, so nothing it built
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from minddp.net import link_hosts, links
+from minddp_lab.links import hosts as link_hosts, namespaces as links
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_root = pytest.mark.skipif(links.missing() is not None, reason=str(links.missing()))
@@ -117,7 +117,7 @@ def test_an_exception_inside_the_block_still_removes_everything():
 HOLDER = textwrap.dedent(
     """
     import signal, sys, time
-    from minddp.net import links
+    from minddp_lab.links import namespaces as links
     # Ctrl-C as a terminal's Python gets it: a suite started in the background (no job control)
     # hands its children SIGINT ignored, and then nothing would interrupt this one.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -164,7 +164,7 @@ def _where_am_i(rank, world_size, path):
 
 @needs_root
 def test_spawn_runs_each_rank_in_its_own_namespace_on_the_link(tmp_path):
-    from minddp import spawn
+    from minddp_lab.links import spawn
 
     spawn(_where_am_i, 2, str(tmp_path), backend="gloo", link="1gbit")
     seen = sorted(p.read_text().split() for p in tmp_path.iterdir())
@@ -187,7 +187,7 @@ def _rank1_crashes_mid_run(rank, world_size):
 
 @needs_root
 def test_a_crashed_rank_stops_the_others_names_itself_and_leaves_no_namespace():
-    from minddp import spawn
+    from minddp_lab.links import spawn
     from minddp.launch import RankFailed
     from minddp.launch.processes import GRACE_S
 
@@ -209,7 +209,7 @@ def test_a_crashed_rank_script_exits_non_zero_with_the_rank_named(tmp_path):
         import sys
         sys.path.insert(0, %r)
         from test_real_links import _rank1_crashes_mid_run
-        from minddp import spawn
+        from minddp_lab.links import spawn
         if __name__ == "__main__":
             spawn(_rank1_crashes_mid_run, 2, backend="gloo", link="100mbit")
         """ % os.path.join(REPO, "tests")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from minddp.net.network import (
+from minddp_lab.network import (
     Hierarchy,
     Link,
     allreduce_time,
@@ -21,7 +21,7 @@ from minddp.net.network import (
     ring_allreduce_time,
     ring_bytes_sent_per_rank,
 )
-from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, profile_from_trace, simulate_step
+from minddp_lab.simulate import ComputeProfile, DDPPolicy, Gradient, profile_from_trace, simulate_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1_000_000
@@ -180,12 +180,12 @@ def run_python(args, timeout=180):
 def test_command_prints_a_table_per_world_size_and_bucket_cap(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(synthetic_trace()))
-    out = run_python(["-m", "minddp.simulate", "--trace", str(path), "--network", "eth25", "--world", "2,64",
+    out = run_python(["-m", "minddp_lab.simulate", "--trace", str(path), "--network", "eth25", "--world", "2,64",
                       "--bucket-mb", "1,25"])
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("|") and line[2:3].isdigit()]
     assert len(rows) == 4, out.stdout
-    bad = run_python(["-m", "minddp.simulate", "--trace", str(path), "--network", "nope"])
+    bad = run_python(["-m", "minddp_lab.simulate", "--trace", str(path), "--network", "nope"])
     assert bad.returncode != 0 and "--network must be one of" in bad.stderr
 
 
@@ -205,7 +205,7 @@ def test_lesson_17_takes_a_measured_step_time():
 
 def test_pictures_are_drawn(tmp_path):
     pytest.importorskip("matplotlib")
-    from minddp.simulate.report import draw_scaling, draw_timeline, sweep
+    from minddp_lab.simulate.report import draw_scaling, draw_timeline, sweep
 
     profile = profile_from_trace(synthetic_trace())
     rows = sweep(profile, LINK, [2, 8], [1, 25])

@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-from minddp.net.network import Hierarchy, Link, ring_allreduce_time
-from minddp.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
-from minddp.simulate.__main__ import main
-from minddp.simulate.cluster import build_network, fit_network_table, lookup_network, network_table, parse_rate
-from minddp.simulate.overheads import ComputeClock, Overheads
-from minddp.simulate.profile import load_profile, save_profile
+from minddp_lab.network import Hierarchy, Link, ring_allreduce_time
+from minddp_lab.simulate import ComputeProfile, DDPPolicy, Gradient, simulate_step
+from minddp_lab.simulate.__main__ import main
+from minddp_lab.simulate.cluster import build_network, fit_network_table, lookup_network, network_table, parse_rate
+from minddp_lab.simulate.overheads import ComputeClock, Overheads
+from minddp_lab.simulate.profile import load_profile, save_profile
 
 MB = 1_000_000
 LINK = Link("hand", alpha_s=1e-3, bandwidth_Bps=1e9)
@@ -190,7 +190,7 @@ def test_record_your_own_model_from_a_file(tmp_path):
     builder = tmp_path / "mine.py"
     builder.write_text("import torch\n\ndef build():\n    torch.manual_seed(0)\n"
                        "    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)), torch.randn(4, 8)\n")
-    from minddp.simulate.record import record_trace
+    from minddp_lab.simulate.record import record_trace
 
     out = tmp_path / "trace.json"
     record_trace(f"{builder}:build", str(out), steps=2, warmup=1)

@@ -1,14 +1,14 @@
-"""All-reduce as NCCL runs it (minddp.simulate.nccl), and the ``collective`` subcommand that prints it.
+"""All-reduce as NCCL runs it (minddp_lab.simulate.nccl), and the ``collective`` subcommand that prints it.
 
 Hand computations with NCCL's own constants (tuning.cc), on a made-up cluster with round figures.
 """
 
 import pytest
 
-from minddp.net.network import Link, hierarchical_allreduce_time
+from minddp_lab.network import Link, hierarchical_allreduce_time
 from simulate_cli import run_cli
-from minddp.simulate.collective_report import size_range
-from minddp.simulate.nccl import BASE_LATENCY_US, HOP_LATENCY_US, Cluster, nccl_time
+from minddp_lab.simulate.collective_report import size_range
+from minddp_lab.simulate.nccl import BASE_LATENCY_US, HOP_LATENCY_US, Cluster, nccl_time
 
 GB = 1e9
 # 8 GPUs per node at 200 GB/s inside (3.4 us a step, NVLink), 4 NICs of 24 GB/s (9.6 us a step), no launch cost

@@ -6,11 +6,11 @@ Issue 46: a between-node figure given to a preset whose GPUs share NICs reset th
 
 import pytest
 
-from minddp.simulate.__main__ import network_figures, parse_args
-from minddp.simulate.cluster import names, preset_figures
-from minddp.simulate.figures import FLAGS
-from minddp.simulate.nccl import Cluster
-from minddp.simulate.profile import ComputeProfile, Gradient, save_profile
+from minddp_lab.simulate.__main__ import network_figures, parse_args
+from minddp_lab.simulate.cluster import names, preset_figures
+from minddp_lab.simulate.figures import FLAGS
+from minddp_lab.simulate.nccl import Cluster
+from minddp_lab.simulate.profile import ComputeProfile, Gradient, save_profile
 from simulate_cli import run_cli
 
 # One value per flag, and the figure it names (--nominal-bandwidth with --efficiency: the NIC's bandwidth).

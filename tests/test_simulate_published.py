@@ -18,13 +18,13 @@ def published():
 
 @pytest.fixture(scope="module")
 def rows(published):
-    from minddp.simulate.overheads import OVERHEAD_PRESETS
+    from minddp_lab.simulate.overheads import OVERHEAD_PRESETS
 
     return published.compare(published.profiles(), OVERHEAD_PRESETS["nccl-v100"])
 
 
 def test_the_docs_table_is_the_scripts_output(published, rows):
-    from minddp.simulate.overheads import OVERHEAD_PRESETS
+    from minddp_lab.simulate.overheads import OVERHEAD_PRESETS
 
     table = published.table(rows, OVERHEAD_PRESETS["nccl-v100"])
     assert table in (ROOT / "docs" / "simulator_checked.md").read_text(), (
@@ -46,7 +46,7 @@ def test_one_megabyte_buckets_come_out_slower_as_published_everywhere(rows):
 
 
 def test_the_bare_model_misses_as_the_issue_found(published):
-    from minddp.simulate.overheads import NO_OVERHEADS
+    from minddp_lab.simulate.overheads import NO_OVERHEADS
 
     bare = published.compare(published.profiles(), NO_OVERHEADS)
     assert all(e < 0 for r in bare for e in r["errors"][1:])  # every multi-GPU step under the published one

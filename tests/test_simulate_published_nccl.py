@@ -14,14 +14,14 @@ def published():
 
 
 def test_the_docs_tables_are_the_scripts_output(published):
-    from minddp.simulate.nccl import LAUNCH_US
+    from minddp_lab.simulate.nccl import LAUNCH_US
 
     assert published.report(LAUNCH_US) in (ROOT / "docs" / "collectives_checked.md").read_text(), (
         "docs/collectives_checked.md: rerun `python benchmarks/published_nccl.py` and paste its output")
 
 
 def test_every_held_out_row_above_a_mebibyte_is_within_ten_percent(published):
-    from minddp.simulate.nccl import LAUNCH_US
+    from minddp_lab.simulate.nccl import LAUNCH_US
 
     rows = [(t, n, us) for t in published.tables() if t["set"] == "held out" for n, us in t["rows"] if n > 2**20]
     assert len(rows) >= 6
@@ -30,7 +30,7 @@ def test_every_held_out_row_above_a_mebibyte_is_within_ten_percent(published):
 
 
 def test_the_launch_cost_is_fitted_on_the_fitting_table_only(published):
-    from minddp.simulate.nccl import LAUNCH_US
+    from minddp_lab.simulate.nccl import LAUNCH_US
 
     assert published.fit() == pytest.approx(LAUNCH_US)
     assert [t["set"] for t in published.tables()].count("fit") == 1
@@ -44,7 +44,7 @@ def test_held_out_rows_above_a_mebibyte_come_from_two_multi_node_clusters(publis
 
 
 def test_a_table_measured_with_nccl_algo_ring_is_predicted_as_a_ring(published):
-    from minddp.simulate.nccl import LAUNCH_US
+    from minddp_lab.simulate.nccl import LAUNCH_US
 
     forced = [t for t in published.tables() if t.get("algorithm") == "ring"]
     assert forced

@@ -1,6 +1,6 @@
 """The simulator's ZeRO: the paper's memory per rank, reduce-scatter and all-gather in the alpha-beta model,
 stage 2's reduce-scatters overlapped with backward, stage 3 unit by unit (prefetch on and off, shared
-cores, its working set), and ``python -m minddp.simulate zero``.
+cores, its working set), and ``python -m minddp_lab.simulate zero``.
 
 Hand-computed values: the ZeRO paper's (Rajbhandari et al. 2020, section 3.1) for 7.5 B parameters on
 64 ranks, and replays on a link of 1 ms per ring step and 1 GB/s. No process group.
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from minddp.net.network import (
+from minddp_lab.network import (
     PRESETS,
     Hierarchy,
     Link,
@@ -26,10 +26,10 @@ from minddp.net.network import (
     get_network,
     reduce_scatter_time,
 )
-from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
-from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3, working_set_bytes
-from minddp.simulate.zero import MODELS, memory_per_rank, predict, units_for, zero_step
-from minddp.simulate.zero_report import main as zero_main
+from minddp_lab.simulate import ComputeProfile, DDPPolicy, Gradient
+from minddp_lab.simulate.stage3 import Stage3Policy, Unit, simulate_stage3, working_set_bytes
+from minddp_lab.simulate.zero import MODELS, memory_per_rank, predict, units_for, zero_step
+from minddp_lab.simulate.zero_report import main as zero_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1_000_000
@@ -287,11 +287,11 @@ def test_command_shows_120_gb_for_ddp_at_every_world_size_and_the_paper_figures_
 
 def test_command_through_python_dash_m_and_its_errors():
     env = dict(os.environ, PYTHONPATH=ROOT)
-    ok = subprocess.run([sys.executable, "-m", "minddp.simulate", "zero", "--model", "gpt2-xl", "--world", "8"],
+    ok = subprocess.run([sys.executable, "-m", "minddp_lab.simulate", "zero", "--model", "gpt2-xl", "--world", "8"],
                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr
     assert _table(ok.stdout)[8][0] == 24.0  # 16 x 1.5 B
-    bad = subprocess.run([sys.executable, "-m", "minddp.simulate", "zero", "--model", "gpt5"],
+    bad = subprocess.run([sys.executable, "-m", "minddp_lab.simulate", "zero", "--model", "gpt5"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "unknown model 'gpt5'" in bad.stderr
 
@@ -299,5 +299,5 @@ def test_command_through_python_dash_m_and_its_errors():
 def test_docs_simulate_zero_is_the_default_commands_output():
     with open(os.path.join(ROOT, "docs", "simulate_zero.txt")) as f:
         first, saved = f.readline(), f.read()
-    assert first.strip() == "$ python -m minddp.simulate zero"
+    assert first.strip() == "$ python -m minddp_lab.simulate zero"
     assert saved == _run_main([])[1], "docs/simulate_zero.txt is stale: regenerate it with the command on its first line"

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp import MiniDDP
-from minddp.net.network import Link, PRESETS
-from minddp.net.simulated_link import SimulatedLink, simulated_allreduce_hook
+from minddp_lab.network import Link, PRESETS
+from minddp_lab.simulated_link import SimulatedLink, simulated_allreduce_hook
 
 SLOW = Link("slow", alpha_s=5e-3, bandwidth_Bps=10e6)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minddp import MiniDDP, SyncBatchNorm
-from minddp.models import build_model
+from minddp_lab.models import build_model
 
 CHANNELS = 3
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-5)}

@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.data import SyntheticMNIST
+from minddp_lab.data import SyntheticMNIST
 from minddp.ddp.wrapper import MiniDDP
 from minddp.launch import find_free_port
-from minddp.models import build_model, model_loss
-from minddp.train.checkpoint import load_checkpoint, save_checkpoint
-from minddp.train.cli import build_parser
-from minddp.train.evaluate import evaluate, held_out_loader
-from minddp.train.metrics import read_metrics
-from minddp.train.step import accumulated_step
+from minddp_lab.models import build_model, model_loss
+from minddp_lab.train.checkpoint import load_checkpoint, save_checkpoint
+from minddp_lab.train.cli import build_parser
+from minddp_lab.train.evaluate import evaluate, held_out_loader
+from minddp_lab.train.metrics import read_metrics
+from minddp_lab.train.step import accumulated_step
 
-TRAIN = [sys.executable, "-m", "minddp.train"]
+TRAIN = [sys.executable, "-m", "minddp_lab.train"]
 # 256 samples, global batch 32 -> 8 steps per epoch on any world size.
 SMALL = ["--synthetic-size", "256", "--batch-size", "32", "--log-every", "4", "--timeout-s", "20"]
 _LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "TORCHELASTIC_", "PMI_")
@@ -150,7 +150,7 @@ def test_bad_input_gets_one_clear_line(tmp_path, capsys, monkeypatch, args, prep
     # are caught before any rank starts, the last two by the one rank of --nproc 1.
     import re
 
-    from minddp.train import main
+    from minddp_lab.train import main
 
     for name in list(os.environ):
         if name in _LAUNCHER_NAMES or name.startswith(_LAUNCHER_PREFIXES):
@@ -242,7 +242,7 @@ def test_torchrun_restarts_a_killed_rank_and_loses_nothing(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "--max-restarts", "1", "--monitor-interval", "0.1",
-         "-m", "minddp.train", *common, "--checkpoint-dir", str(tmp_path / "elastic"), "--save-every", "4",
+         "-m", "minddp_lab.train", *common, "--checkpoint-dir", str(tmp_path / "elastic"), "--save-every", "4",
          "--resume", "auto"],
         env=_clean_env(MINDDP_TEST_FAIL="1:10:kill", MINDDP_TEST_FAIL_ONCE=marker),
         capture_output=True,

@@ -33,9 +33,9 @@ import shutil
 import pytest
 import torch
 
-from minddp.train import main
-from minddp.train.checkpoint import load_checkpoint
-from minddp.train.cli import UsageError, build_parser, check_args
+from minddp_lab.train import main
+from minddp_lab.train.checkpoint import load_checkpoint
+from minddp_lab.train.cli import UsageError, build_parser, check_args
 
 # 256 samples, global batch 32, 2 micro-batches per step -> 4 steps per epoch.
 SMALL = ["--synthetic-size", "256", "--batch-size", "32", "--grad-accum", "2", "--log-every", "2", "--timeout-s", "20"]
@@ -45,8 +45,8 @@ TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}  # see the module's docstring
 
 def _train_here(rank, world_size, argv):
     """Rank ``rank`` runs the trainer's ``train()``; returns rank 0's log and what the optimizer held at the end."""
-    from minddp.train import loop
-    from minddp.train.fully_sharded import FullyShardedSGD
+    from minddp_lab.train import loop
+    from minddp_lab.train.fully_sharded import FullyShardedSGD
     from minddp.zero import ZeroRedundancyOptimizer
 
     args = build_parser().parse_args(argv)

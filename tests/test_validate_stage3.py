@@ -12,8 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import validate_stage3  # noqa: E402
-from minddp.net.network import Link, all_gather_time  # noqa: E402
-from minddp.simulate.stage3 import Stage3Policy, Unit, simulate_stage3  # noqa: E402
+from minddp_lab.network import Link, all_gather_time  # noqa: E402
+from minddp_lab.simulate.stage3 import Stage3Policy, Unit, simulate_stage3  # noqa: E402
 
 LINK = Link("hand", alpha_s=1e-3, bandwidth_Bps=1e9)
 

@@ -1,6 +1,6 @@
 """ZeRO stage 2 saves memory at minddp's defaults, on a model whose buckets are uneven (issue #39).
 
-``minddp.models.GPT()`` (0.95 M parameters) under ``MiniDDP(model)`` with
+``minddp_lab.models.GPT()`` (0.95 M parameters) under ``MiniDDP(model)`` with
 every default: a 1 MB first bucket, then one 25 MB bucket that holds the
 rest (2.6 MiB). Before this issue the pool kept two buffers the size of the
 largest bucket between steps (5.3 MiB, more than the model's gradients),
@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from minddp import MiniDDP
-from minddp.models import GPT, GPTConfig
-from minddp.launch.rank_pool import RankPool
+from minddp_lab.models import GPT, GPTConfig
+from minddp_lab.rank_pool import RankPool
 from minddp.zero import ZeroRedundancyOptimizer
 from minddp.zero.memory import GradientPeak, gradient_bytes, optimizer_state_bytes
 

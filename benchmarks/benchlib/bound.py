@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from minddp.net.bucket_costs import spare_core_per_rank
+from minddp_lab.auto.costs import spare_core_per_rank
 
 FLAT = "allreduce_flat"  # the name of the flat all-reduce among the timed steps
 FORWARD = "forward"  # the forward pass timed alone

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.models import GPT, GPTConfig
+from minddp_lab.models import GPT, GPTConfig
 
 SETUPS = ("torch-ddp", "ddp", "stage1", "stage2", "stage3", "fsdp2")
 LR = 1e-3

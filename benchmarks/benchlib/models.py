@@ -1,6 +1,6 @@
 """The benchmark's models: how to build each, which batches it eats, which loss it takes.
 
-``minddp.models`` has the image models (``mlp``, ``cnn``, ``ae``, ``resnet``)
+``minddp_lab.models`` has the image models (``mlp``, ``cnn``, ``ae``, ``resnet``)
 and the small ``GPT``; the benchmark adds two names of its own:
 
 * ``gpt``: ``GPT(GPTConfig())``, 8 pre-norm blocks, 100 parameter tensors
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from minddp.models import GPT, MODEL_NAMES, GPTConfig, build_model, model_loss
+from minddp_lab.models import GPT, MODEL_NAMES, GPTConfig, build_model, model_loss
 
 from benchlib import overlap
 

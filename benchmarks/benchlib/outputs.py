@@ -12,7 +12,7 @@ from minddp.launch import spawn
 
 def ranks_json(rank_main: Callable, world_size: int, args: dict, link: str | None = None) -> Any:
     """Run ``rank_main(rank, world_size, args, path)`` on ``world_size`` Gloo ranks; what they wrote to ``path``.
-    ``link``: a rate such as ``"1gbit"``: the ranks talk over shaped links (:mod:`minddp.net.links`)."""
+    ``link``: a rate such as ``"1gbit"``: the ranks talk over shaped links (:mod:`minddp_lab.links.namespaces`)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "raw.json")
         spawn(rank_main, world_size, args, path, backend="gloo", link=link)

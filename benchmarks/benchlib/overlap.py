@@ -18,7 +18,7 @@ Learned bucket order
 Trace
     :func:`record_trace` runs a few extra steps of ``MiniDDP(trace=True)``
     after warm-up and writes the Chrome trace (``minddp/observe/trace.py``); the
-    parent process reads it back with ``minddp/observe/trace_view.py``.
+    parent process reads it back with ``minddp_lab/trace_view.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ShuffledMLP(nn.Module):
     """Ten Linear layers run in order 0..9, registered in :data:`REGISTRATION_ORDER`.
 
     Takes MNIST-shaped images and returns logits for 10 classes, like the
-    ``mlp`` of ``minddp.models``, so the benchmark feeds it the same batches.
+    ``mlp`` of ``minddp_lab.models``, so the benchmark feeds it the same batches.
     """
 
     def __init__(self):

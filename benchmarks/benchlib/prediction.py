@@ -1,17 +1,17 @@
 """The simulator's prediction beside each measured step of ``compare.py``.
 
 After each row's timings, every rank measures the two things
-:func:`minddp.simulate.simulate_step` needs, in the same processes and on the
+:func:`minddp_lab.simulate.simulate_step` needs, in the same processes and on the
 same link as the timed steps:
 
 * **the compute profile**: a few steps of ``MiniDDP(trace=True)`` on a
   process group of this rank alone (no communication, but every rank
   computing at once, as in the timed run); rank 0's trace gives when each
-  gradient is ready (:func:`minddp.simulate.profile_from_trace`);
+  gradient is ready (:func:`minddp_lab.simulate.profile_from_trace`);
 * **the link**: ``all_reduce`` of a small buffer (64 KiB) and of one as large
   as all the gradients, the fastest of a few tries each (load only adds
   time), fitted as ``bucket_cap_mb="auto"`` fits it
-  (:func:`minddp.net.link_probe.fit_latency_bandwidth`).
+  (:func:`minddp_lab.links.probe.fit_latency_bandwidth`).
 
 After each row's timing, rank 0 replays its bucket cap, the profile's
 compute scaled to that row's measured bare step (``local``). Whether communication may run beside
@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from benchlib.tables import markdown_table, with_spread
 from benchlib.wrappers import first_bucket_mb
-from minddp.net.link_probe import fit_latency_bandwidth
-from minddp.simulate import DDPPolicy, profile_from_trace, simulate_step
+from minddp_lab.links.probe import fit_latency_bandwidth
+from minddp_lab.simulate import DDPPolicy, profile_from_trace, simulate_step
 
 PROFILE_STEPS = 4  # traced steps after the warm-up ones
 # How the simulated step placed communication, by the bound's rule (a file from before the rule: not recorded).
@@ -88,7 +88,7 @@ def predicted_step(inputs, cap_mb: float, local_ms: float, world_size: int, over
 def table(cfg: dict, rows: list[dict]) -> str:
     """Measured against simulated, and how much of the all-reduce each wrapper hid, per model and cap."""
     auto = all("ratio_auto" in r for r in rows)
-    where = "loopback" if cfg.get("link", "loopback") == "loopback" else f"links shaped to {cfg['link']} (minddp/net/links.py)"
+    where = "loopback" if cfg.get("link", "loopback") == "loopback" else f"links shaped to {cfg['link']} (minddp_lab/links/namespaces.py)"
     titles = ["model", "cap MB", "local", "allreduce", "simulated", "torch copy", "minddp copy", "minddp / torch",
               "sim error torch", "hidden torch", "hidden minddp"] + (["auto (buckets)", "auto predicted", "auto / torch"] if auto else [])
     cells_all = []
@@ -103,10 +103,10 @@ def table(cfg: dict, rows: list[dict]) -> str:
         cells_all.append(cells)
     lines = [
         f"On {where}, {cfg['world_size']} ranks: ms per step, median over runs (ratios and hidden: median [min, max]);",
-        "  simulated: minddp.simulate's step from this run's compute profile (scaled to local) and link fit (benchlib/prediction.py),",
+        "  simulated: minddp_lab.simulate's step from this run's compute profile (scaled to local) and link fit (benchlib/prediction.py),",
         f"  communication {SIMULATED_WITH.get(cfg.get('bound_rule'), 'beside or with')} backward; sim error against torch copy;",
         "  hidden = (local + allreduce - step) / allreduce; auto predicted: the step bucket_cap_mb='auto''s planner",
-        "  predicted for the buckets it chose (rank 0, minddp/net/bucket_planner.py); auto / torch: MiniDDP(bucket_cap_mb='auto')",
+        "  predicted for the buckets it chose (rank 0, minddp_lab/auto/planner.py); auto / torch: MiniDDP(bucket_cap_mb='auto')",
         "  against torch's DDP at this row's cap (the 25 MB row: torch's default)",
     ]
     return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)

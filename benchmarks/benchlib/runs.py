@@ -9,7 +9,7 @@ import tempfile
 import time
 
 from benchlib.progress import Progress, clock, total_units
-from minddp.observe import trace_view
+from minddp_lab import trace_view
 
 
 def trace_files(path: str, models: list[str]) -> dict[str, str]:
@@ -43,7 +43,8 @@ def measure(cfg: dict) -> tuple[list[list[dict]], list[dict], dict] | None:
 
     from benchlib import memory
     from benchlib.rank_work import cases, extras_main, memory_main, timing_main
-    from minddp.launch import RankFailed, spawn
+    from minddp.launch import RankFailed
+    from minddp_lab.links import spawn
 
     cfg = {**cfg, "started": time.time()}  # for the progress line's elapsed and remaining time
     with tempfile.TemporaryDirectory(prefix="minddp-compare-") as tmp:

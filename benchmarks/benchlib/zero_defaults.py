@@ -69,7 +69,7 @@ def defaults_main(rank: int, world_size: int, setup: str, model_name: str, out_d
 
     from benchlib.live_bytes import LiveBytes
     from minddp import MiniDDP
-    from minddp.models import GPT, GPTConfig
+    from minddp_lab.models import GPT, GPTConfig
     from minddp.zero import ZeroRedundancyOptimizer
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """Load a learner's exercise file, run its check on Gloo ranks, and say what is wrong in words.
 
 A check is a function ``check(rank, world_size, path) -> list[str]`` run on
-every rank of a :class:`minddp.launch.rank_pool.RankPool`; it returns the same list of
+every rank of a :class:`minddp_lab.rank_pool.RankPool`; it returns the same list of
 failures on every rank (empty: passed). A check that needs no ranks (the
 sampler) runs in this process instead. Stubs never reach the ranks: a
 function whose body is still ``raise NotImplementedError`` is reported as
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from minddp.launch.rank_pool import RankError, RankPool
+from minddp_lab.rank_pool import RankError, RankPool
 
 EXERCISES_DIR = Path(__file__).resolve().parent.parent / "exercises"
 SOLUTIONS_DIR = EXERCISES_DIR / "_solutions"

@@ -10,7 +10,7 @@ Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``
   ``bucket_cap_mb_list``: one cap per bucket, in launch order (the last
   for every bucket after it). ``"auto"`` (beyond torch): measure the first
   steps and the link, and rebuild the buckets once with the cap the
-  alpha-beta model predicts fastest (:mod:`minddp.net.bucket_planner`).
+  alpha-beta model predicts fastest (:mod:`minddp_lab.auto.planner`).
 * ``forward_sync_buffers`` (torch 2.14's name; ``broadcast_buffers`` the
   older one): before each forward that follows a synchronized one,
   whatever its grad mode, and after a ``join``, copy rank 0's buffers

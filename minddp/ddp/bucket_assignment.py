@@ -19,7 +19,7 @@ then rebuilt once, in the order the gradients came, before the next forward.
 Every rank must build the same buckets (they are what keeps collectives
 matched), so rank 0's order is broadcast and everyone uses it. A policy on
 the reducer's interface, like ``bucket_cap_mb="auto"``
-(:mod:`minddp.net.bucket_planner`): it adds an arrival log to the reducer's
+(:mod:`minddp_lab.auto.planner`): it adds an arrival log to the reducer's
 observers, is called at the end of the backward
 (``backward_done_callbacks``), and calls ``rebuild``.
 """
@@ -93,7 +93,7 @@ def assign_buckets(
       are launched in), then the ones left open.
 
     ``may_pass_cap=False``: the older rule, a bucket closes *before* the tensor
-    that would pass its cap (the simulator's default, :mod:`minddp.simulate.replay`).
+    that would pass its cap (the simulator's default, :mod:`minddp_lab.simulate.replay`).
     """
     if cap_bytes < 0:
         raise ValueError(f"bucket cap must be >= 0 bytes (0: one tensor per bucket), got {cap_bytes}")

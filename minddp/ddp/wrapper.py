@@ -51,7 +51,7 @@ class MiniDDP(nn.Module):
 
     Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``, plus a few of
     MiniDDP's own (``reduce_dtype``, ``buffer_sync``, ``check_sync_every``, ``timeline``, ``trace``,
-    ``learn_bucket_order``, ``bucket_cap_mb="auto"``): each is described, one by one, in
+    ``learn_bucket_order``): each is described, one by one, in
     :mod:`minddp.ddp.arguments`, where it is checked; ``_build_reducer`` shows the part each one picks.
 
     Collectives are issued in the same order on every rank, by construction:
@@ -95,6 +95,10 @@ class MiniDDP(nn.Module):
                 "MiniDDP needs an initialized process group: call "
                 "torch.distributed.init_process_group (or minddp.init_distributed) first"
             )
+        if bucket_cap_mb == "auto":  # the planner lives in the lab, which imports the library, never the reverse
+            raise ValueError(
+                "MiniDDP(bucket_cap_mb='auto') is gone from the library: build MiniDDP with the default cap, then "
+                "call minddp_lab.auto.plan_buckets(ddp_model) before the first backward")
         refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                            lazy_bucket_allocation and gradient_as_bucket_view)
         if check_reduction:
@@ -117,7 +121,7 @@ class MiniDDP(nn.Module):
         self.lazy_bucket_allocation = lazy_bucket_allocation
         self.static_graph = static_graph
         self.reduce_dtype = reduce_dtype
-        self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb  # "auto" stays "auto"
+        self.bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
         if bucket_cap_mb_list is not None:  # as torch: the largest is the cap reported
             self.bucket_cap_mb = max(bucket_cap_mb_list)
         self.bucket_cap_mb_list = list(bucket_cap_mb_list) if bucket_cap_mb_list is not None else None
@@ -152,8 +156,7 @@ class MiniDDP(nn.Module):
         named = [(name, p) for name, p in self.module.named_parameters()
                  if p.requires_grad and name not in self.parameters_to_ignore]
         params, count = [p for _, p in named], len(named)
-        auto_buckets = self.bucket_cap_mb == "auto"
-        options = ReducerOptions(25.0 if auto_buckets else self.bucket_cap_mb, self.find_unused_parameters,
+        options = ReducerOptions(self.bucket_cap_mb, self.find_unused_parameters,
                                  self.static_graph, self.reduce_dtype, self.learn_bucket_order,
                                  tuple(self.bucket_cap_mb_list or ()) or None, self._first_bucket_cap_mb)
         # When is a parameter ready? At its hook (the plain part), or:
@@ -191,11 +194,7 @@ class MiniDDP(nn.Module):
         # The policies above the reducer, through its interface:
         if self.learn_bucket_order and (self.static_graph or not self.find_unused_parameters):  # torch's rule
             LearnedBucketOrder(self.reducer, ArrivalLog())  # watches the first backward's arrivals, then rebuilds
-        self.bucket_planner = None
-        if auto_buckets and self.world_size > 1:  # alone, there is nothing to plan
-            from minddp.net.auto_buckets import AutoBuckets  # it brings the simulator: only when asked for
-
-            self.bucket_planner = AutoBuckets(self.reducer)
+        self.bucket_planner = None  # minddp_lab.auto.plan_buckets(self) sets one
         # The forward's parts (join_hook adds the last):
         self._replica_checks = ReplicaChecks(self.module, self.process_group, self.check_sync_every) \
             if self.check_sync_every else None

@@ -8,7 +8,7 @@
   as processes of this one, on a free port, optionally behind a real link;
 * :mod:`~minddp.launch.processes`: the local processes under all of them
   (a rank that dies, a parent that goes);
-* :mod:`~minddp.launch.rank_pool`: :class:`RankPool`, live ranks that run
+* :mod:`~minddp_lab.rank_pool`: :class:`RankPool`, live ranks that run
   one function after another (the tests').
 """
 

@@ -8,7 +8,7 @@ over a pipe, stamped with the time it happened, and the parent sorts.
 
 :class:`LocalRanks` is the one supervisor of the package. Three callers
 build on it: :func:`minddp.launch.spawn`, the ``minddp-train`` program's
-local launch (``--nproc``) and the test harness :class:`minddp.launch.rank_pool.RankPool`
+local launch (``--nproc``) and the test harness :class:`minddp_lab.rank_pool.RankPool`
 (which keeps its ranks alive between calls). The protocol:
 
 * a rank runs ``target(rank, conn, *args)`` and calls :func:`report` with a

@@ -1,9 +1,10 @@
 """Start the ranks of one machine as processes of this one (``mp.spawn``'s job), on a free port.
 
 :func:`spawn` runs ``fn(rank, world_size, *args)`` in each rank, each in a
-process group of its own making, optionally behind a real shaped link
-(:mod:`minddp.net.links`); a rank that raises stops the others and its
-traceback is raised here as :class:`RankFailed`.
+process group of its own making, after an optional setup of its own
+(``rank_setup``: the lab's real shaped links enter a rank's network namespace
+there); a rank that raises stops the others and its traceback is raised here as
+:class:`RankFailed`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import sys
 import traceback
 from typing import Callable
 
-import minddp.net.links as links
 from minddp.launch.processes import GRACE_S, LocalRanks, report
 from minddp.launch.process_group import distributed
 
@@ -51,15 +51,16 @@ class RankFailed(RuntimeError):
 
 
 def _spawn_rank(
-    rank: int, conn, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple, seats: list | None = None
+    rank: int, conn, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple,
+    rank_setup: Callable[[int], None] | None = None,
 ) -> None:
     # LocalRanks cleared the launcher's variables; what torchrun would say for one machine, for code that reads it (pick a GPU by LOCAL_RANK).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    if seats is not None:  # a real link: this rank's own network namespace, address and interface
-        links.enter(seats[rank])
+    if rank_setup is not None:  # e.g. a real link: this rank's own network namespace, address and interface
+        rank_setup(rank)
     with distributed(backend, rank=rank, world_size=world_size):
         try:
             fn(rank, world_size, *args)
@@ -86,6 +87,7 @@ def spawn(
     *args,
     backend: str | None = None,
     start_method: str = "spawn",
+    rank_setup: Callable[[int], None] | None = None,
     link: str | None = None,
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes,
@@ -99,20 +101,17 @@ def spawn(
     starts the ranks from a copy of this process, its imports included
     (seconds faster; only safe on Linux and before CUDA is initialised).
 
-    ``link="1gbit"`` (any rate :func:`minddp.net.links.parse_rate` accepts):
-    each rank runs in a network namespace of its own, joined to the others
-    by links shaped to that rate (:mod:`minddp.net.links`), so that Gloo's
-    traffic crosses a real, rate-limited network instead of loopback. The
-    namespaces are removed when the ranks end, however they end. Needs root.
+    ``rank_setup(rank)``, if given, runs in each rank's process before its
+    process group is made (picklable, like ``fn``).
+
+    Real shaped links between the ranks (network namespaces, a rate) are the
+    lab's: ``minddp_lab.links.spawn(fn, world_size, *args, link="1gbit")``;
+    ``link=`` here names it.
     """
-    if link is None or link == "loopback":
-        return _run_ranks(fn, world_size, args, backend, start_method, seats=None)
-    with links.shaped_network(world_size, link) as net:
-        return _run_ranks(fn, world_size, args, backend, start_method, [net.seat(r) for r in range(world_size)])
-
-
-def _run_ranks(fn: Callable, world_size: int, args: tuple, backend: str | None, start_method: str, seats) -> None:
-    spawn_args = (fn, world_size, find_free_port(), backend, args, seats)
+    if link is not None and link != "loopback":
+        raise ValueError(f"spawn(link={link!r}): real shaped links moved to the lab; call "
+                         f"minddp_lab.links.spawn(fn, world_size, *args, link={link!r})")
+    spawn_args = (fn, world_size, find_free_port(), backend, args, rank_setup)
     ranks = LocalRanks(world_size, _spawn_rank, spawn_args, method=start_method)
     try:
         reports, stuck = ranks.collect()
