@@ -22,14 +22,6 @@ def test_a_bucket_passes_its_cap_by_one_tensor_at_most():
     assert assign_buckets(specs, cap_bytes=100) == [[0, 1], [2, 3]]
 
 
-def test_the_older_rule_closes_a_bucket_before_the_cap():
-    # the simulator's default (its checked tables were made with it): never past the cap
-    assert assign_buckets([spec(25)] * 4, cap_bytes=250, may_pass_cap=False) == [[0, 1], [2, 3]]
-    specs = [spec(10), spec(1000), spec(10), spec(10)]
-    assert assign_buckets(specs, cap_bytes=100, may_pass_cap=False) == [[0], [1], [2, 3]]
-    assert assign_buckets([spec(25)] * 6, 1024, first_cap_bytes=100, may_pass_cap=False) == [[0], [1, 2, 3, 4, 5]]
-
-
 def test_one_bucket_when_everything_fits():
     assert assign_buckets([spec(5)] * 7, cap_bytes=MiB) == [list(range(7))]
 

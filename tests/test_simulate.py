@@ -129,6 +129,24 @@ def synthetic_trace(steps=2):
     return {"traceEvents": events}
 
 
+def test_the_older_rule_closes_a_bucket_before_the_cap():
+    # the simulator's default (its checked tables were made with it): never past the cap, unless one tensor alone is
+    import torch
+
+    from minddp.ddp.bucket_assignment import TensorSpec
+    from minddp_lab.simulate.bucket_rule import buckets_within_cap
+
+    def spec(numel):
+        return TensorSpec(numel, 4, torch.float32, torch.device("cpu"))
+
+    assert buckets_within_cap([spec(25)] * 4, cap_bytes=250) == [[0, 1], [2, 3]]
+    assert buckets_within_cap([spec(10), spec(1000), spec(10), spec(10)], cap_bytes=100) == [[0], [1], [2, 3]]
+    assert buckets_within_cap([spec(25)] * 6, 1024, first_cap_bytes=100) == [[0], [1, 2, 3, 4, 5]]
+    # mixed dtypes fill buckets of their own
+    half = TensorSpec(50, 2, torch.float16, torch.device("cpu"))
+    assert buckets_within_cap([spec(25), half, spec(25)], 200) == [[0, 2], [1]]
+
+
 def test_profile_from_trace_reads_forward_ready_times_sizes_and_dtypes():
     p = profile_from_trace(synthetic_trace())
     assert p.forward_ms == pytest.approx(1.0)

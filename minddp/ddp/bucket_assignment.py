@@ -73,7 +73,7 @@ def size_limits(cap_bytes: int, first_cap_bytes: int | None = None, per_bucket_c
 
 def assign_buckets(
     specs: Sequence[TensorSpec], cap_bytes: int, first_cap_bytes: int | None = None,
-    per_bucket_caps: Sequence[int] = (), may_pass_cap: bool = True,
+    per_bucket_caps: Sequence[int] = (),
 ) -> list[list[int]]:
     """Group tensor indices into buckets by size, as torch's ``compute_bucket_assignment_by_size``.
 
@@ -91,9 +91,6 @@ def assign_buckets(
       ``per_bucket_caps`` (torch's ``bucket_cap_mb_list``) replace both;
     * buckets come in the order they closed (the order they become ready and
       are launched in), then the ones left open.
-
-    ``may_pass_cap=False``: the older rule, a bucket closes *before* the tensor
-    that would pass its cap (the simulator's default, :mod:`minddp_lab.simulate.replay`).
     """
     if cap_bytes < 0:
         raise ValueError(f"bucket cap must be >= 0 bytes (0: one tensor per bucket), got {cap_bytes}")
@@ -106,14 +103,9 @@ def assign_buckets(
     for index, spec in enumerate(specs):
         key = (spec.dtype, spec.device)
         limit = limits[min(closed_per_key.get(key, 0), len(limits) - 1)]
-        if not may_pass_cap and open_buckets.get(key) and open_bytes[key] + spec.nbytes > limit:
-            closed.append(open_buckets.pop(key))
-            open_bytes[key] = 0
-            closed_per_key[key] = closed_per_key.get(key, 0) + 1
-            limit = limits[min(closed_per_key[key], len(limits) - 1)]
         open_buckets.setdefault(key, []).append(index)
         open_bytes[key] = open_bytes.get(key, 0) + spec.nbytes
-        if may_pass_cap and open_bytes[key] >= limit:
+        if open_bytes[key] >= limit:
             closed.append(open_buckets.pop(key))
             open_bytes[key] = 0
             closed_per_key[key] = closed_per_key.get(key, 0) + 1

@@ -5,11 +5,10 @@
 * :mod:`~minddp.launch.process_group`: :func:`init_distributed`,
   :func:`distributed` (a group that is always destroyed), :func:`shutdown`;
 * :mod:`~minddp.launch.spawning`: :func:`spawn`, the ranks of one machine
-  as processes of this one, on a free port, optionally behind a real link;
+  as processes of this one, on a free port (behind a real shaped link:
+  the lab's ``minddp_lab.links.spawn``);
 * :mod:`~minddp.launch.processes`: the local processes under all of them
-  (a rank that dies, a parent that goes);
-* :mod:`~minddp_lab.rank_pool`: :class:`RankPool`, live ranks that run
-  one function after another (the tests').
+  (a rank that dies, a parent that goes).
 """
 
 from minddp.launch.environment import (

@@ -36,6 +36,7 @@ import torch
 
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
 from minddp_lab.network import COLLECTIVES, Hierarchy, Link, bytes_sent_per_rank
+from minddp_lab.simulate.bucket_rule import buckets_within_cap
 from minddp_lab.simulate.nccl import collective_time
 from minddp_lab.simulate.overheads import NO_OVERHEADS, ComputeClock, Overheads
 from minddp_lab.simulate.profile import ComputeProfile, Gradient
@@ -135,8 +136,8 @@ def _buckets(gradients: list[Gradient], policy: DDPPolicy) -> list[list[Gradient
         dtype = _dtype(g.dtype)
         size = torch.empty((), dtype=dtype).element_size()
         specs.append(TensorSpec(g.nbytes // size, size, dtype, torch.device("cpu")))
-    groups = assign_buckets(specs, int(policy.bucket_cap_mb * MiB), int(policy.first_bucket_cap_mb * MiB),
-                            may_pass_cap=policy.buckets_may_pass_cap)
+    assign = assign_buckets if policy.buckets_may_pass_cap else buckets_within_cap
+    groups = assign(specs, int(policy.bucket_cap_mb * MiB), int(policy.first_bucket_cap_mb * MiB))
     return [[gradients[i] for i in group] for group in groups]
 
 
