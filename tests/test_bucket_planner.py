@@ -1,8 +1,8 @@
-"""bucket_cap_mb="auto": the choice follows the alpha-beta model, agrees on every rank, and changes no result.
+"""minddp_lab.auto.plan_buckets: the choice follows the alpha-beta model, agrees on every rank, and changes no result.
 
 Two layers. :func:`choose_plan` is pure: a made-up step (when each gradient
 is ready) and a made-up link go in, a plan comes out, checked against what
-the model says by hand. Then MiniDDP itself, on 2 Gloo ranks whose
+the model says by hand. Then a planned MiniDDP, on 2 Gloo ranks whose
 all-reduces go through a :class:`~minddp_lab.simulated_link.SimulatedLink`: it
 measures its own steps, probes the (simulated) link, and must pick few
 buckets on a slow high-latency link, several on a fast one with compute to
@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
 from minddp_lab.auto.costs import contention_us_per_MB, fixed_cost_us
+from minddp_lab.auto import plan_buckets
 from minddp_lab.auto.policy import MEASURED_BACKWARDS, SETTLING_BACKWARDS, AutoBuckets
 from minddp_lab.auto.planner import (CANDIDATE_CAPS_MB, LEAVE_DEFAULT_MARGIN, choose_plan, leave_default_margin,
                                        plan_policy, replay)
@@ -264,8 +265,9 @@ class Tower(nn.Module):
 
 def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps, bucket_view=False):
     torch.manual_seed(0)
-    mini = MiniDDP(Tower(), bucket_cap_mb="auto", gradient_as_bucket_view=bucket_view)
+    mini = MiniDDP(Tower(), gradient_as_bucket_view=bucket_view)
     mini.register_comm_hook(SimulatedLink(Link("sim", alpha_s, bandwidth_Bps)), simulated_allreduce_hook)
+    assert plan_buckets(mini) is mini.bucket_planner is not None
     torch.manual_seed(0)
     native = TorchDDP(Tower())
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (mini, native)]
@@ -338,13 +340,34 @@ def test_auto_with_bucket_views_moves_every_gradient_through_each_plan_it_times_
 
 
 def _misuse(rank, world_size):
-    with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB or 'auto', got 'fast'"):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB"):
         MiniDDP(Tower(), bucket_cap_mb="fast")
-    auto = MiniDDP(Tower(), bucket_cap_mb="auto")
+    with pytest.raises(ValueError, match=r"minddp_lab\.auto\.plan_buckets"):  # the library has no planner
+        MiniDDP(Tower(), bucket_cap_mb="auto")
+    with pytest.raises(TypeError, match="MiniDDP"):
+        plan_buckets(Tower())
+    with pytest.raises(ValueError, match="bucket_cap_mb_list"):  # the planner chooses the caps
+        plan_buckets(MiniDDP(Tower(), bucket_cap_mb_list=[1.0, 4.0]))
+    auto = MiniDDP(Tower())
+    plan_buckets(auto)
+    with pytest.raises(ValueError, match="once"):
+        plan_buckets(auto)
     with pytest.raises(ValueError, match="ZeRO stage 2"):  # it partitions by buckets that will change
         ZeroRedundancyOptimizer(auto.parameters(), torch.optim.SGD, ddp=auto, lr=0.1, shard_gradients=True)
     return True
 
 
+def _alone(rank, world_size):
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group, in one order
+    ddp = MiniDDP(Tower(), process_group=groups[rank])  # a world of one: nothing to plan
+    return plan_buckets(ddp) is None and ddp.bucket_planner is None
+
+
 def test_auto_misuse_is_named(ranks):
     assert ranks(2).run(_misuse) == [True, True]
+
+
+def test_alone_there_is_nothing_to_plan(ranks):
+    assert ranks(2).run(_alone) == [True, True]

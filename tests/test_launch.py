@@ -103,6 +103,44 @@ def test_spawn_runs_every_rank_in_a_group(tmp_path):
     assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0/2", "1/2"]
 
 
+def _set_up(path, rank):
+    # Runs in the rank's process before its group exists (where the lab enters a rank's network namespace).
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with open(f"{path}/set-up-{rank}", "w") as f:
+        f.write(str(rank))
+
+
+def _saw_its_set_up(rank, world_size, path):
+    with open(f"{path}/set-up-{rank}") as f:
+        assert f.read() == str(rank)
+    _collect(rank, world_size, path)
+
+
+def test_spawn_runs_each_ranks_setup_in_its_process_before_the_group(tmp_path):
+    import functools
+
+    from minddp import spawn
+
+    spawn(_saw_its_set_up, 2, str(tmp_path), backend="gloo", rank_setup=functools.partial(_set_up, str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "set-up-0", "set-up-1"]
+
+
+def test_spawn_names_the_labs_spawn_for_a_real_link():
+    from minddp import spawn
+
+    with pytest.raises(ValueError, match=r"minddp_lab\.links\.spawn"):
+        spawn(_collect, 2, "unused", backend="gloo", link="1gbit")
+
+
+def test_the_labs_spawn_without_a_link_is_the_librarys(tmp_path):
+    from minddp_lab.links import spawn
+
+    spawn(_collect, 2, str(tmp_path), backend="gloo", link="loopback")
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0/2", "1/2"]
+
+
 def _rank1_fails_rank0_waits(rank, world_size):
     import torch
     import torch.distributed as dist

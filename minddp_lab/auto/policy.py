@@ -79,7 +79,7 @@ class AutoBuckets:
 
         self.arrivals = BucketCostLog()
         reducer.add_observer(self.arrivals)
-        reducer.planned_rebuild = "MiniDDP(bucket_cap_mb='auto') rebuilds its buckets after its first measured steps"
+        reducer.planned_rebuild = "minddp_lab.auto.plan_buckets rebuilds MiniDDP's buckets after its first measured steps"
         reducer.backward_done_callbacks.append(self._after_backward)
 
     def _after_backward(self) -> None:
