@@ -19,7 +19,7 @@ wrapper's hidden fraction with its spread.
 
 While it runs: one live progress line on a terminal (elsewhere, in a pipe or
 CI, one plain line per model and run; ``benchlib/progress.py``), and
-``bucket_cap_mb="auto"``'s decision once per model. At the end, first a
+``plan_buckets``'s decision once per model. At the end, first a
 summary, one line per model: the ratios with their spread and what the
 spread lets one say (faster, slower, even; ``benchlib/summary.py``); then the
 tables below (all of them also in ``--json``).
@@ -55,7 +55,7 @@ medians over rounds, each block's time the slowest rank's:
   rounds whose order rotates (``--bucket-view`` picks one setting);
 * ``ratio copy``/``ratio view`` = minddp / torch with the same setting;
 * ``minddp auto`` (skip it with ``--no-auto``): MiniDDP at its fastest,
-  ``MiniDDP(bucket_cap_mb="auto", buffer_sync="with_gradients")``: it
+  ``plan_buckets(MiniDDP(buffer_sync="with_gradients"))``: it
   measures its first steps and the link, proposes buckets with the
   alpha-beta model (``minddp_lab/auto/planner.py``) and keeps the fastest
   of its proposals timed in turn (``minddp_lab/auto/trials.py``), and its buffers ride in
@@ -71,7 +71,7 @@ bucket at once (``wrappers.return_bucket``), so what a step costs beyond the
 bare model's step of the same round is the wrapper's own work: hooks,
 copies, callbacks, the buffer broadcast. In ms and as a fraction of
 ``local``; and MiniDDP minus torch's DDP, paired the same way. Where this
-figure goes, ``profile_overhead.py`` shows.
+figure goes, ``experiments/profile_overhead.py`` shows.
 
 A third: the peak memory each wrapper adds (construction + steps, in fresh
 windows: ``torch.cuda.max_memory_allocated`` on GPU, peak RSS on CPU; see
@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gradient_as_bucket_view settings to time, each on both wrappers: copy = False "
                    "(both wrappers' default), view = True")  # fmt: skip
     p.add_argument("--no-auto", action="store_true",
-                   help="skip the auto column (MiniDDP with bucket_cap_mb='auto' and buffer_sync='with_gradients', against torch's DDP at its defaults)")
+                   help="skip the auto column (plan_buckets(MiniDDP(buffer_sync='with_gradients')), against torch's DDP at its defaults)")
     p.add_argument("--no-overhead", action="store_true",
                    help="skip the wrapper-overhead measurement (each wrapper with a comm hook that communicates nothing)")  # fmt: skip
     p.add_argument("--show", metavar="PATH.json", default=None,

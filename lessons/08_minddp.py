@@ -97,7 +97,7 @@ PARTS = {
     "Follow": ('model.follow("0.weight")', "08"),
     "StepObserver": ("timeline=True or trace=True", "16"),
     "ProfilerRanges": ("a torch.profiler recording", "16"),
-    "ArrivalLog": ('learn_bucket_order (first backward), bucket_cap_mb="auto"', "07b, 17b"),
+    "ArrivalLog": ('learn_bucket_order (first backward), plan_buckets', "07b, 17b"),
 }
 SLOTS = (("is_ready", "readiness"), ("fill_bucket", "gradients"), ("communicate", "communication"),
          ("pack", "passenger"), ("before_forward", "forward"))

@@ -63,8 +63,8 @@ Try this
        on a GPU, on DGX-1s. What does ``no_sync`` accumulation buy at scale?
 
 Next
-    Lesson 17b turns this model into a decision: ``MiniDDP(...,
-    bucket_cap_mb="auto")`` measures its own link and gradients, replays
+    Lesson 17b turns this model into a decision: the lab's
+    ``plan_buckets(MiniDDP(...))`` measures its own link and gradients, replays
     candidate bucket plans with this simulator, and keeps the fastest
     where it clearly beats the default.
 """

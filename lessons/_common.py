@@ -230,7 +230,7 @@ def train_and_compare(name: str, wrap, rank: int, world_size: int, *, width: int
         y = torch.randint(0, CLASSES, (world_size, micro_batches, per_rank), generator=data)
         opt.zero_grad()
         # Only the last step is counted: a dispatch mode sees every operation, and would slow
-        # down the steps a wrapper may be measuring itself (MiniDDP's bucket_cap_mb="auto").
+        # down the steps a wrapper may be measuring itself (plan_buckets).
         count = CountCollectives() if step == steps - 1 else contextlib.nullcontext()
         with count:
             for i in range(micro_batches):

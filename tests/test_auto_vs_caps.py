@@ -1,4 +1,4 @@
-"""benchmarks/auto_vs_caps.py: torch's best cap and auto's ratio to it, from made-up block times (no processes).
+"""benchmarks/experiments/auto_vs_caps.py: torch's best cap and auto's ratio to it, from made-up block times (no processes).
 
 Every wrapper is timed in the same rounds, so a drift of the machine
 between rounds moves all of them together: the ratio is taken within each
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path[:0] = [os.path.join(ROOT, "benchmarks", "experiments"), os.path.join(ROOT, "benchmarks")]
 
 import auto_vs_caps  # noqa: E402
 from auto_vs_caps import pooled_interval, report, run_figures, verdict  # noqa: E402

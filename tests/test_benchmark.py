@@ -35,7 +35,7 @@ SPREAD += [f"overhead_gap_{v}_ms" for v in ("copy", "view")]
 SPREAD += ["bound_ms"] + [f"{k}_{w}{u}" for w in [*WRAPPERS, "minddp_auto"] for k, u in (("over_bound", "_ms"), ("x_bound", ""))]
 SPREAD += [f"hidden_fraction_{w}" for w in [*WRAPPERS, "minddp_auto"]]
 AUTO_FIELDS = {"minddp_auto_ms", "peak_mem_minddp_auto_mb", "auto_buckets", "auto_predicted_ms",
-               "max_param_diff_auto"}  # MiniDDP(bucket_cap_mb="auto") against torch_copy
+               "max_param_diff_auto"}  # plan_buckets(MiniDDP(...)) against torch_copy
 RESULT_FIELDS = {
     "model", "backend", "device", "world_size", "bucket_cap_mb", "runs",
     "local_ms", "forward_ms", "allreduce_ms", "ideal_ms", "naive_ms", "max_param_diff", "per_run",
@@ -71,7 +71,7 @@ def test_quick_run_writes_every_field_and_the_wrappers_agree(tmp_path):
     assert "ratio auto" in proc.stdout  # the column
     # why: the planner's decision once per model (not once per run and row); not a terminal, so one
     # progress line per model and run (not one per round), then the memory run and the end
-    assert proc.stderr.count("MiniDDP bucket_cap_mb='auto'") == len(MODELS), proc.stderr
+    assert proc.stderr.count("MiniDDP plan_buckets") == len(MODELS), proc.stderr
     assert proc.stderr.count("gpt, cap 25 MB (") == RUNS and "round" not in proc.stderr, proc.stderr
     assert proc.stderr.count("peak memory (") == 1 and "\r" not in proc.stderr, proc.stderr
     # the summary comes first, one line per model with a verdict, then the tables
@@ -169,7 +169,7 @@ def test_bound_is_the_sum_without_a_spare_core_and_the_max_with_one():
 
 
 def test_ratio_auto_is_auto_over_torch_at_its_defaults():
-    """MiniDDP(bucket_cap_mb="auto") is set against torch's DDP with gradient_as_bucket_view=False."""
+    """plan_buckets(MiniDDP(...)) is set against torch's DDP with gradient_as_bucket_view=False."""
     blocks = {"local": [10.0], "allreduce": [5.0], "naive": [30.0], "torch_copy": [20.0], "minddp_copy": [21.0],
               "torch_view": [18.0], "minddp_view": [19.0], "minddp_auto": [17.0]}  # fmt: skip
     figures = spread.run_figures(blocks, ["copy", "view"])

@@ -35,7 +35,7 @@ def test_a_terminal_gets_one_line_redrawn_in_place_and_notes_above_it(monkeypatc
     assert bar.live
     for r in range(8):
         bar.update(r, "run 1/3, mlp, cap 25 MB", f"round {r + 1}/8")
-    bar.note("mlp: MiniDDP bucket_cap_mb='auto': 3 bucket(s)")
+    bar.note("mlp: MiniDDP plan_buckets: 3 bucket(s)")
     bar.update(50, "run 2/3, gpt, cap 1 MB", "round 1/8")
     bar.finish()
     text = out.getvalue()

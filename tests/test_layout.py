@@ -65,7 +65,7 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
     """The package's modules that ``name`` imports, anywhere in its source."""
     found = set()
     for target in _imported_names(path, name, modules):
-        while target and target not in modules:  # "import minddp.train.cli.x" -> the module part
+        while target and target not in modules:  # "import minddp.ddp.reducer.x" -> the module part
             target = target.rpartition(".")[0]
         if target and target != name:
             found.add(target)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path[:0] = [os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "benchmarks", "experiments")]
 
 from benchlib.live_bytes import LiveBytes  # noqa: E402
 
@@ -100,7 +100,7 @@ def test_quick_run_every_setup_trains_like_torch_ddp(tmp_path):
 
 
 def test_thread_cpu_reader_charges_work_to_the_thread_that_did_it():
-    """benchmarks/fsdp_threads.py reads each thread's CPU from /proc: 0.3 s of busy work on the main
+    """benchmarks/experiments/fsdp_threads.py reads each thread's CPU from /proc: 0.3 s of busy work on the main
     thread shows there, and a busy helper thread does not (it is 'other')."""
     import threading
     import time

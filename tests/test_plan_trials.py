@@ -1,4 +1,4 @@
-"""bucket_cap_mb="auto" times the plans the model proposed in turn: the schedule and the verdict, without a clock.
+"""plan_buckets times the plans the model proposed in turn: the schedule and the verdict, without a clock.
 
 :class:`~minddp_lab.auto.trials.PlanTrials` is bookkeeping: made-up step
 times go in, and the schedule (which plan each step runs, when to rebuild,

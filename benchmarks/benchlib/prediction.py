@@ -10,7 +10,7 @@ same link as the timed steps:
   gradient is ready (:func:`minddp_lab.simulate.profile_from_trace`);
 * **the link**: ``all_reduce`` of a small buffer (64 KiB) and of one as large
   as all the gradients, the fastest of a few tries each (load only adds
-  time), fitted as ``bucket_cap_mb="auto"`` fits it
+  time), fitted as ``plan_buckets`` fits it
   (:func:`minddp_lab.links.probe.fit_latency_bandwidth`).
 
 After each row's timing, rank 0 replays its bucket cap, the profile's
@@ -105,8 +105,8 @@ def table(cfg: dict, rows: list[dict]) -> str:
         f"On {where}, {cfg['world_size']} ranks: ms per step, median over runs (ratios and hidden: median [min, max]);",
         "  simulated: minddp_lab.simulate's step from this run's compute profile (scaled to local) and link fit (benchlib/prediction.py),",
         f"  communication {SIMULATED_WITH.get(cfg.get('bound_rule'), 'beside or with')} backward; sim error against torch copy;",
-        "  hidden = (local + allreduce - step) / allreduce; auto predicted: the step bucket_cap_mb='auto''s planner",
-        "  predicted for the buckets it chose (rank 0, minddp_lab/auto/planner.py); auto / torch: MiniDDP(bucket_cap_mb='auto')",
+        "  hidden = (local + allreduce - step) / allreduce; auto predicted: the step plan_buckets's planner",
+        "  predicted for the buckets it chose (rank 0, minddp_lab/auto/planner.py); auto / torch: plan_buckets(MiniDDP(...))",
         "  against torch's DDP at this row's cap (the 25 MB row: torch's default)",
     ]
     return "\n".join(lines) + "\n" + markdown_table(titles, cells_all)

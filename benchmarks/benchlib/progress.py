@@ -9,7 +9,7 @@ and remaining time span the whole benchmark.
 
 * **live** (stderr is a terminal, ``CI`` unset, ``TERM`` not ``dumb``): one
   line redrawn in place, ``[#####-----]  37%  run 2/5, mlp, cap 25 MB, round
-  3/8  1:23 elapsed, ~2:10 left``; a note (``bucket_cap_mb="auto"``'s
+  3/8  1:23 elapsed, ~2:10 left``; a note (``plan_buckets``'s
   decision) is printed above it;
 * **plain** (a pipe, a log file, CI): one line per stage (a model and cap in
   one run, the memory run), never one per round.

@@ -38,7 +38,7 @@ def _progress(cfg: dict, rank: int) -> Progress | None:
 
 def timing_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     """Every rank of one row (``cfg["case"]`` of :func:`cases`) in one timing run, inside an initialised
-    process group. ``benchlib/runs.py`` starts fresh processes for every row: ``bucket_cap_mb="auto"`` times
+    process group. ``benchlib/runs.py`` starts fresh processes for every row: ``plan_buckets`` times
     its proposals on real steps, so it chooses as in a user's script only where no other model or cap has
     trained in its process first (``Runner.warm_up``). The simulator's inputs come after the timings, in the
     same processes."""
@@ -97,7 +97,7 @@ def memory_main(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     allocator setting of ``memory.ALLOCATOR_ENV`` (see ``benchlib/memory.py``)."""
     torch.set_num_threads(cfg["threads_per_rank"])
     device = _device(cfg)
-    with contextlib.redirect_stdout(io.StringIO()):  # bucket_cap_mb="auto"'s decision: shown by timing_main
+    with contextlib.redirect_stdout(io.StringIO()):  # plan_buckets's decision: shown by timing_main
         out = _peak_memory_rows(cfg, rank, world_size, device, _progress(cfg, rank))
     if rank == 0:
         with open(out_path, "w") as f:

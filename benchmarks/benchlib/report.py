@@ -59,7 +59,7 @@ def header(cfg: dict) -> str:
             "             is given to both, and then their first bucket is that cap too (torch's rule, MiniDDP's as well)",
             "  copy/view  gradient_as_bucket_view=False (both wrappers' default) / True",
             "  ratio      minddp / torch, same setting; within a run, then the median [min, max] over runs",
-            "  auto       MiniDDP(bucket_cap_mb='auto', buffer_sync='with_gradients') (buckets: as many as it chose); ratio auto: auto / torch copy",
+            "  auto       plan_buckets(MiniDDP(buffer_sync='with_gradients')) (buckets: as many as it chose); ratio auto: auto / torch copy",
             "  max diff   largest |param_torch - param_minddp| after the timed steps (same init, data, steps)",
             "  times: ms per step, the run's median over rounds (each block: the slowest rank), median over runs",
         ]

@@ -6,7 +6,7 @@ the *median over rounds* of its block times. From those medians:
 * ``ratio_V`` = minddp_V / torch_V, for ``V`` in ``copy`` and ``view``
   (``gradient_as_bucket_view`` False / True, same setting on both sides);
 * ``ratio_auto`` = minddp_auto / torch_copy: MiniDDP choosing its buckets
-  (``bucket_cap_mb="auto"``) against torch's DDP at its defaults;
+  (``plan_buckets``) against torch's DDP at its defaults;
 * ``overhead_W_ms`` for each wrapper ``W`` run with the no-communication
   hook: the median over rounds of (W's block - the bare model's block *of the
   same round*). Pairing by round cancels most of the machine's drift, which
@@ -123,7 +123,7 @@ def make_rows(cfg: dict, runs: list[list[dict]], memory: list[dict]) -> list[dic
             figures = run_figures(blocks, cfg["bucket_views"], cfg["bound_rule"])
             if "predicted_ms" in entry:  # the simulator's step for this cap (benchlib/prediction.py)
                 figures["predicted_ms"] = entry["predicted_ms"]
-            if "auto_buckets" in entry:  # how many buckets bucket_cap_mb="auto" chose in this run
+            if "auto_buckets" in entry:  # how many buckets plan_buckets chose in this run
                 figures["auto_buckets"] = entry["auto_buckets"]
                 if "auto_predicted_ms" in entry:  # and the step its planner predicted for them
                     figures["auto_predicted_ms"] = entry["auto_predicted_ms"]

@@ -9,7 +9,7 @@ single run there is no spread, and no verdict.
 
 Per model, at the main bucket cap (``--bucket-cap-mb``, torch's default 25 MB,
 or the largest of a sweep): ``copy`` and ``view`` (``gradient_as_bucket_view``
-False and True on both sides), and ``auto`` (``MiniDDP(bucket_cap_mb="auto")``)
+False and True on both sides), and ``auto`` (``plan_buckets(MiniDDP(...))``)
 against torch's DDP at its defaults. With a sweep, also ``auto`` against torch's
 DDP at its best cap against ``auto``: the highest of the ratios ``auto`` / torch
 at each cap, each taken in the same rounds (rows are timed one after another

@@ -27,7 +27,7 @@ the same initial state, the things it can step:
                          the first bucket that cap too
 ``minddp_copy``          ``minddp.MiniDDP``, the same two settings (False is
 ``minddp_view``          its default too)
-``minddp_auto``          MiniDDP at its fastest: ``bucket_cap_mb="auto"`` (it
+``minddp_auto``          MiniDDP at its fastest: ``plan_buckets`` (it
                          measures its first steps and the link, and rebuilds
                          its buckets once; every implementation gets the same
                          warm-up, long enough for that) and
@@ -79,6 +79,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from minddp import MiniDDP
+from minddp_lab.auto import plan_buckets
 
 from benchlib import bound, memory, models
 from benchlib.wrappers import (AUTO, NOCOMM, bucket_sizes, cap_argument, comm_hooks, return_bucket, wire_dtype,
@@ -128,9 +129,10 @@ class Runner:
     def wrapped(self, name: str) -> torch.nn.Module:
         """A fresh model in the wrapper ``name`` of :func:`wrapper_names`."""
         if name == AUTO:
-            ddp = MiniDDP(self.fresh(), bucket_cap_mb="auto", buffer_sync="with_gradients")
+            ddp = MiniDDP(self.fresh(), buffer_sync="with_gradients")
             if self.minddp_hook is not None:
                 ddp.register_comm_hook(None, self.minddp_hook)
+            plan_buckets(ddp)
             return ddp
         impl, view = name.split("_")[:2]
         wrap = self.wrap_torch if impl == "torch" else self.wrap_minddp
@@ -155,7 +157,7 @@ class Runner:
         return step
 
     def settle(self, step: Callable[[], None]) -> None:
-        """Run a ``bucket_cap_mb="auto"`` wrapper's ``step`` until its buckets are final (its planner timed its
+        """Run a ``plan_buckets`` wrapper's ``step`` until its buckets are final (its planner timed its
         proposals and asked for the kept plan, which the next step builds), then start it over from the same
         weights and batches as the other wrappers, so that their parameters still compare after the same
         steps. Every rank steps alike: the planner's schedule is the same on all of them.
@@ -224,7 +226,7 @@ class Runner:
         return (time.perf_counter() - t0) / k * 1000.0
 
     def warm_up(self, steps: dict[str, Callable[[], None]]) -> None:
-        """Settle every ``bucket_cap_mb="auto"`` wrapper (:meth:`settle`) before any other wrapper steps, then
+        """Settle every ``plan_buckets`` wrapper (:meth:`settle`) before any other wrapper steps, then
         run each ``warmup`` steps. ``auto`` times its proposals on real steps, so it chooses in the process as
         a user's script leaves it: with other models trained there first, mlp's trials on fast links kept one
         bucket, 3% to 5% slower than three, in 14 of 30 runs; with none, in 0 of 18 (docs/real_links.md)."""
@@ -235,7 +237,7 @@ class Runner:
                 step()
 
     def block_times(self, steps: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
-        """Warm every step up (:meth:`warm_up`: ``bucket_cap_mb="auto"`` settled first), then time
+        """Warm every step up (:meth:`warm_up`: ``plan_buckets`` settled first), then time
         ``repeats`` rounds of one block each, the order rotating by one per round. Per name, every
         round's slowest-rank ms per step."""
         cfg = self.cfg
@@ -265,11 +267,11 @@ class Runner:
             steps["naive"] = self.stepper(naive_model, self.naive_sync(naive_model))
         for name in wrapper_names(self.cfg):
             steps[name] = self.stepper(self.wrapped(name))
-        # bucket_cap_mb="auto" prints its decision (rank 0) in every run of every row: kept, and
+        # plan_buckets prints its decision (rank 0) in every run of every row: kept, and
         # shown once per model by timing_main instead.
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             blocks = self.block_times(steps)
-        decisions = [line for line in printed.getvalue().splitlines() if "bucket_cap_mb='auto'" in line]
+        decisions = [line for line in printed.getvalue().splitlines() if "plan_buckets" in line]
         diffs = []
         for name in (n for n in steps if n.startswith("torch_")):
             twin = steps["minddp_" + name[len("torch_") :]]

@@ -5,7 +5,7 @@ Four wrappers per row: torch's DDP and MiniDDP, each with
 (``view``). With ``--overhead`` (the default) four more, named ``..._nocomm``:
 the same wrappers with :func:`return_bucket` as their communication hook.
 And ``minddp_auto`` (unless ``--no-auto``): MiniDDP at its fastest, with
-``bucket_cap_mb="auto"`` and ``buffer_sync="with_gradients"``, set against
+``plan_buckets`` and ``buffer_sync="with_gradients"``, set against
 ``torch_copy``, torch's DDP at *its* defaults.
 """
 
@@ -17,7 +17,7 @@ from minddp.ddp.bucket_assignment import MiB, TensorSpec, assign_buckets
 from minddp.ddp.wrapper import FIRST_BUCKET_CAP_MB
 
 NOCOMM = "_nocomm"  # suffix of the overhead-mode wrappers' names
-AUTO = "minddp_auto"  # MiniDDP(bucket_cap_mb="auto", buffer_sync="with_gradients"), against torch_copy
+AUTO = "minddp_auto"  # plan_buckets(MiniDDP(buffer_sync="with_gradients")), against torch_copy
 
 
 def return_bucket(state, bucket):  # no annotation: torch's DDP rejects any but the unquoted Future[Tensor]

@@ -10,7 +10,7 @@ plus one more full-size buffer and copy per unit per step. So on Gloo:
   goes out and the peer's half for this rank comes in, as one exchange
   (:func:`minddp.zero.pairwise.reduce_scatter`), and this rank adds its own
   half: half the bytes, one collective, and half the CPU of the all-reduce
-  in a real step (``benchmarks/fsdp_threads.py``). ``a + b == b + a``, so
+  in a real step (``benchmarks/experiments/fsdp_threads.py``). ``a + b == b + a``, so
   the same bits as Gloo's all-reduce;
 * at three or more, a unit's send buffer is already a private copy of its
   gradients, so all-reducing *it* in place and reading this rank's chunk runs

@@ -16,8 +16,8 @@ At two ranks each collective is one exchange with the one peer, and it goes
 as one Gloo collective: ``all_to_all_single`` with nothing sent to oneself
 (the peer's chunk out, this rank's in), run on Gloo's worker thread like any
 collective. Between real computation that costs half the CPU of the
-all-reduce (``benchmarks/pairwise_collectives.py``, and ``minddp.fsdp``'s
-step in ``benchmarks/fsdp_threads.py``). At three ranks and more the sends
+all-reduce (``benchmarks/experiments/pairwise_collectives.py``, and ``minddp.fsdp``'s
+step in ``benchmarks/experiments/fsdp_threads.py``). At three ranks and more the sends
 and receives are posted one by one; there, called back to back on an idle
 machine they cost a third of the CPU of Gloo's collectives, but between real
 computation on a loaded machine the difference is lost in the noise, and

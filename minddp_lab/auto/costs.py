@@ -1,4 +1,4 @@
-"""What a bucket costs beyond its bytes on the wire, measured: the two costs ``bucket_cap_mb="auto"`` charges.
+"""What a bucket costs beyond its bytes on the wire, measured: the two costs ``plan_buckets`` charges.
 
 The alpha-beta replay (:mod:`minddp_lab.simulate.replay`) prices a bucket by
 its time on the wire. Two more costs grow with the number of buckets, and

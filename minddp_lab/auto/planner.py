@@ -1,4 +1,4 @@
-"""``bucket_cap_mb="auto"``: let the measured network choose the buckets.
+"""``plan_buckets``: let the measured network choose the buckets.
 
 torch's DDP buckets gradients with a fixed cap (25 MiB, the first bucket
 1 MiB) whatever the network. The alpha-beta model (:mod:`minddp_lab.network`)
@@ -108,7 +108,7 @@ class BucketChoice:
 
     def describe(self) -> str:
         """The one line MiniDDP prints when it rebuilds its buckets."""
-        choice = (f"MiniDDP bucket_cap_mb='auto': {self.buckets} bucket(s) (cap {self.cap_mb:g} MB, first "
+        choice = (f"MiniDDP plan_buckets: {self.buckets} bucket(s) (cap {self.cap_mb:g} MB, first "
                   f"{self.first_cap_mb:g} MB), predicted {self.predicted_ms:.1f} ms/step against {self.default_ms:.1f} "
                   f"ms for the default ({DEFAULT_CAP_MB:g} MB, first {FIRST_BUCKET_CAP_MB:g} MB: "
                   f"{self.default_buckets} bucket(s))")

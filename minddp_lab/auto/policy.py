@@ -47,7 +47,7 @@ PROBE_REPEATS = 5
 
 
 class AutoBuckets:
-    """``bucket_cap_mb="auto"`` on one reducer: measure a few backwards, probe, propose, time, rebuild.
+    """``plan_buckets`` on one reducer: measure a few backwards, probe, propose, time, rebuild.
 
     Its life cycle: attached (the reducer records arrivals and calls
     :meth:`_after_backward` at the end of every backward), measuring (each
@@ -96,7 +96,7 @@ class AutoBuckets:
             self.decide(functools.partial(communicate_buffer, reducer), reducer.world_size, reducer.device,
                         dtype, self._is_rank0)
         except ValueError as error:
-            why = f"MiniDDP bucket_cap_mb='auto': kept the default ({error})"
+            why = f"MiniDDP plan_buckets: kept the default ({error})"
         default = (reducer.options.bucket_cap_mb, FIRST_BUCKET_CAP_MB)
         proposed = list(self.choice.contenders) if self.choice else [default]
         plans = self._from_rank0(proposed + [(math.nan, math.nan)] * (MAX_PROPOSALS - len(proposed)))
@@ -205,7 +205,7 @@ class AutoBuckets:
         costs = Overheads(per_bucket_us=fixed_cost_us(self._fills, self._launches),
                           contention_us_per_MB=contention_us_per_MB(
                               device, world_size, statistics.median(cpu for _, cpu in timings[-1]), buffers[-1].nbytes),
-                          source="measured by bucket_cap_mb='auto' (minddp_lab/auto/costs.py)")
+                          source="measured by plan_buckets (minddp_lab/auto/costs.py)")
         profile, measured = self.profile(), self.measured_step_ms()
         modelled = replay(profile, link, world_size, (DEFAULT_CAP_MB, FIRST_BUCKET_CAP_MB), costs)
         if measured is not None:  # what the replay misses, from the steps that ran with the default's buckets

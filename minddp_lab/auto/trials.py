@@ -1,6 +1,6 @@
 """Bucket plans timed in turn on the real steps: the model proposes, the clock decides.
 
-The replay that ``bucket_cap_mb="auto"`` predicts with (:mod:`minddp_lab.auto.planner`)
+The replay that ``plan_buckets`` predicts with (:mod:`minddp_lab.auto.planner`)
 explains a step over a slow link to within 1%, but on CPU ranks that share
 their cores with Gloo it misses by 8% to 30%: how much an all-reduce beside
 backward slows it, and how much of the wire backward still hides, are what

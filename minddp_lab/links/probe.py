@@ -1,4 +1,4 @@
-"""The link probe of ``bucket_cap_mb="auto"``: all-reduces through the buckets' own path, timed and fitted.
+"""The link probe of ``plan_buckets``: all-reduces through the buckets' own path, timed and fitted.
 
 :class:`~minddp_lab.auto.planner.AutoBuckets` sends scratch buffers of
 two sizes the way its reducer's buckets travel (:func:`communicate_buffer`:

@@ -62,7 +62,7 @@ class DDPPolicy:
     collective: str = "all_reduce"  # what each bucket does: "reduce_scatter" is ZeRO stage 2's
     overheads: Overheads = NO_OVERHEADS  # costs the bare model misses (minddp_lab.simulate.overheads)
     # True: torch's rule, a bucket closes after the gradient that reaches its cap (what MiniDDP builds,
-    # and bucket_cap_mb="auto" plans with); False: the older rule the checked tables were made with.
+    # and plan_buckets plans with); False: the older rule the checked tables were made with.
     buckets_may_pass_cap: bool = False
 
     def __post_init__(self) -> None:

@@ -1,13 +1,13 @@
-"""``bucket_cap_mb="auto"`` against torch's DDP at every cap of a sweep, all timed in the same rounds.
+"""``plan_buckets`` against torch's DDP at every cap of a sweep, all timed in the same rounds.
 
-    python benchmarks/auto_vs_caps.py --models mlp,gpt --link 1gbit --runs 3
+    python benchmarks/experiments/auto_vs_caps.py --models mlp,gpt --link 1gbit --runs 3
 
 ``compare.py`` times one bucket cap after another, so its rows compare
 moments as much as caps: on loopback its sweep read torch's DDP 14% (mlp)
 and 29% (ae) faster at 1 MB than at its default, where this script, timing
 both in the same rounds, finds them within a few percent. Here every rank
 builds, per model, torch's DDP at each cap (the 25 MB one: no cap given,
-torch's real default) and MiniDDP with ``bucket_cap_mb="auto"`` (and
+torch's real default) and MiniDDP with ``plan_buckets`` (and
 ``buffer_sync="with_gradients"``, as in ``compare.py``), warms each up past
 ``auto``'s choice, then times ``--rounds`` rounds of one block per wrapper,
 the order rotating by one each round (each block: the slowest rank's ms per
@@ -45,14 +45,17 @@ import statistics
 import sys
 import tempfile
 
-import torch
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # the repository
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # benchmarks/: benchlib
 
-from minddp import MiniDDP
-from minddp.ddp.bucket_assignment import MiB
-from minddp.launch import spawn
+import torch  # noqa: E402
 
-from benchlib.timing import Runner
-from benchlib.wrappers import AUTO, DEFAULT_CAP_MB
+from minddp import MiniDDP  # noqa: E402
+from minddp.ddp.bucket_assignment import MiB  # noqa: E402
+from minddp_lab.links import spawn  # noqa: E402
+
+from benchlib.timing import Runner  # noqa: E402
+from benchlib.wrappers import AUTO, DEFAULT_CAP_MB  # noqa: E402
 
 TARGET = 1.02  # issue 47: auto at most torch's best cap + 2%
 CAPS_MB = (0.25, 1.0, 5.0, DEFAULT_CAP_MB)  # the issue's sweep; 25 is torch's default (no cap given)

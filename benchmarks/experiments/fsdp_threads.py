@@ -1,7 +1,7 @@
 """Where the CPU time of a step goes, thread by thread: torch's DDP against ``minddp.fsdp`` (stage 3).
 
-    python benchmarks/fsdp_threads.py                 # 2 ranks, 7 rounds of 10 steps
-    python benchmarks/fsdp_threads.py --rounds 9 --text docs/fsdp_threads.txt
+    python benchmarks/experiments/fsdp_threads.py                 # 2 ranks, 7 rounds of 10 steps
+    python benchmarks/experiments/fsdp_threads.py --rounds 9 --text docs/fsdp_threads.txt
 
 ``minddp_lab.models.GPT`` as in ``fsdp_peers.py`` (each block then the root for
 stage 3), AdamW, Gloo on CPU, one intra-op thread per rank. Each round runs
@@ -30,7 +30,8 @@ import statistics
 import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # the repository
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # benchmarks/: benchlib
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -85,7 +86,7 @@ def rank_main(rank: int, world_size: int, args: dict, path: str) -> None:
 
 
 def table(everyone: list[dict], args: dict) -> str:
-    lines = [f"# python benchmarks/fsdp_threads.py --rounds {args['rounds']} --steps {args['steps']}  "
+    lines = [f"# python benchmarks/experiments/fsdp_threads.py --rounds {args['rounds']} --steps {args['steps']}  "
              f"(2 ranks, Gloo, CPU; load average {os.getloadavg()[0]:.1f})",
              "CPU ms per step by thread, the busiest rank of each round; median over rounds [min, max]",
              "| setup | total | main | gloo_tcp_loop | pt_gloo_runloop | other |", "|---|---:|---:|---:|---:|---:|"]

@@ -1,7 +1,7 @@
 """ZeRO's two collectives on Gloo: torch's own against ``minddp.zero.pairwise`` (an exchange, or sends and receives).
 
-    python benchmarks/pairwise_collectives.py                  # 2 ranks, 0.45 MB and 1.9 MB buffers
-    python benchmarks/pairwise_collectives.py --world-size 3 --rounds 15 --text docs/pairwise_collectives.txt
+    python benchmarks/experiments/pairwise_collectives.py                  # 2 ranks, 0.45 MB and 1.9 MB buffers
+    python benchmarks/experiments/pairwise_collectives.py --world-size 3 --rounds 15 --text docs/pairwise_collectives.txt
 
 For each buffer size (float32 elements, a multiple of N), per call: the CPU
 time of this process (``time.process_time``: Gloo's threads included) and the
@@ -30,7 +30,8 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # the repository
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # benchmarks/: benchlib
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -89,7 +90,7 @@ def _cell(values: list[float]) -> str:
 
 
 def table(everyone: list[dict], args: dict) -> str:
-    lines = [f"# python benchmarks/pairwise_collectives.py --world-size {args['world_size']} --rounds {args['rounds']} "
+    lines = [f"# python benchmarks/experiments/pairwise_collectives.py --world-size {args['world_size']} --rounds {args['rounds']} "
              f"--calls {args['calls']}  (Gloo, CPU, 1 thread per rank; load average {os.getloadavg()[0]:.1f})",
              "per call, slowest rank per round; median over rounds [min, max]",
              "| buffer | form | CPU ms | wall ms |", "|---|---|---:|---:|"]

@@ -1,7 +1,7 @@
 """Where MiniDDP's per-step time goes, next to torch's DDP, with no communication.
 
-    python benchmarks/profile_overhead.py                      # mlp,cnn,ae,gpt, both settings
-    python benchmarks/profile_overhead.py --models gpt --view copy --steps 100
+    python benchmarks/experiments/profile_overhead.py                      # mlp,cnn,ae,gpt, both settings
+    python benchmarks/experiments/profile_overhead.py --models gpt --view copy --steps 100
 
 Both wrappers run with ``wrappers.return_bucket`` as their communication hook
 (the overhead mode of ``compare.py``), on 2 Gloo ranks; rank 0 reports. Three
@@ -34,6 +34,8 @@ import sys
 import time
 from collections import defaultdict
 
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # the repository
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # benchmarks/: benchlib
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
