@@ -401,7 +401,7 @@ def test_every_row_of_compare_runs_in_processes_of_its_own(monkeypatch):
     """``auto`` chooses as in a user's script only where nothing else has trained in its process (the test
     above): ``compare.py`` starts fresh rank processes for every model and cap of every run, then the
     learned-order and trace extras in processes of their own, then the memory run."""
-    import minddp.launch
+    import minddp_lab.links
     from benchlib import runs
     from benchlib.rank_work import extras_main, memory_main, timing_main
 
@@ -415,7 +415,7 @@ def test_every_row_of_compare_runs_in_processes_of_its_own(monkeypatch):
         with open(out_path, "w") as f:
             json.dump(written, f)
 
-    monkeypatch.setattr(minddp.launch, "spawn", fake_spawn)
+    monkeypatch.setattr(minddp_lab.links, "spawn", fake_spawn)
     cfg = {"models": ["mlp", "gpt"], "bucket_caps": [1.0, 25.0], "runs": 2, "repeats": 1, "world_size": 2,
            "backend": "gloo", "learned_order_cap_mb": 1.0, "trace_files": {}}
     with contextlib.redirect_stderr(io.StringIO()):

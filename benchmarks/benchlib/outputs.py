@@ -7,7 +7,7 @@ import os
 import tempfile
 from typing import Any, Callable
 
-from minddp.launch import spawn
+from minddp_lab.links import spawn
 
 
 def ranks_json(rank_main: Callable, world_size: int, args: dict, link: str | None = None) -> Any:
