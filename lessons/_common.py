@@ -3,7 +3,9 @@ and the frozen test bench of lessons 04 to 08.
 
 Kept small on purpose, so that each lesson still reads top to bottom. From
 lesson 02 on, ranks are started with ``minddp.launch.spawn``, which wraps
-``torch.multiprocessing.spawn`` (lesson 02 shows how it works underneath).
+``torch.multiprocessing.spawn`` (lesson 02 shows how it works underneath),
+through the lab's ``minddp_lab.links.spawn`` (the same, behind a real link
+when ``--link real:RATE`` asks for one).
 
 Lessons 04-08 each build one data-parallel wrapper and hand it to
 :func:`train_and_compare`: the same model, the same data, the same

@@ -1,7 +1,7 @@
 """The reducer's hook points, used the way the policies above it use them.
 
-Mechanism below, policy above: the learned bucket order, ``bucket_cap_mb=
-"auto"`` and ZeRO stage 2 drive the reducer only through its documented
+Mechanism below, policy above: the learned bucket order, the lab's bucket
+planner (``minddp_lab.auto``) and ZeRO stage 2 drive the reducer only through its documented
 interface: an observer they add (``add_observer``, here an ``ArrivalLog``),
 ``backward_done_callbacks``, ``rebuild``, and lent buckets
 (``use_bucket_storage`` and ``set_gradients``, by ``lend_buckets``). Each
