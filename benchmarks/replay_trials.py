@@ -1,6 +1,6 @@
 """How often ``auto``'s trials keep a slower plan, replayed on block times that ``auto_vs_caps.py`` measured.
 
-    python benchmarks/replay_trials.py docs/real_links/issue47-rounds-loopback.json --rounds 4,8,16
+    python benchmarks/replay_trials.py RUNS.json --rounds 4,8,16    (RUNS.json: written by auto_vs_caps.py --json)
 
 ``bucket_cap_mb="auto"`` times its proposals for a few rounds of short
 blocks (:class:`minddp.net.plan_trials.PlanTrials`) and keeps the fastest;
