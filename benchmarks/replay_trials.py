@@ -15,7 +15,7 @@ step for its timed steps), and the plan it keeps is charged its true
 ratio, its median ratio to the default over *all* the run's rounds,
 against the best cap's: the cost of the choice. Reported per ``R``: the
 mean cost over windows, models and runs, and the share of choices more
-than 2% slower than the best (the issue's target).
+than 2% slower than the best (the target of docs/real_links.md).
 """
 
 from __future__ import annotations
