@@ -1,6 +1,6 @@
 """How often ``auto``'s trials keep a slower plan, replayed on block times that ``auto_vs_caps.py`` measured.
 
-    python benchmarks/replay_trials.py docs/real_links/issue47-rounds-loopback.json --rounds 4,8,16
+    python benchmarks/replay_trials.py RUNS.json --rounds 4,8,16    (RUNS.json: written by auto_vs_caps.py --json)
 
 ``bucket_cap_mb="auto"`` times its proposals for a few rounds of short
 blocks (:class:`minddp.net.plan_trials.PlanTrials`) and keeps the fastest;
@@ -15,7 +15,7 @@ step for its timed steps), and the plan it keeps is charged its true
 ratio, its median ratio to the default over *all* the run's rounds,
 against the best cap's: the cost of the choice. Reported per ``R``: the
 mean cost over windows, models and runs, and the share of choices more
-than 2% slower than the best (the issue's target).
+than 2% slower than the best (the target of docs/real_links.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU path's defects that a CPU can show (issue 20); tests/test_cuda.py has the rest.
+"""The GPU path's defects that a CPU can show; tests/test_cuda.py has the rest.
 
 Each test here failed on the code before the fix it names.
 """

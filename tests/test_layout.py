@@ -141,7 +141,7 @@ def test_the_gradient_path_knows_no_policy_above_it():
 
 
 def test_the_plain_path_imports_no_part_feature_observer_or_policy():
-    # The reducer holds its parts; it never imports one (issue 44: reducer.py
+    # The reducer holds its parts; it never imports one (reducer.py
     # imported a feature, and its base class two). Not vacuous: the graph
     # sees reducer.py's imports of the buckets.
     graph = import_graph()

@@ -10,7 +10,7 @@ called counts once (comprehensions, generator expressions and lambdas are
 not counted: write the idiomatic form), and every file one came from counts
 with all its lines.
 
-Targets (issues 35 and 44, and one step more since every synchronized
+Targets (and one step more since every synchronized
 forward asks whether a bucket rebuild is due, as torch's does: ``Reducer.rebuild_if_due``):
 
 * default arguments: at most 20 functions, in at most 3 files (the plain

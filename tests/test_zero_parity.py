@@ -1,4 +1,4 @@
-"""minddp's ZeRO does what torch's ``ZeroRedundancyOptimizer`` does (issue #27, items 4-8).
+"""minddp's ZeRO does what torch's ``ZeroRedundancyOptimizer`` does.
 
 Each test runs minddp's optimizer beside torch's on the same data and checks
 the parameters after every step: bit for bit where both do the same
