@@ -177,7 +177,7 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
     assert not found, f"__class__ assigned at run time: {found}"
 
 
-CORE = ("minddp.ddp", "minddp.observe", "minddp.net.auto_buckets")
+CORE = ("minddp.ddp", "minddp.ddp.observers", "minddp.net.auto_buckets")
 
 
 def layer_of(module: str) -> str:

@@ -104,16 +104,16 @@ def test_the_first_step_with_its_bucket_rebuild_reads_in_at_most_4_files(fresh_r
     functions, files, lines = fresh_ranks.run(_reading_path, warm_up=0)[0]
     report = _describe(functions, files, lines)
     assert len(files) <= FIRST_STEP_MAX_FILES, report
-    assert ("minddp/ddp/bucket_assignment.py", "after_first_backward") in functions, report  # not vacuous
+    assert ("minddp/ddp/bucket_assignment.py", "after_backward") in functions, report  # not vacuous
 
 
 def test_instrumentation_and_join_bookkeeping_run_only_when_asked_for(fresh_ranks):
     functions, files, _ = fresh_ranks.run(_reading_path)[0]
-    assert not {"minddp/observe/trace.py", "minddp/ddp/join.py"} & set(files), _describe(functions, files, 0)
+    assert not {"minddp/ddp/observers/trace.py", "minddp/ddp/join.py"} & set(files), _describe(functions, files, 0)
     assert not [f for f in files if f.startswith("minddp/ddp/parts/")], _describe(functions, files, 0)
     # Not vacuous: asked for, the timeline does run on that step (an observer of the reducer).
     functions, files, _ = fresh_ranks.run(_reading_path, timeline=True)[0]
-    assert ("minddp/observe/trace.py", "bucket_launched") in functions, _describe(functions, files, 0)
+    assert ("minddp/ddp/observers/trace.py", "bucket_launched") in functions, _describe(functions, files, 0)
 
 
 def _print_reading_path(rank, world_size, options):

@@ -86,7 +86,7 @@ from minddp.zero.partition import PARTITIONS
 from minddp.zero.presence import stepped_parameters
 from minddp.zero.shards import Shard, ShardLayout
 from minddp.zero.stage1_hook import attach_allreduce
-from minddp.zero.stage2 import attach, check_attachable, check_buckets_unchanged, use_pool
+from minddp.zero.stage2 import GradientSharding, check_attachable, check_buckets_unchanged
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -142,11 +142,17 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optim: Optimizer | None = None
         self.layout: ShardLayout | None = None
         self._repartition()
+        self.gradient_sharding: GradientSharding | None = None  # stage 2: its state, and MiniDDP's part in it
         if self.shard_gradients:  # stage 2 is a bucket communication of MiniDDP's
-            attach(self, self.ddp)
+            self.gradient_sharding = GradientSharding(self, self.ddp)
         elif self.ddp is not None:
             self._gradients_from_hook = attach_allreduce(self, self.ddp)
         self._ready = True
+
+    @property
+    def bucket_pool(self):
+        """Stage 2's pool of bucket buffers (:mod:`minddp.zero.bucket_pool`); None without ``shard_gradients``."""
+        return self.gradient_sharding.bucket_pool if self.gradient_sharding is not None else None
 
     # ------------------------------------------------------------ partition
     def _repartition(self) -> None:
@@ -250,8 +256,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._end_gradient_round()
         self._pending_load = None
-        if self.shard_gradients:
-            use_pool(self)
+        if self.gradient_sharding is not None:
+            self.gradient_sharding.use_pool()
         with torch.no_grad():
             all_gather_params(self.layout, lambda s: s.master, lambda p: p.data, self.process_group)
         return loss

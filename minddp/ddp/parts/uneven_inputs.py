@@ -14,7 +14,7 @@ made when a ``Join`` (minddp's or torch's) asks the model for its join hook
 * on a rank that ran out of data, for each step the others still take
   (:meth:`~MiniDDPJoinHook.main_hook`): the same collectives in the same
   order, with nothing to contribute: the buffer broadcast, every bucket's
-  all-reduce (of zeros, :func:`shadow_backward`), the unused-parameter
+  all-reduce (of zeros, ``Reducer.shadow_backward``), the unused-parameter
   search if there is one;
 * when everyone is done: the last rank to train broadcasts its parameters
   and buffers.
@@ -25,15 +25,7 @@ from __future__ import annotations
 from minddp.ddp.join import Join, JoinHook, under_torchs_join
 from minddp.ddp.broadcast import broadcast_coalesced, sync_buffers
 
-__all__ = ["MiniDDPJoinHook", "join_hook", "shadow_backward"]
-
-
-def join_hook(ddp, divide_by_initial_world_size: bool = True) -> JoinHook:
-    """``MiniDDP.join_hook``: what the model does for a ``Join`` (minddp's or torch's) once its rank has
-    run out of data; from then on a part of its forward too."""
-    ddp._join_hook = MiniDDPJoinHook(ddp, divide_by_initial_world_size)
-    ddp._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
-    return ddp._join_hook
+__all__ = ["MiniDDPJoinHook"]
 
 
 class MiniDDPJoinHook(JoinHook):
@@ -75,7 +67,7 @@ class MiniDDPJoinHook(JoinHook):
         ddp = self.ddp
         if ddp.world_size > 1:
             sync_buffers(ddp._module_buffers(), ddp.process_group, ddp.buffer_sync, join.last_active)
-        shadow_backward(ddp.reducer)
+        ddp.reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         # Everyone is done: the last rank to train has the newest parameters.
@@ -90,20 +82,3 @@ class MiniDDPJoinHook(JoinHook):
             self.ddp.join_context = Join.inside_torchs_join(self.ddp)
         return self.ddp.join_context
 
-
-def shadow_backward(reducer) -> None:
-    """A joined rank's stand-in for a backward: the same collectives as the others', contributing zeros."""
-    reducer.rebuild_if_due()  # the others rebuild at their forward: the same buckets everywhere
-    for observer in reducer.observers:
-        observer.backward_started()  # nothing will arrive here; the step still counts, as on the other ranks
-    for bucket in reducer.buckets:
-        bucket.acquire()
-        bucket.buffer.zero_()
-        bucket.launch_unconditionally(reducer.communication.communicate)
-        bucket.wait()
-        bucket.reset()
-        if not reducer.storage.keep_buffers:
-            bucket.release()
-    reducer.readiness.shadow_backward(reducer)
-    for callback in list(reducer.backward_done_callbacks):
-        callback()
