@@ -24,14 +24,13 @@ for the buckets, which another policy may need to know.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # (for the annotations only: the reducer imports this module)
-    from minddp.ddp.buckets import Bucket
-    from minddp.ddp.reducer import Reducer
+# In the annotations below, ``Reducer`` is minddp.ddp.reducer.Reducer and ``Bucket`` minddp.ddp.buckets.Bucket,
+# named and not imported: this module is below both (the reducer imports it), and annotations are not evaluated.
 
 __all__ = ["BackwardPhase", "Readiness", "GradientTransfer", "Communication", "Passenger", "Observer", "Policy",
            "Rebuild"]
