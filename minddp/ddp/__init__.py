@@ -8,7 +8,7 @@ option beyond that path is a part in :mod:`minddp.ddp.parts`, one file each,
 picked by ``MiniDDP``'s constructor. The rest of this package is what the
 wrapper stands on: where the module lives (:mod:`~minddp.ddp.placement`),
 making replicas identical (:mod:`~minddp.ddp.broadcast`,
-:mod:`~minddp.ddp.replicas`), uneven inputs (:mod:`~minddp.ddp.join`),
+:mod:`~minddp.ddp.replicas`), the slots' contracts (:mod:`~minddp.ddp.contracts`),
 torch's communication hooks (:mod:`~minddp.ddp.default_hooks`) and the
 methods torch's DDP and its reducer offer to frameworks
 (:mod:`~minddp.ddp.torch_ddp_calls`, :mod:`~minddp.ddp.torch_reducer_calls`).

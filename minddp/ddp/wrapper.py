@@ -22,14 +22,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Joinable
+from torch.distributed.algorithms.join import Join, Joinable
 
 from minddp.ddp.arguments import (buffer_rule, check_arguments, first_bucket_cap_mb, refuse_unsupported,
                                   warn_check_reduction_deprecated)
 from minddp.ddp.broadcast import BufferSync, broadcast_coalesced
 from minddp.ddp.bucket_assignment import LearnedBucketOrder, MiB
 from minddp.ddp.default_hooks import builtin_comm_hook, check_comm_hook
-from minddp.ddp.join import Join
 from minddp.ddp.observers.follow import FollowedGradient, follow
 from minddp.ddp.observers.trace import ProfilerRanges, StepObserver, StepTimeline, Tracer
 from minddp.ddp.parts.bucket_views import BucketViews
@@ -49,7 +48,7 @@ __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
 
 # Built again by __setstate__, never pickled: the process group, the reducer (its hooks are on these very
 # parameters) and the parts and policies around it.
-NOT_PICKLED = ("process_group", "reducer", "_observer", "bucket_planner", "join_context", "_join_hook",
+NOT_PICKLED = ("process_group", "reducer", "_observer", "bucket_planner", "_join_hook",
                "buffer_policy", "_replica_checks", "_profiler_ranges")
 
 
@@ -213,7 +212,6 @@ class MiniDDP(nn.Module, Joinable):
         self._join_hook: MiniDDPJoinHook | None = None
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
-        self.join_context: Join | None = None  # set by Join inside ``with model.join():``
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
@@ -238,7 +236,8 @@ class MiniDDP(nn.Module, Joinable):
         if sync and self._join_hook is not None:  # under join(): who still trains, and whose buffers count
             buffers_from = self._join_hook.before_forward(buffers_from)
         if sync and self._replica_checks is not None:
-            self._replica_checks.before_forward(self.join_context)
+            self._replica_checks.before_forward(self._join_hook is None or
+                                                self._join_hook.ranks_training() == self.world_size)
         if buffers_from is not None and self.buffer_policy is not None:
             self.buffer_policy.before_forward(buffers_from)
         for observer in self.reducer.observers:
@@ -311,13 +310,13 @@ class MiniDDP(nn.Module, Joinable):
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
-        """``with model.join():`` lets ranks with fewer batches finish early (:mod:`minddp.ddp.join`,
-        :mod:`minddp.ddp.parts.uneven_inputs`); ``throw_on_early_termination=True``: every rank
+        """``with model.join():`` lets ranks with fewer batches finish early: torch's ``Join([self])``
+        (:mod:`minddp.ddp.parts.uneven_inputs`); ``throw_on_early_termination=True``: every rank
         raises as soon as one has run out instead."""
         return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, divide_by_initial_world_size: bool = True) -> MiniDDPJoinHook:
-        """What the model does for a ``Join`` (minddp's or torch's) once its rank has run out of data
+        """What the model does for a ``Join`` once its rank has run out of data
         (torch's ``Joinable`` contract); from then on a part of its forward too."""
         self._join_hook = MiniDDPJoinHook(self, divide_by_initial_world_size)
         self._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
@@ -325,12 +324,12 @@ class MiniDDP(nn.Module, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        """Where a ``Join``'s flags live (torch's ``Joinable`` contract)."""
+        """Where a ``Join``'s count lives (torch's ``Joinable`` contract)."""
         return self.device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
-        """The ranks a ``Join`` exchanges its flags over (torch's ``Joinable`` contract)."""
+        """The ranks a ``Join`` counts over (torch's ``Joinable`` contract)."""
         return self.process_group
 
     def _buffers_by_broadcast(self) -> None:
