@@ -90,7 +90,7 @@ with ``--threads-per-rank`` intra-op threads; the rank side is
 token sequences for ``gpt``), seeded per rank: this measures steps, not
 learning.
 
-Two extras (rank side in ``benchlib/overlap.py``, reading traces in ``minddp/observe/trace_view.py``):
+Two extras (rank side in ``benchlib/overlap.py``, reading traces in ``minddp/ddp/observers/trace_view.py``):
 
 * ``--trace PATH.json``: after the timings, a few more steps of
   ``MiniDDP(trace=True)`` per model, written as a Chrome trace (open it in

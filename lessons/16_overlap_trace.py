@@ -41,7 +41,7 @@ What to look at
     parts: waiting for the wire, the model's time on it, waiting for the
     slowest rank to launch the same bucket, and what this machine added. With matplotlib installed
     (``pip install '.[plot]'``) the same step for every rank as a PNG
-    beside the JSON, drawn by ``minddp/observe/trace_view.py``, the code
+    beside the JSON, drawn by ``minddp/ddp/observers/trace_view.py``, the code
     behind ``benchmarks/compare.py --trace``.
 
 Try this
@@ -64,7 +64,7 @@ import torch.nn as nn
 
 from minddp import MiniDDP
 from minddp.net.simulated_link import simulated_allreduce_hook
-from minddp.observe.trace_view import StepView, draw_overlap, read_steps  # shared with the benchmark
+from minddp.ddp.observers.trace_view import StepView, draw_overlap, read_steps  # shared with the benchmark
 from _common import add_link_option, make_link, parse_args, print0, run
 
 STEPS = 4

@@ -14,7 +14,7 @@ What you will learn
     1. Uneven inputs. Rank 0 has 3 batches, rank 1 has 2. Rank 0's third
        backward all-reduces a bucket that rank 1 never sends: it hangs until
        the timeout. Fix: ``with model.join():`` -- a rank that ran out of data
-       answers the others' collectives with zeros (``minddp/ddp/join.py``), or
+       answers the others' collectives with zeros (``minddp/ddp/parts/uneven_inputs.py``), or
        make the shards even (``DistributedSampler`` pads, lesson 09).
     2. A parameter unused on one rank. Rank 1's forward skips a layer, so
        that layer's gradient never arrives and its bucket is never sent.

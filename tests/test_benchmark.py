@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from benchlib import bound  # noqa: E402
 from benchlib import spread  # noqa: E402
-from minddp.observe.trace_view import read_steps  # noqa: E402
+from minddp.ddp.observers.trace_view import read_steps  # noqa: E402
 
 WRAPPERS = [f"{impl}_{view}" for impl in ("torch", "minddp") for view in ("copy", "view")]
 SPREAD = [f"ratio_{v}" for v in ("copy", "view", "auto")] + [f"overhead_{w}_ms" for w in WRAPPERS]

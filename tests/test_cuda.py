@@ -369,7 +369,7 @@ def test_tutorial_form_without_set_device_on_two_gpus():
 # ------------------------------------------------------- device-side trace
 def _traced_late_hook(rank, world_size, path):
     from minddp import MiniDDP
-    from minddp.observe.trace_view import read_steps
+    from minddp.ddp.observers.trace_view import read_steps
 
     _nccl()
     mini = MiniDDP(_net(0), trace=True, bucket_cap_mb=1e-3)

@@ -365,7 +365,7 @@ class _TickClock:
 
 
 def test_tracer_stamps_launch_and_completion_with_its_clock():
-    from minddp.observe.trace import COMM_TRACK, StepObserver
+    from minddp.ddp.observers.trace import COMM_TRACK, StepObserver
 
     observer = StepObserver(0, trace=True)
     observer.tracer.clock = _TickClock()

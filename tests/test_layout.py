@@ -125,7 +125,7 @@ def _imports_transitively(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_gradient_path_knows_no_policy_above_it():
     # Mechanism below, policy above: the reducer and its buckets offer an
-    # interface (observers, rebuild, backward-done callbacks, bucket storage),
+    # interface (observers, rebuild, policies told at the end of a backward, bucket storage),
     # and the bucket planner, the simulator and ZeRO/FSDP drive it from
     # outside. Not vacuous: the reducer imported minddp.net.bucket_planner (and
     # through it minddp.simulate) until the planner moved out.
@@ -145,7 +145,7 @@ def test_the_plain_path_imports_no_part_feature_observer_or_policy():
     # imported a feature, and its base class two). Not vacuous: the graph
     # sees reducer.py's imports of the buckets.
     graph = import_graph()
-    allowed = {"minddp.ddp.buckets", "minddp.ddp.bucket_assignment", "minddp.ddp.torch_reducer_calls"}  # torch's names
+    allowed = {"minddp.ddp.buckets", "minddp.ddp.bucket_assignment", "minddp.ddp.contracts"}  # and the slots' Protocols
     assert "minddp.ddp.buckets" in graph["minddp.ddp.reducer"]
     for module in ("minddp.ddp.reducer", "minddp.ddp.buckets"):
         wrong = sorted(_imports_transitively(graph, module) - allowed)
@@ -177,7 +177,7 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
     assert not found, f"__class__ assigned at run time: {found}"
 
 
-CORE = ("minddp.ddp", "minddp.observe", "minddp.net.auto_buckets")
+CORE = ("minddp.ddp", "minddp.ddp.observers", "minddp.net.auto_buckets")
 
 
 def layer_of(module: str) -> str:
@@ -185,7 +185,8 @@ def layer_of(module: str) -> str:
     three (what a step runs, the parts, and the wrapper that picks them)."""
     parts = module.split(".") + ["", ""]
     if parts[1] == "ddp":
-        return {"parts": "ddp.parts", "wrapper": "ddp.wrapper", "": "ddp.wrapper"}.get(parts[2], "ddp")
+        return {"parts": "ddp.parts", "observers": "ddp.observers", "wrapper": "ddp.wrapper",
+                "": "ddp.wrapper"}.get(parts[2], "ddp")
     return parts[1] or "minddp"
 
 
@@ -203,17 +204,17 @@ def layer_graph() -> dict[str, set[str]]:
 MAY_IMPORT = {
     "ddp": set(),  # the reducer, buckets, and what the wrapper stands on (placement, broadcast, join, hooks)
     "ddp.parts": {"ddp"},
-    "observe": {"ddp"},
+    "ddp.observers": {"ddp"},
     "launch": {"net"},  # spawn(..., link=...) enters a real link's namespace
     "net": {"ddp", "simulate"},  # the bucket planner replays the first steps' profile
-    "ddp.wrapper": {"ddp", "ddp.parts", "observe", "net"},
+    "ddp.wrapper": {"ddp", "ddp.parts", "ddp.observers", "net"},
 }
 
 
 def test_the_core_layers_point_one_way():
     # Not vacuous: the wrapper does import the parts, observers and the planner.
     layers = layer_graph()
-    assert {"ddp.parts", "observe", "net"} <= layers["ddp.wrapper"]
+    assert {"ddp.parts", "ddp.observers", "net"} <= layers["ddp.wrapper"]
     wrong = {layer: sorted(layers.get(layer, set()) - allowed) for layer, allowed in MAY_IMPORT.items()}
     assert not any(wrong.values()), f"layers importing beyond what they may: {wrong}"
 

@@ -25,7 +25,7 @@ import torch
 from minddp.simulate import ComputeProfile, DDPPolicy, Gradient
 from minddp.net.network import allreduce_time, get_link
 from minddp.net.simulated_link import Message
-from minddp.observe.trace_view import BucketBar, StepView
+from minddp.ddp.observers.trace_view import BucketBar, StepView
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 

@@ -17,8 +17,8 @@ Learned bucket order
 
 Trace
     :func:`record_trace` runs a few extra steps of ``MiniDDP(trace=True)``
-    after warm-up and writes the Chrome trace (``minddp/observe/trace.py``); the
-    parent process reads it back with ``minddp/observe/trace_view.py``.
+    after warm-up and writes the Chrome trace (``minddp/ddp/observers/trace.py``); the
+    parent process reads it back with ``minddp/ddp/observers/trace_view.py``.
 """
 
 from __future__ import annotations

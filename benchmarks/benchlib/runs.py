@@ -9,7 +9,7 @@ import tempfile
 import time
 
 from benchlib.progress import Progress, clock, total_units
-from minddp.observe import trace_view
+from minddp.ddp.observers import trace_view
 
 
 def trace_files(path: str, models: list[str]) -> dict[str, str]:

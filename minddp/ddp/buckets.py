@@ -158,7 +158,7 @@ class Bucket:
         self.future = communicate(self)
 
     def launch_unconditionally(self, communicate: Callable[["Bucket"], torch.futures.Future]) -> None:
-        """Launch whatever the buffer holds (a joined rank's zeros, see minddp.ddp.join)."""
+        """Launch whatever the buffer holds (a joined rank's zeros, see Reducer.shadow_backward)."""
         self.future = communicate(self)
 
     def wait(self) -> None:

@@ -89,7 +89,7 @@ def draw_scaling(rows: list[Row], path: str, title: str = "") -> None:
 
 
 def draw_timeline(step: SimulatedStep, path: str, title: str = "") -> None:
-    """PNG of one simulated step, drawn like :func:`minddp.observe.trace_view.draw_overlap`.
+    """PNG of one simulated step, drawn like :func:`minddp.ddp.observers.trace_view.draw_overlap`.
 
     Backward: dark until its last gradient, light while waiting for the
     all-reduces. One bar per bucket, ready (tick) to launch to completion:

@@ -44,11 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minddp.ddp.reducer import Observer
+from minddp.ddp.contracts import Observer
 from minddp.ddp.placement import on_device
 
-__all__ = ["StepObserver", "StepTimeline", "Tracer", "HostClock", "DeviceClock", "ProfilerRanges", "profiler_range",
-           "timeline_of", "tracer_of"]
+__all__ = ["StepObserver", "StepTimeline", "Tracer", "HostClock", "DeviceClock", "ProfilerRanges", "profiler_range"]
 
 BACKWARD_TRACK, COMM_TRACK = 0, 1
 
@@ -286,19 +285,6 @@ class StepObserver(Observer):
         self.timeline.finished = time.perf_counter()
         if self.tracer is not None:
             self.tracer.backward_done(self.timeline, self._backward_stamp, self.tracer.clock.now())
-
-
-def timeline_of(ddp: Any) -> StepTimeline:
-    """``MiniDDP.timeline``: when things happened in the last synchronized backward (with ``timeline=True``
-    or ``trace=True``)."""
-    if ddp._observer is None:
-        raise RuntimeError("MiniDDP records no timeline unless asked: construct MiniDDP(..., timeline=True)")
-    return ddp._observer.timeline
-
-
-def tracer_of(ddp: Any) -> Tracer | None:
-    """``MiniDDP.tracer``: the Chrome-trace recorder, with ``trace=True``; None otherwise."""
-    return ddp._observer.tracer if ddp._observer is not None else None
 
 
 class ProfilerRanges(Observer):
