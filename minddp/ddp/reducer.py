@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import minddp.ddp.messages as messages
 import minddp.ddp.torch_reducer_calls as torch_reducer_calls
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, bucket_groups, first_guess_limits
 from minddp.ddp.buckets import Bucket, BucketStorage
@@ -285,7 +286,12 @@ class Reducer:
         for observer in self.observers:
             observer.backward_ending()
         for bucket in self.buckets:
-            bucket.wait()
+            try:
+                bucket.wait()
+            except RuntimeError as error:
+                if not messages.is_timeout(error):
+                    raise
+                raise self._bucket_never_arrived_error(bucket, error) from error
             for observer in self.observers:
                 observer.bucket_reduced(bucket)
             if bucket.extra_numel:
@@ -302,12 +308,19 @@ class Reducer:
 
     def _missing_gradients_error(self) -> RuntimeError:
         missing = self.abandon_unfinished_backward()
-        return RuntimeError(
-            f"MiniDDP: parameters {missing} received no gradient in this backward, so their "
-            "buckets could not be all-reduced and no .grad was averaged. If a forward may "
-            "leave some parameters unused (or some outputs out of the loss), construct "
-            "MiniDDP(..., find_unused_parameters=True)."
-        )
+        return RuntimeError(messages.missing_gradients(missing, self.rank, self.backwards_done + 1))
+
+    def _bucket_never_arrived_error(self, bucket: Bucket, error: RuntimeError) -> RuntimeError:
+        """A bucket's all-reduce timed out: say which bucket, where, when, and why it may not have come."""
+        said = messages.bucket_never_arrived(bucket.index, list(bucket.names), self.rank, self.backwards_done + 1,
+                                             self.world_size, error)
+        self.abandon_unfinished_backward()
+        return RuntimeError(said)
+
+    @property
+    def rank(self) -> int:
+        """This rank in the reducer's process group (the one its messages name)."""
+        return dist.get_rank(self.process_group)
 
     def abandon_unfinished_backward(self) -> list[str]:
         """Forget a backward that began and never ended; the names that got no gradient."""
