@@ -526,7 +526,7 @@ def uneven_inputs(rank: int, timeout_s: float) -> None:
     for ours in said.values():
         assert "timed out" in ours[0].lower() and all(s == "no error" for s in ours[1:]), ours
     assert "bucket" in said["MiniDDP"][0] and "join()" in said["MiniDDP"][0], said
-    why("rank 0's third backward all-reduces buckets that rank 1, out of data, never sends; rank 1 has finished "
+    why("rank 0's third backward all-reduces buckets that the other ranks, out of data, never send; they have finished "
         "(and in a real job waits elsewhere, at the next epoch's first collective).")
     agree = []
     for wrapper in WRAPPERS.values():
