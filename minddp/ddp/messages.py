@@ -37,7 +37,7 @@ def is_timeout(error: BaseException) -> bool:
 def bucket_never_arrived(bucket: int, names: list[str], rank: int, backward: int, world_size: int,
                          error: BaseException) -> str:
     """This rank's all-reduce of a bucket timed out: some rank never sent that bucket."""
-    said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    said = _first_line(error)
     return (
         f"MiniDDP: rank {rank} waited for bucket {bucket} ({names}) in synchronized backward #{backward}, and "
         f"not every one of the {world_size} ranks sent it before the process group's timeout. A rank that stopped "
@@ -47,6 +47,12 @@ def bucket_never_arrived(bucket: int, names: list[str], rank: int, backward: int
         "on rank 0, a data-dependent branch; run collectives on every rank, and TORCH_DISTRIBUTED_DEBUG=DETAIL "
         f"names both ranks' collectives). The process group said: {said}"
     )
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line, without Gloo's source location (``[.../unbound_buffer.cc:78] ``)."""
+    text = str(error).strip()
+    return re.sub(r"^\[[^\]]*\.cc:\d+\] ", "", text.splitlines()[0]) if text else type(error).__name__
 
 
 def nothing_unused(rank: int) -> str:
