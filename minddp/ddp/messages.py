@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["missing_gradients", "bucket_never_arrived", "is_timeout", "nothing_unused", "gradient_twice"]
+import torch.distributed as dist
+
+__all__ = ["where", "missing_gradients", "bucket_never_arrived", "is_timeout", "nothing_unused", "gradient_twice"]
 
 
-def missing_gradients(names: list[str], rank: int, backward: int) -> str:
+def where(reducer) -> tuple[int, int]:
+    """(this rank in the reducer's group, the number of the synchronized backward now running)."""
+    return dist.get_rank(reducer.process_group), reducer.backwards_done + 1
+
+
+def missing_gradients(reducer, names: list[str]) -> str:
     """A synchronized backward ended while these parameters had no gradient (torch: at the next forward)."""
+    rank, backward = where(reducer)
     return (
         f"MiniDDP: parameters {names} received no gradient on rank {rank} in synchronized backward #{backward}, "
         "so their buckets could not be all-reduced and no .grad was averaged. If a forward may leave some "
@@ -34,15 +42,15 @@ def is_timeout(error: BaseException) -> bool:
     return bool(_TIMEOUT.search(str(error)))
 
 
-def bucket_never_arrived(bucket: int, names: list[str], rank: int, backward: int, world_size: int,
-                         error: BaseException) -> str:
-    """This rank's all-reduce of a bucket timed out: some rank never sent that bucket."""
-    said = _first_line(error)
+def bucket_never_arrived(reducer, bucket, error: BaseException) -> str:
+    """This rank's all-reduce of ``bucket`` timed out: some rank never sent it."""
+    (rank, backward), names, said = where(reducer), list(bucket.names), _first_line(error)
     return (
-        f"MiniDDP: rank {rank} waited for bucket {bucket} ({names}) in synchronized backward #{backward}, and "
-        f"not every one of the {world_size} ranks sent it before the process group's timeout. A rank that stopped "
-        "sending it either ran out of data (uneven inputs: train inside `with model.join():`, or give every "
-        "rank the same number of batches, e.g. DistributedSampler(drop_last=True)), or ran a different "
+        f"MiniDDP: rank {rank} waited for bucket {bucket.index} ({names}) in synchronized backward "
+        f"#{backward}, and not every one of the {reducer.world_size} ranks sent it before the process group's "
+        "timeout. A rank that stopped sending it either ran out of data (uneven inputs: train inside "
+        "`with model.join():`, or give every rank the same number of batches, e.g. "
+        "DistributedSampler(drop_last=True)), or ran a different "
         "collective at this point (code on some ranks only: an evaluation, a barrier() or a print of a metric "
         "on rank 0, a data-dependent branch; run collectives on every rank, and TORCH_DISTRIBUTED_DEBUG=DETAIL "
         f"names both ranks' collectives). The process group said: {said}"
@@ -55,8 +63,9 @@ def _first_line(error: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\.cc:\d+\] ", "", text.splitlines()[0]) if text else type(error).__name__
 
 
-def nothing_unused(rank: int) -> str:
+def nothing_unused(reducer) -> str:
     """``find_unused_parameters=True``, and the first synchronized forward used every parameter."""
+    rank, _ = where(reducer)
     return (
         f"MiniDDP(find_unused_parameters=True) on rank {rank}: the first synchronized forward used every "
         "parameter, so the flag only cost a walk of the autograd graph (and one small all-reduce) per step. "

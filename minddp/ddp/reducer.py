@@ -288,10 +288,12 @@ class Reducer:
         for bucket in self.buckets:
             try:
                 bucket.wait()
-            except RuntimeError as error:
+            except RuntimeError as error:  # a timeout: name the bucket that never came, and why
                 if not messages.is_timeout(error):
                     raise
-                raise self._bucket_never_arrived_error(bucket, error) from error
+                said = messages.bucket_never_arrived(self, bucket, error)
+                self.abandon_unfinished_backward()
+                raise RuntimeError(said) from error
             for observer in self.observers:
                 observer.bucket_reduced(bucket)
             if bucket.extra_numel:
@@ -308,19 +310,7 @@ class Reducer:
 
     def _missing_gradients_error(self) -> RuntimeError:
         missing = self.abandon_unfinished_backward()
-        return RuntimeError(messages.missing_gradients(missing, self.rank, self.backwards_done + 1))
-
-    def _bucket_never_arrived_error(self, bucket: Bucket, error: RuntimeError) -> RuntimeError:
-        """A bucket's all-reduce timed out: say which bucket, where, when, and why it may not have come."""
-        said = messages.bucket_never_arrived(bucket.index, list(bucket.names), self.rank, self.backwards_done + 1,
-                                             self.world_size, error)
-        self.abandon_unfinished_backward()
-        return RuntimeError(said)
-
-    @property
-    def rank(self) -> int:
-        """This rank in the reducer's process group (the one its messages name)."""
-        return dist.get_rank(self.process_group)
+        return RuntimeError(messages.missing_gradients(self, missing))
 
     def abandon_unfinished_backward(self) -> list[str]:
         """Forget a backward that began and never ended; the names that got no gradient."""

@@ -53,7 +53,7 @@ class UnusedParameters(EveryHookReady):
             reached = params_reached_from(output)
         self._unmarked = [i for i, p in enumerate(self.params) if id(p) not in reached]
         if not self._warned and not self._unmarked:  # once, as torch's: the flag may have been for nothing
-            warnings.warn(messages.nothing_unused(reducer.rank), stacklevel=2)
+            warnings.warn(messages.nothing_unused(reducer), stacklevel=2)
         self._warned = True
         self._used_here = [p.grad is not None for p in self.params]  # accumulated under no_sync(), say
 
