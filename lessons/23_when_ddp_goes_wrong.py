@@ -222,7 +222,8 @@ def unused_parameter(rank: int, timeout_s: float) -> None:
         grads.append([model.module.body.weight.grad, model.module.extra.weight.grad])
     fixed("find_unused_parameters=True when a forward may skip a layer (or take the layer out of the model): "
           f"two steps each, no error; body's gradients agree between the two wrappers: "
-          f"{torch.allclose(grads[0][0], grads[1][0])}; extra's stay None in both: {grads[0][1] is grads[1][1] is None}")
+          f"{torch.allclose(grads[0][0], grads[1][0])}; extra's stay None in both: "
+          f"{grads[0][1] is grads[1][1] is None}")
     assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6) and grads[0][1] is grads[1][1] is None
 
 
@@ -430,7 +431,8 @@ def slow(rank: int, timeout_s: float) -> None:
         assert counts["bucket_cap_mb=1e-6", label] > counts["default", label], counts
         assert counts["find_unused_parameters=True", label] > counts["default", label], counts
     assert all(counts[setting, "torch's DDP"] == counts[setting, "MiniDDP"] for setting, _ in counts), counts
-    why(f"this model's step is about {flops} floating-point operations, microseconds; each collective costs at least the "
+    why(f"this model's step is about {flops} floating-point operations, microseconds; each collective costs at "
+        "least the "
         "link's latency whatever its size. Tiny buckets multiply the collectives, and find_unused_parameters adds "
         "one (which parameters were used) plus a walk of the autograd graph every step.")
     fixed("data parallelism pays when a step's compute outweighs one all-reduce of the gradients: a bigger model or "
@@ -448,7 +450,8 @@ def checkpoints(rank: int, timeout_s: float) -> None:
         said[label] = show(f"{label}: its state_dict() loaded into the unwrapped model",
                            lambda: Net().load_state_dict(saved))
     assert all("Error(s) in loading state_dict for Net" in s for ours in said.values() for s in ours), said
-    print0("     (the lines after it: Missing key(s) \"body.weight\", ...; Unexpected key(s) \"module.body.weight\", ...)")
+    print0('     (the lines after it: Missing key(s) "body.weight", ...; '
+           'Unexpected key(s) "module.body.weight", ...)')
     torch.save({"saved_by": rank}, path)  # every rank writes the same file
     dist.barrier()
     print0(f"   every rank saved to the same file: it holds rank {torch.load(path)['saved_by']}'s, whichever "
@@ -478,7 +481,8 @@ def sampler(rank: int, timeout_s: float) -> None:
     header(8, "the sampler (pytorch/pytorch#31771)")
     data = list(range(10))
     orders = {}
-    for label, make in [("torch's DistributedSampler", TorchSampler), ("minddp.sampler", minddp.sampler.DistributedSampler)]:
+    for label, make in [("torch's DistributedSampler", TorchSampler),
+                        ("minddp.sampler", minddp.sampler.DistributedSampler)]:
         s = make(data, shuffle=True, seed=0)
         forgot = [list(s) for _ in range(2)]  # two epochs, set_epoch never called
         epochs = []
@@ -486,7 +490,8 @@ def sampler(rank: int, timeout_s: float) -> None:
             s.set_epoch(epoch)
             epochs.append(list(s))
         orders[label] = (forgot, epochs)
-        print0(f"   {label} on rank 0: without set_epoch {forgot[0]} then {forgot[1]}; with it {epochs[0]} then {epochs[1]}")
+        print0(f"   {label} on rank 0: without set_epoch {forgot[0]} then {forgot[1]}; "
+               f"with it {epochs[0]} then {epochs[1]}")
     (torch_forgot, torch_epochs), (ours_forgot, ours_epochs) = orders.values()
     assert torch_forgot[0] == torch_forgot[1] and torch_epochs[0] != torch_epochs[1], orders
     assert (ours_forgot, ours_epochs) == (torch_forgot, torch_epochs), orders
