@@ -200,3 +200,114 @@ def test_static_graph_with_no_sync_fails_in_torch_and_accumulates_right_in_mindd
     for said, same in ranks(2).run(_static_graph_accumulation):
         assert "expect_autograd_hooks_" in said["DistributedDataParallel"], said  # torch 2.15's internal assert
         assert said["MiniDDP"] == "" and same, said
+
+
+def _evaluation_on_rank_0(rank, world_size):
+    dist.barrier()
+    x = torch.randn(2, 4)
+    said = {}
+    for wrapper in (DistributedDataParallel, MiniDDP):
+        group = dist.new_group(timeout=datetime.timedelta(seconds=2))
+        model = wrapper(nn.Linear(4, 4), process_group=group)
+
+        def step_evaluate_step():
+            model(x).sum().backward()
+            if rank == 0:
+                dist.barrier(group=group)  # an evaluation's collective, on rank 0 only
+            model(x).sum().backward()
+
+        said[wrapper.__name__] = _error_of(step_evaluate_step)
+        dist.barrier()
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_on_one_rank_only_fails_every_rank_in_both_and_minddp_names_the_bucket_and_causes(ranks):
+    said = ranks(2).run(_evaluation_on_rank_0, timeout_s=90)
+    for wrapper in ("DistributedDataParallel", "MiniDDP"):
+        assert all(words[wrapper] for words in said), said  # every rank raised, none hung
+    ours = said[1]["MiniDDP"]  # rank 1 waited in the gradients' all-reduce
+    if "closed" not in ours.lower():  # (rank 0 may have given up first and closed the connection)
+        assert "rank 1" in ours and "weight" in ours and "barrier()" in ours, ours
+
+
+def _collectives_per_step(rank, world_size, **kwargs):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d" and "wait" not in func.__name__:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for wrapper in (DistributedDataParallel, MiniDDP):
+            model = wrapper(WithExtra(), **kwargs)
+            for _ in range(2):  # the order learned, the buckets rebuilt
+                _c_stderr(lambda: model(torch.randn(2, 4), use_extra=True).sum().backward())
+            Count.calls = 0
+            with Count():
+                model(torch.randn(2, 4), use_extra=True).sum().backward()
+            counts[wrapper.__name__] = Count.calls
+    return counts
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"bucket_cap_mb": 1e-6}, {"find_unused_parameters": True}],
+                         ids=["default", "tiny buckets", "find_unused"])
+def test_a_step_launches_as_many_collectives_in_both(ranks, kwargs):
+    counts = ranks(2).run(_collectives_per_step, **kwargs)[0]
+    assert counts["MiniDDP"] == counts["DistributedDataParallel"] > 0, counts
+
+
+def _prefixed_state_dict(rank, world_size):
+    said = {}
+    for wrapper in (DistributedDataParallel, MiniDDP):
+        state = wrapper(WithExtra()).state_dict()
+        said[wrapper.__name__] = _error_of(lambda: WithExtra().load_state_dict(state))
+    return said
+
+
+def test_a_wrapped_state_dict_loaded_unwrapped_fails_the_same_in_both_naming_the_prefixed_keys(ranks):
+    said = ranks(2).run(_prefixed_state_dict)[0]
+    assert said["MiniDDP"] == said["DistributedDataParallel"] and "module.body.weight" in said["MiniDDP"], said
+
+
+def test_both_samplers_repeat_the_order_without_set_epoch_and_pad_by_repeating():
+    from torch.utils.data.distributed import DistributedSampler as TorchSampler
+
+    from minddp.sampler import DistributedSampler
+
+    for make in (TorchSampler, DistributedSampler):
+        sampler = make(range(5), num_replicas=2, rank=0, seed=0)
+        assert list(sampler) == list(sampler)  # the same order, epoch after epoch
+        sampler.set_epoch(1)
+        assert list(sampler) != list(make(range(5), num_replicas=2, rank=0, seed=0))
+    both = [i for r in range(2) for i in TorchSampler(range(5), num_replicas=2, rank=r, shuffle=False)]
+    assert len(both) == 6 and len(set(both)) == 5  # padding: one sample twice
+    exact = [i for r in range(2)
+             for i in DistributedSampler(range(5), num_replicas=2, rank=r, shuffle=False, pad=False)]
+    assert sorted(exact) == list(range(5))
+
+
+def _batchnorm_on_cpu(rank, world_size):
+    from minddp.sync_batchnorm import SyncBatchNorm
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank)) + 2 * rank  # each rank's own slice
+    try:
+        nn.SyncBatchNorm(3)(x)
+        theirs = ""
+    except ValueError as error:
+        theirs = str(error)
+    return theirs, SyncBatchNorm(3)(x).mean(0)
+
+
+def test_torch_syncbatchnorm_refuses_cpu_and_minddps_normalizes_over_every_rank(ranks):
+    said = ranks(2).run(_batchnorm_on_cpu)
+    assert all("GPU" in theirs for theirs, _ in said), said
+    means = [mean for _, mean in said]
+    assert (means[0] - means[1]).abs().min() > 1  # each rank's slice is not normalized on its own ...
+    torch.testing.assert_close(means[0] + means[1], torch.zeros(3), atol=1e-5, rtol=0)  # ... but the whole batch
