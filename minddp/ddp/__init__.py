@@ -9,7 +9,8 @@ picked by ``MiniDDP``'s constructor. The rest of this package is what the
 wrapper stands on: where the module lives (:mod:`~minddp.ddp.placement`),
 making replicas identical (:mod:`~minddp.ddp.broadcast`,
 :mod:`~minddp.ddp.replicas`), uneven inputs (:mod:`~minddp.ddp.join`),
-torch's communication hooks (:mod:`~minddp.ddp.default_hooks`) and the
+torch's communication hooks (:mod:`~minddp.ddp.default_hooks`), the words of
+its errors (:mod:`~minddp.ddp.messages`) and the
 methods torch's DDP and its reducer offer to frameworks
 (:mod:`~minddp.ddp.torch_ddp_calls`, :mod:`~minddp.ddp.torch_reducer_calls`).
 """
