@@ -11,8 +11,9 @@ in :mod:`minddp.ddp.parts`, one file each, picked by ``MiniDDP``'s
 constructor; what only watches is in :mod:`minddp.ddp.observers`. The rest
 of this package is what the wrapper stands on: where the module lives
 (:mod:`~minddp.ddp.placement`), making replicas identical
-(:mod:`~minddp.ddp.broadcast`, :mod:`~minddp.ddp.replicas`), and torch's
-communication hooks (:mod:`~minddp.ddp.default_hooks`).
+(:mod:`~minddp.ddp.broadcast`, :mod:`~minddp.ddp.replicas`), torch's
+communication hooks (:mod:`~minddp.ddp.default_hooks`) and the words of its
+errors (:mod:`~minddp.ddp.messages`).
 """
 
 from minddp.ddp.wrapper import MiniDDP

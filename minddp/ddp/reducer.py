@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import minddp.ddp.messages as messages
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, bucket_groups, first_guess_limits
 from minddp.ddp.buckets import Bucket, BucketStorage
 from minddp.ddp.contracts import (BackwardPhase, Communication, GradientTransfer, Observer, Passenger, Policy,
@@ -270,7 +271,14 @@ class Reducer:
         for observer in self.observers:
             observer.backward_ending()
         for bucket in self.buckets:
-            bucket.wait()
+            try:
+                bucket.wait()
+            except RuntimeError as error:  # a timeout: name the bucket that never came, and why
+                if not messages.is_timeout(error):
+                    raise
+                said = messages.bucket_never_arrived(self, bucket, error)
+                self.abandon_unfinished_backward()
+                raise RuntimeError(said) from error
             for observer in self.observers:
                 observer.bucket_reduced(bucket)
             if bucket.extra_numel:
@@ -287,12 +295,7 @@ class Reducer:
 
     def _missing_gradients_error(self) -> RuntimeError:
         missing = self.abandon_unfinished_backward()
-        return RuntimeError(
-            f"MiniDDP: parameters {missing} received no gradient in this backward, so their "
-            "buckets could not be all-reduced and no .grad was averaged. If a forward may "
-            "leave some parameters unused (or some outputs out of the loss), construct "
-            "MiniDDP(..., find_unused_parameters=True)."
-        )
+        return RuntimeError(messages.missing_gradients(self, missing))
 
     def abandon_unfinished_backward(self) -> list[str]:
         """Forget a backward that began and never ended; the names that got no gradient."""

@@ -25,11 +25,13 @@ with an error naming it. With it, as in torch's DDP, two parts:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
+import minddp.ddp.messages as messages
 from minddp.ddp.reducer import EveryHookReady
 
 __all__ = ["UnusedParameters", "params_reached_from", "used_on_any_rank", "mark_the_rest_ready"]
@@ -43,11 +45,15 @@ class UnusedParameters(EveryHookReady):
         self.used_on_some_rank = None
         self._unmarked: list[int] = []  # not reached by this forward's graph, not yet counted ready
         self._used_here = [True] * len(params)  # a gradient on this rank since the last synchronization?
+        self._warned = False  # about a first forward that used every parameter
 
     def prepare_for_backward(self, reducer, output: Any) -> None:
         with torch.autograd.profiler.record_function("minddp.search_unused_parameters"):  # torch's name for it
             reached = params_reached_from(output)
         self._unmarked = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        if not self._warned and not self._unmarked:  # once, as torch's: the flag may have been for nothing
+            warnings.warn(messages.nothing_unused(reducer), stacklevel=2)
+        self._warned = True
         self._used_here = [p.grad is not None for p in self.params]  # accumulated under no_sync(), say
 
     def is_ready(self, reducer, index: int) -> bool:
