@@ -19,7 +19,7 @@ bandwidths; the overheads are the ``nccl-v100`` preset
 (:mod:`minddp_lab.simulate.overheads`). ``--fit`` fits those overheads to
 CALIBRATION's rows only (smallest worst step error); the others are held out.
 
-Targets (issue 38): every step within 3%; the cost of going from 1 to 16
+Targets: every step within 3%; the cost of going from 1 to 16
 GPUs within 1.5 points; 1 MB buckets slower than 25 MB, as measured.
 """
 

@@ -28,7 +28,7 @@ is not in that table,
 its step is modelled between ResNet-50's (219 images/s) and ResNet-152's
 (91.8) in proportion to their GFLOP per image (4.1, 7.8, 11.5), as in
 lesson 17. Overheads: the ``nccl-v100`` preset (fitted to PyTorch's DDP
-table, not to these). Target (issue 46): every point within 5 points.
+table, not to these). Target: every point within 5 points.
 """
 
 from __future__ import annotations

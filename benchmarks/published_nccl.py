@@ -10,7 +10,7 @@ what differs: NICs per node, the GPUs' link). Nothing in those flags comes
 from the table it is checked against. One figure is fitted:
 ``minddp_lab.simulate.nccl.LAUNCH_US`` (what nccl-tests' time holds beyond
 NCCL's cost model: a kernel launch), on the table marked ``fit`` only; the
-others are held out. Target (issue 46): every held-out row above 1 MB within
+others are held out. Target: every held-out row above 1 MB within
 10%; smaller rows are printed, not targeted.
 """
 

@@ -21,7 +21,7 @@ P100's 4 NVLinks of 20 GB/s at the 80% NVLink efficiency of the presets
 preset, fitted to PyTorch's DDP table, not to these rows. Shapes: torchvision's
 models traced on CPU (``benchmarks/published_ddp_profiles.json``), at the
 published one-GPU step (batch / images per second). Efficiency: images/s at
-N GPUs over N x one GPU's, published and predicted alike. Target (issue 46):
+N GPUs over N x one GPU's, published and predicted alike. Target:
 every point within 5 points.
 """
 

@@ -1,9 +1,9 @@
 """Stage 2's gradient memory at its peak, beside DeepSpeed's stage 2, in one run.
 
     python benchmarks/zero_memory_peers.py                       # N = 2 and 4, CPU, Gloo
-    PYTHONPATH=.:/work/deps/deepspeed DS_ACCELERATOR=cpu python benchmarks/zero_memory_peers.py  # with DeepSpeed 0.19.8
+    PYTHONPATH=.:DEEPSPEED_DIR DS_ACCELERATOR=cpu python benchmarks/zero_memory_peers.py  # with DeepSpeed 0.19.8 in DEEPSPEED_DIR
 
-Two tables. The first (``--table defaults``, issue 39): stage 2 at minddp's
+Two tables. The first (``--table defaults``): stage 2 at minddp's
 defaults (``MiniDDP(model)``, 25 MB buckets) on ``minddp_lab.models.GPT()`` and
 the 10.9 M GPT below, beside DeepSpeed's stage 2 with its reduce bucket the
 size of the model (and, once, at its default 5e8 elements), every setup in
@@ -43,8 +43,7 @@ with timing by a few MiB from run to run; minddp's does not). DeepSpeed is optio
 the script says so and measures minddp alone. Never a dependency: install it
 aside (``pip install --no-deps --target DIR deepspeed==0.19.8`` plus hjson,
 ninja, py-cpuinfo, msgpack, psutil, pydantic (and pydantic-core,
-annotated-types, typing-inspection), einops, tqdm; see
-/work/shared/reference/fsdp-facts.md).
+annotated-types, typing-inspection), einops, tqdm).
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ import minddp.ddp.parts
 from wrappers.flat_ddp import FlatDDP  # lesson 07b's wrapper
 from minddp import MiniDDP
 from minddp.ddp.bucket_assignment import LearnedBucketOrder
-from minddp.ddp.reducer import CopyGradients, Observer, Reducer
+from minddp.ddp.contracts import Observer
+from minddp.ddp.reducer import CopyGradients, Reducer
 from _common import is_exact, parse_args, print0, print_ranks, print_results, run, train_and_compare
 
 # What the plain path changed, as (07b's methods, minddp's methods).
@@ -75,10 +76,10 @@ DIFFS = [
     ("rank 0's buffers: at construction (07b) and before each forward after a synchronized one",
      [FlatDDP.forward], [MiniDDP.forward]),
     ("the learned order: out of the path, a policy on the reducer's arrival log",
-     [FlatDDP._finish_backward], [LearnedBucketOrder.after_first_backward]),
+     [FlatDDP._finish_backward], [LearnedBucketOrder.after_backward]),
 ]
 
-# Every part in minddp/ddp/parts/ (and the observers in minddp/observe/), with what picks it and the lesson
+# Every part in minddp/ddp/parts/ (and the observers in minddp/ddp/observers/), with what picks it and the lesson
 # that explains the feature. The slot is read from the class (show_the_parts).
 PARTS = {
     "EveryHookReady": ("default (the plain path: ready at its hook)", "07b"),
@@ -86,8 +87,7 @@ PARTS = {
     "AllReduce": ("default", "07b"),
     "UnusedParameters": ("find_unused_parameters=True", "18"),
     "StaticGraph": ("static_graph=True", "08 (docs/reading_the_code.md)"),
-    "MissingGradients": ("find_unused_parameters or static_graph", "18"),
-    "GradientCases": ("a module with sparse embeddings", "18, 19"),
+    "GradientCases": ("find_unused_parameters, static_graph, or sparse embeddings", "18, 19"),
     "BucketViews": ("gradient_as_bucket_view=True; ZeRO stage 2", "19"),
     "LentBuckets": ("ZeRO stage 2 (its pool); lazy_bucket_allocation=True", "20"),
     "CommHook": ("register_comm_hook(state, hook)", "13"),
@@ -134,7 +134,7 @@ def slot_of(part: type) -> str:
 def show_the_parts() -> list:
     found = {}
     modules = [f"minddp.ddp.parts.{info.name}" for info in pkgutil.iter_modules(minddp.ddp.parts.__path__)]
-    for module in map(importlib.import_module, modules + ["minddp.observe.follow", "minddp.observe.trace", "minddp.ddp.reducer"]):
+    for module in map(importlib.import_module, modules + ["minddp.ddp.observers.follow", "minddp.ddp.observers.trace", "minddp.ddp.reducer"]):
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and slot_of(obj):
                 found[name] = (slot_of(obj), module.__name__.replace(".", "/") + ".py")

@@ -14,7 +14,7 @@ What you will learn
     1. Uneven inputs. Rank 0 has 3 batches, rank 1 has 2. Rank 0's third
        backward all-reduces a bucket that rank 1 never sends: it hangs until
        the timeout. Fix: ``with model.join():`` -- a rank that ran out of data
-       answers the others' collectives with zeros (``minddp/ddp/join.py``), or
+       answers the others' collectives with zeros (``minddp/ddp/parts/uneven_inputs.py``), or
        make the shards even (``DistributedSampler`` pads, lesson 09).
     2. A parameter unused on one rank. Rank 1's forward skips a layer, so
        that layer's gradient never arrives and its bucket is never sent.
@@ -54,10 +54,8 @@ Try this
 """
 
 import datetime
-import os
 import re
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -69,7 +67,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from minddp import MiniDDP
 from minddp.ddp.replicas import ReplicaDesyncError
-from _common import parse_args, print0, print_ranks, run
+from _common import c_stderr, parse_args, print0, print_ranks, run, short_group
 
 
 class TwoHeads(nn.Module):
@@ -86,15 +84,6 @@ class TwoHeads(nn.Module):
     def forward(self, x, use_extra: bool = True):
         h = torch.relu(self.body(x))
         return self.head(h) + (self.extra(h) if use_extra else 0)
-
-
-def short_group(timeout_s: float):
-    """A fresh group whose collectives give up after ``timeout_s`` (the default group keeps
-    its long timeout, so the ranks can still meet after a failure). The ranks first meet on
-    the default group, so that the short timeout times the hang the lesson sets up, not a
-    rank arriving late on a busy machine."""
-    dist.barrier()
-    return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def attempt(fn) -> str:
@@ -136,22 +125,6 @@ def uneven_inputs(rank: int, timeout_s: float) -> None:
     dist.all_gather_object(weights, model.module.head.weight.sum().item())
     print0("   with model.join(): every rank finished its own batches; replicas identical afterwards:", len(set(weights)) == 1)
     assert len(set(weights)) == 1
-
-
-def c_stderr(fn) -> str:
-    """Run ``fn`` with this process's stderr (file descriptor 2, where torch's C++ warnings go) caught; its text."""
-    sys.stderr.flush()
-    with tempfile.TemporaryFile() as caught:
-        saved = os.dup(2)
-        os.dup2(caught.fileno(), 2)
-        try:
-            fn()
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        caught.seek(0)
-        return caught.read().decode(errors="replace")
 
 
 def unused_parameter(rank: int, timeout_s: float) -> None:

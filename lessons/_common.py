@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import os
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -128,6 +131,31 @@ def print_ranks(text: str) -> None:
     if dist.get_rank() == 0:
         for r, line in enumerate(lines):
             print(f"  [rank {r}] {line}", flush=True)
+
+
+def short_group(timeout_s: float) -> dist.ProcessGroup:
+    """A fresh group whose collectives give up after ``timeout_s`` (the default group keeps
+    its long timeout, so the ranks can still meet after a failure). The ranks first meet on
+    the default group, so that the short timeout times the hang a lesson sets up, not a
+    rank arriving late on a busy machine."""
+    dist.barrier()
+    return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def c_stderr(fn) -> str:
+    """Run ``fn`` with this process's stderr (file descriptor 2, where torch's C++ warnings go) caught; its text."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as caught:
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        return caught.read().decode(errors="replace")
 
 
 def print0(*args) -> None:

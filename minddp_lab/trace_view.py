@@ -1,6 +1,6 @@
 """Reading MiniDDP's Chrome trace back, and drawing which all-reduces hid under backward.
 
-The trace (``minddp/observe/trace.py``, ``MiniDDP(..., trace=True)``) is a list of
+The trace (``minddp/ddp/observers/trace.py``, ``MiniDDP(..., trace=True)``) is a list of
 Chrome trace events. Per rank (``pid``) there are two tracks (``tid``):
 
 * backward (tid 0): an instant event (``"ph": "i"``) named ``grad NAME``
@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from minddp.observe.trace import BACKWARD_TRACK, COMM_TRACK
+from minddp.ddp.observers.trace import BACKWARD_TRACK, COMM_TRACK
 
 
 @dataclass

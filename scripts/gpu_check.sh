@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU acceptance run of issue 20, in one command, on a machine with one CUDA GPU:
+# The GPU acceptance run, in one command, on a machine with one CUDA GPU:
 #
 #     bash scripts/gpu_check.sh
 #

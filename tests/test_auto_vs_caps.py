@@ -83,7 +83,7 @@ def test_the_pooled_interval_holds_how_much_the_runs_differ():
     # Two runs, each steady, one level with torch's best, one 10% slower. Their rounds leave no doubt
     # about either run; which of them a next run resembles is the doubt: the runs are resampled too.
     assert pooled_interval([[1.0] * 10, [1.1] * 10]) == pytest.approx((1.05, 1.0, 1.1))
-    # Six runs whose medians drift by 3% either way (as one session's runs on a shared machine move a
+    # Six runs whose medians drift by 3% either way (as a day's runs on a shared machine move a
     # pair by as much as the target), each of 40 quiet rounds: the rounds alone would put the median
     # within a fraction of a percent; the runs' drift keeps 1.02 inside.
     drifting = [[level * (1 + 0.005 * ((k % 5) - 2)) for k in range(40)]

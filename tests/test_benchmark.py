@@ -325,7 +325,7 @@ def test_hidden_fraction_comes_with_its_spread_over_runs_and_the_prediction_is_c
 
 def test_each_wrappers_peak_is_the_lowest_of_windows_taken_in_turns():
     """In about half of the windows Gloo's scratch memory for an all-reduce lands on backward's peak, for
-    either wrapper (issue 47: it once read as MiniDDP's bucket views holding 0.9 MiB more than torch's).
+    either wrapper (it once read as MiniDDP's bucket views holding 0.9 MiB more than torch's).
     So every wrapper's window is opened several times, the wrappers taking turns, and the lowest reading
     is its peak."""
     from benchlib import memory
@@ -375,7 +375,7 @@ def test_settle_restarts_auto_from_the_starting_weights_and_leaves_the_buffers_a
 def test_auto_chooses_before_any_other_wrapper_has_stepped():
     """``auto`` times its proposals on real steps, so it chooses in the process as a user's script leaves
     it: no other model trained there yet. With the other wrappers warmed up first, mlp's trials on fast
-    links kept one bucket (3 to 5% slower) in 14 of 30 runs; with none stepped, in 0 of 18 (issue 47)."""
+    links kept one bucket (3 to 5% slower) in 14 of 30 runs; with none stepped, in 0 of 18."""
     from benchlib.timing import Runner
 
     runner = Runner.__new__(Runner)

@@ -1,11 +1,11 @@
-"""The CUDA/NCCL path, on one GPU: what scripts/gpu_check.sh runs first (issue 20).
+"""The CUDA/NCCL path, on one GPU: what scripts/gpu_check.sh runs first.
 
 Two settings fit one GPU. NCCL refuses two ranks on one GPU, so NCCL runs at
 world size 1 with a communicating comm hook (real NCCL all-reduces, CUDA
 futures). Gloo reduces CUDA tensors too (through host copies), so 2 Gloo
 ranks share the GPU and run the equivalence oracle with ``device=cuda``:
 after every step MiniDDP equals one process on the whole batch and torch's
-DDP. Each test names the defect of issue 20 it would have caught (channels_last
+DDP. Each test names the defect it would have caught (channels_last
 layout, device_ids, host syncs, device-side times); a few are guards of paths
 never run on a GPU before (streams, AMP, sparse, static_graph).
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minddp import MiniDDP
-from minddp.observe.follow import SHOWN
+from minddp.ddp.observers.follow import SHOWN
 
 STATIONS = ["hook", "slot", "launch", "waited", ".grad"]
 

@@ -1,4 +1,4 @@
-"""The GPU path's defects that a CPU can show (issue 20); tests/test_cuda.py has the rest.
+"""The GPU path's defects that a CPU can show; tests/test_cuda.py has the rest.
 
 Each test here failed on the code before the fix it names.
 """
@@ -365,7 +365,7 @@ class _TickClock:
 
 
 def test_tracer_stamps_launch_and_completion_with_its_clock():
-    from minddp.observe.trace import COMM_TRACK, StepObserver
+    from minddp.ddp.observers.trace import COMM_TRACK, StepObserver
 
     observer = StepObserver(0, trace=True)
     observer.tracer.clock = _TickClock()

@@ -234,7 +234,7 @@ def _imports_transitively(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_gradient_path_knows_no_policy_above_it():
     # Mechanism below, policy above: the reducer and its buckets offer an
-    # interface (observers, rebuild, backward-done callbacks, bucket storage),
+    # interface (observers, rebuild, policies told at the end of a backward, bucket storage),
     # and the bucket planner, the simulator and ZeRO/FSDP drive it from
     # outside (the lab's planner too, which the library cannot import at all).
     graph = import_graph()
@@ -248,11 +248,12 @@ def test_the_gradient_path_knows_no_policy_above_it():
 
 
 def test_the_plain_path_imports_no_part_feature_observer_or_policy():
-    # The reducer holds its parts; it never imports one (issue 44: reducer.py
+    # The reducer holds its parts; it never imports one (reducer.py
     # imported a feature, and its base class two). Not vacuous: the graph
     # sees reducer.py's imports of the buckets.
     graph = import_graph()
-    allowed = {"minddp.ddp.buckets", "minddp.ddp.bucket_assignment", "minddp.ddp.torch_reducer_calls"}  # torch's names
+    allowed = {"minddp.ddp.buckets", "minddp.ddp.bucket_assignment", "minddp.ddp.contracts",  # the slots' Protocols
+               "minddp.ddp.messages"}  # the words of its errors, built only when one is raised
     assert "minddp.ddp.buckets" in graph["minddp.ddp.reducer"]
     for module in ("minddp.ddp.reducer", "minddp.ddp.buckets"):
         wrong = sorted(_imports_transitively(graph, module) - allowed)
@@ -276,7 +277,7 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
     assert not found, f"__class__ assigned at run time: {found}"
 
 
-CORE = ("minddp.ddp", "minddp.observe")
+CORE = ("minddp.ddp", "minddp.ddp.observers")
 
 
 def layer_of(module: str) -> str:
@@ -284,7 +285,8 @@ def layer_of(module: str) -> str:
     three (what a step runs, the parts, and the wrapper that picks them)."""
     parts = module.split(".") + ["", ""]
     if parts[1] == "ddp":
-        return {"parts": "ddp.parts", "wrapper": "ddp.wrapper", "": "ddp.wrapper"}.get(parts[2], "ddp")
+        return {"parts": "ddp.parts", "observers": "ddp.observers", "wrapper": "ddp.wrapper",
+                "": "ddp.wrapper"}.get(parts[2], "ddp")
     return parts[1] or "minddp"
 
 
@@ -302,16 +304,16 @@ def layer_graph() -> dict[str, set[str]]:
 MAY_IMPORT = {
     "ddp": set(),  # the reducer, buckets, and what the wrapper stands on (placement, broadcast, join, hooks)
     "ddp.parts": {"ddp"},
-    "observe": {"ddp"},
+    "ddp.observers": {"ddp"},
     "launch": set(),  # spawn(..., rank_setup=...): a real link's namespace is the lab's (minddp_lab.links)
-    "ddp.wrapper": {"ddp", "ddp.parts", "observe"},
+    "ddp.wrapper": {"ddp", "ddp.parts", "ddp.observers"},
 }
 
 
 def test_the_core_layers_point_one_way():
     # Not vacuous: the wrapper does import the parts and the observers.
     layers = layer_graph()
-    assert {"ddp.parts", "observe"} <= layers["ddp.wrapper"]
+    assert {"ddp.parts", "ddp.observers"} <= layers["ddp.wrapper"]
     wrong = {layer: sorted(layers.get(layer, set()) - allowed) for layer, allowed in MAY_IMPORT.items()}
     assert not any(wrong.values()), f"layers importing beyond what they may: {wrong}"
 

@@ -46,6 +46,9 @@ FLAGS = {
     "20": [["--bucket-cap-mb", "25"]],
     "21": [["--world-size", "3"]],
     "22": [["--link", "eth25"], ["--keep-after-forward"]],
+    "23": [["--failure", name] for name in (
+        "unused-parameter", "mismatched-collectives", "accumulation", "rendezvous", "reentrant-checkpoint",
+        "slow", "checkpoints", "sampler", "uneven-inputs", "sync-batchnorm")] + [["--world-size", "3"]],
 }
 
 
@@ -116,7 +119,7 @@ def test_a_lesson_that_needs_two_ranks_says_so_in_one_line():
     ]
 
 
-@pytest.mark.parametrize("name", ["03_ring_all_reduce", "10_batchnorm", "18_failure_modes"])
+@pytest.mark.parametrize("name", ["03_ring_all_reduce", "10_batchnorm", "18_failure_modes", "23_when_ddp_goes_wrong"])
 def test_lessons_that_compare_ranks_refuse_one_rank_in_one_line_and_say_so(name):
     lesson = LESSONS_DIR / f"{name}.py"
     result = run_lesson([sys.executable, str(lesson), "--world-size", "1"])

@@ -66,8 +66,8 @@ def test_one_busy_round_does_not_decide():
 @pytest.mark.parametrize("halfway", [None, 1.03], ids=["three plans", "four plans"])
 def test_enough_rounds_to_find_a_plan_4_percent_faster_through_the_noise_of_two_shared_cores(halfway):
     # On 2 shared cores a block's time moves by itself: the ratio of two blocks in one round spreads by 10% to
-    # 15% (docs/real_links/issue47-rounds-{1gbit,loopback}.json), a block here by 10% (the ratio's by 14%).
-    # MORE is truly 4% faster than the default (missing it costs twice the issue's 2% target), FEWER 3%
+    # 15% (long auto_vs_caps.py runs at 1 Gbit/s and on loopback), a block here by 10% (the ratio's by 14%).
+    # MORE is truly 4% faster than the default (missing it costs twice the 2% target), FEWER 3%
     # slower (keeping it misses the target), and with four plans HALFWAY 3% slower too: one more chance for
     # the noise to fool the verdict. The default number of rounds must find MORE in 7 windows of 10 and keep
     # each slower plan in at most 1 of 20.

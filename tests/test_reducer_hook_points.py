@@ -3,7 +3,7 @@
 Mechanism below, policy above: the learned bucket order, the lab's bucket
 planner (``minddp_lab.auto``) and ZeRO stage 2 drive the reducer only through its documented
 interface: an observer they add (``add_observer``, here an ``ArrivalLog``),
-``backward_done_callbacks``, ``rebuild``, and lent buckets
+``add_policy`` (told at the end of each backward), ``rebuild``, and lent buckets
 (``use_bucket_storage`` and ``set_gradients``, by ``lend_buckets``). Each
 test here is a small policy of its own, and the oracle is torch's DDP on
 the same shards.
@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
 from minddp.ddp.buckets import BucketStorage
+from minddp.ddp.contracts import Policy, Rebuild
 from minddp.ddp.parts.lent_buckets import lend_buckets
 from minddp.ddp.reducer import ArrivalLog
 
@@ -32,14 +33,17 @@ def _batch(step, rank):
     return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
 
 
-class OneBucketPerLayerInArrivalOrder:
+class OneBucketPerLayerInArrivalOrder(Policy):
     """A policy: after the second backward, one parameter per bucket, in the order gradients came."""
 
     def __init__(self, reducer):
         self.reducer, self.backwards, self.rebuilt_with = reducer, 0, None
         self.arrivals = ArrivalLog()
         reducer.add_observer(self.arrivals)
-        reducer.backward_done_callbacks.append(self.after_backward)
+        reducer.add_policy(self)
+
+    def pending_rebuild(self):
+        return Rebuild.NONE if self.rebuilt_with else Rebuild.PLANS_TO_TIME
 
     def after_backward(self):
         self.backwards += 1

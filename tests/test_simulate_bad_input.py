@@ -1,4 +1,4 @@
-"""Every bad input of issue 46 gets one line naming what is wrong, never a traceback or a silent answer.
+"""Every bad input of the simulator gets one line naming what is wrong, never a traceback or a silent answer.
 
 The ``--record`` tests each start one spawned rank (a few seconds).
 """
@@ -83,7 +83,7 @@ PROFILE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.mark.parametrize("argv, says", [
-    # the issue's first list: bad step times, missing traces, zero bandwidths, unknown presets, world 0
+    # the first kind: bad step times, missing traces, zero bandwidths, unknown presets, world 0
     (["--trace", PROFILE, "--step-ms", "-3"], "--step-ms"),
     (["--trace", PROFILE, "--step-ms", "abc"], "--step-ms"),
     (["--trace", "no/such/trace.json"], "--trace"),

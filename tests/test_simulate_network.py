@@ -1,6 +1,6 @@
 """The network typed is the network simulated: each flag overrides the one figure it names, and nothing else.
 
-Issue 46: a between-node figure given to a preset whose GPUs share NICs reset them to one NIC per GPU
+A between-node figure given to a preset whose GPUs share NICs reset them to one NIC per GPU
 (``--network pcie-eth25 --latency-us 14`` became 8 NICs per node). Here every preset meets every flag.
 """
 

@@ -37,7 +37,7 @@ def test_the_launch_cost_is_fitted_on_the_fitting_table_only(published):
 
 
 def test_held_out_rows_above_a_mebibyte_come_from_two_multi_node_clusters(published):
-    """Issue 46's follow-up: one cluster's rows are not a multi-node validation."""
+    """One cluster's rows are not a multi-node validation."""
     clusters = {t["name"] for t in published.tables() if t["set"] == "held out" and t["world"] > published.gpus_per_node(t)
                 and any(n > 2**20 for n, _ in t["rows"])}
     assert len(clusters) >= 2, clusters

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from minddp.observe.trace import COMM_TRACK, StepTimeline, Tracer
+from minddp.ddp.observers.trace import COMM_TRACK, StepTimeline, Tracer
 
 
 def test_a_bar_keeps_the_step_it_was_launched_in_even_if_it_ends_later():

@@ -133,7 +133,7 @@ def test_stage1_equals_torch_zero_and_one_process(ranks, world_size, opt_name):
 
 def _standalone_under_join(rank, world_size, opt_name):
     """No wrapper: the optimizer averages (reduce-scatter); rank r has r + 2 batches, under join()."""
-    from minddp.ddp.join import Join
+    from torch.distributed.algorithms.join import Join
 
     cls, kw = optimizer_args(opt_name)
     reference = build(0)
@@ -162,7 +162,7 @@ def _standalone_under_join(rank, world_size, opt_name):
 
 def under_join(rank, world_size, shard_gradients):
     """MiniDDP, rank r has r + 2 batches; a rank out of data still steps and sends its shard (join's hooks)."""
-    from minddp.ddp.join import Join
+    from torch.distributed.algorithms.join import Join
 
     cls, kw = optimizer_args("adamw")
     reference = build(0)

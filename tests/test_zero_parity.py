@@ -1,4 +1,4 @@
-"""minddp's ZeRO does what torch's ``ZeroRedundancyOptimizer`` does (issue #27, items 4-8).
+"""minddp's ZeRO does what torch's ``ZeroRedundancyOptimizer`` does.
 
 Each test runs minddp's optimizer beside torch's on the same data and checks
 the parameters after every step: bit for bit where both do the same
@@ -198,7 +198,7 @@ def test_step_passes_closure_and_kwargs_to_the_local_optimizer(ranks):
 
 # ------------------------------------------------------------------ Join
 def _under_join(rank, world_size, which):
-    """Uneven inputs (rank r has r + 2 batches) under torch's Join or minddp's, beside torch's ZeRO.
+    """Uneven inputs (rank r has r + 2 batches) under torch's Join, beside torch's ZeRO.
 
     torch's ZeRO joined alone (no DDP) issues its join all-reduce twice per
     shadowed step (its hook calls ``step()``, which notifies again) and
@@ -206,8 +206,6 @@ def _under_join(rank, world_size, which):
     joined rank calls ``step()`` once per step the others still take.
     """
     from torch.distributed.algorithms.join import Join as TorchJoin
-
-    from minddp.ddp.join import Join as MiniJoin
 
     cls, kw = torch.optim.AdamW, {"lr": 0.05}
     # With torch's DDP, it averages (and shadows its all-reduces); alone, each rank's own gradients.
@@ -219,9 +217,8 @@ def _under_join(rank, world_size, which):
     steps, most = rank + 2, world_size + 1
     for net, opt in ((mine, my_opt), (theirs, their_opt)):
         joinables = [net, opt] if net is not opt and wrap is TorchDDP else [opt]
-        join = MiniJoin if which == "minddp" and opt is my_opt else TorchJoin
         by_hand = wrap is not TorchDDP and opt is their_opt
-        with join(joinables, enable=not by_hand):
+        with TorchJoin(joinables, enable=not by_hand):
             for step in range(steps):
                 x, y = data(step, PER_RANK * world_size)
                 opt.zero_grad()
@@ -233,7 +230,7 @@ def _under_join(rank, world_size, which):
     assert_equal_models(getattr(mine, "module", mine), getattr(theirs, "module", theirs), f"after {which}'s Join")
 
 
-@pytest.mark.parametrize("which", ["torch, with torch's DDP", "torch", "minddp"])
+@pytest.mark.parametrize("which", ["torch, with torch's DDP", "torch"])
 def test_join_runs_the_zero_hook_as_torch_does(ranks, which):
     ranks(2).run(_under_join, which, timeout_s=60)
 

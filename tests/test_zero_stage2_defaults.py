@@ -1,4 +1,4 @@
-"""ZeRO stage 2 saves memory at minddp's defaults, on a model whose buckets are uneven (issue #39).
+"""ZeRO stage 2 saves memory at minddp's defaults, on a model whose buckets are uneven.
 
 ``minddp_lab.models.GPT()`` (0.95 M parameters) under ``MiniDDP(model)`` with
 every default: a 1 MB first bucket, then one 25 MB bucket that holds the

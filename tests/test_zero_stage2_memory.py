@@ -1,4 +1,4 @@
-"""ZeRO stage 2 saves gradient memory at its peak, not only after backward (issue #29, part 1).
+"""ZeRO stage 2 saves gradient memory at its peak, not only after backward.
 
 A rank's gradient bytes (``.grad``, MiniDDP's bucket buffers or stage 2's
 pool, ZeRO's shard gradients: :func:`minddp.zero.memory.gradient_bytes`),

@@ -17,7 +17,7 @@ Learned bucket order
 
 Trace
     :func:`record_trace` runs a few extra steps of ``MiniDDP(trace=True)``
-    after warm-up and writes the Chrome trace (``minddp/observe/trace.py``); the
+    after warm-up and writes the Chrome trace (``minddp/ddp/observers/trace.py``); the
     parent process reads it back with ``minddp_lab/trace_view.py``.
 """
 

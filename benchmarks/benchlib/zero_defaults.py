@@ -1,4 +1,4 @@
-"""Stage 2 at minddp's defaults beside DeepSpeed's stage 2 (issue 39): the first table of
+"""Stage 2 at minddp's defaults beside DeepSpeed's stage 2: the first table of
 ``benchmarks/zero_memory_peers.py``.
 
 Each setup in rank processes of its own under :class:`live_bytes.LiveBytes`
@@ -100,7 +100,7 @@ def defaults_main(rank: int, world_size: int, setup: str, model_name: str, out_d
                                           shard_gradients=True)
             forward, backward, step = model, (lambda loss: loss.backward()), opt.step
             zero_grad = lambda: opt.zero_grad(set_to_none=True)
-            if "at launch" in setup:  # as before issue 39: a bucket's .grad copied in when it is complete
+            if "at launch" in setup:  # the other mode: a bucket's .grad copied in when it is complete
                 opt.bucket_pool.slots_at_hook = False
             parts = lambda: _parts_minddp(module, opt)
         live.watch_parameters(module)

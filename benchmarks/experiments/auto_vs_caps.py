@@ -19,14 +19,14 @@ chooses again, as in a user's script: before any other model has
 trained, which had it keep a slower plan on mlp in 14 of 30 runs,
 ``Runner.warm_up``); reported: the median [min, max] over runs, and the odd rounds'
 ratios of every run together, their median with a 95% bootstrap interval
-that resamples the runs and, within each, its rounds (runs drift: one
-session's runs can move a pair by 2% with nothing changed).
-The issue's target, ``auto`` at most 1.02 of torch's best cap, is judged on
+that resamples the runs and, within each, its rounds (runs drift: a
+day's runs can move a pair by 2% with nothing changed).
+The target, ``auto`` at most 1.02 of torch's best cap, is judged on
 that interval: **met** when all of it is at most 1.02, **missed** when all
 of it is above, else **not told apart** (more rounds and runs narrow it: 10
 rounds a run read a 4% gap on loopback that 150 did not). ``--show`` prints
 the table of a saved JSON again; given several, it pools their runs, one
-table per link and ranks (runs of the same code, as several sessions' runs
+table per link and ranks (runs of the same code, as several days' runs
 of one pair), each model from the files that hold it. ``--plans 4:4,5:1`` adds MiniDDP at those
 fixed plans (cap and first bucket's cap, MB) to the same rounds, each set
 against torch's best cap as ``auto`` is, in a second table: whether what
@@ -57,8 +57,8 @@ from minddp_lab.links import spawn  # noqa: E402
 from benchlib.timing import Runner  # noqa: E402
 from benchlib.wrappers import AUTO, DEFAULT_CAP_MB  # noqa: E402
 
-TARGET = 1.02  # issue 47: auto at most torch's best cap + 2%
-CAPS_MB = (0.25, 1.0, 5.0, DEFAULT_CAP_MB)  # the issue's sweep; 25 is torch's default (no cap given)
+TARGET = 1.02  # the target: auto at most torch's best cap + 2%
+CAPS_MB = (0.25, 1.0, 5.0, DEFAULT_CAP_MB)  # the sweep; 25 is torch's default (no cap given)
 WARMUP = 3  # steps of every wrapper before timing (auto's: after its buckets are final)
 RESAMPLES = 2000  # bootstrap resamples behind each interval
 
@@ -135,7 +135,7 @@ def pooled_interval(runs: list[list[float]], seed: int = 0) -> tuple[float, floa
     Each resample draws as many runs as there are (with replacement), then within each drawn run as
     many of its ratios as it has: a run keeps its weight, and with it the plan its ``auto`` chose.
     Both kinds of doubt are in the interval: the rounds' noise, and how much the runs differ (on
-    these shared cores one session's runs move a pair by as much as the target, with nothing
+    these shared cores a day's runs move a pair by as much as the target, with nothing
     changed). Resampling the rounds alone would read the runs as all there is."""
     rng = random.Random(seed)
     medians = sorted(statistics.median([r for run in rng.choices(runs, k=len(runs))

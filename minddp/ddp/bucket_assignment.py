@@ -17,11 +17,11 @@ launches late. So, as torch's DDP since 2.14, the first backward sends all
 gradients in one bucket (:func:`first_guess_buckets`), and the buckets are
 then rebuilt once, in the order the gradients came, before the next forward.
 Every rank must build the same buckets (they are what keeps collectives
-matched), so rank 0's order is broadcast and everyone uses it. A policy on
-the reducer's interface, like ``bucket_cap_mb="auto"``
-(:mod:`minddp_lab.auto.planner`): it adds an arrival log to the reducer's
-observers, is called at the end of the backward
-(``backward_done_callbacks``), and calls ``rebuild``.
+matched), so rank 0's order is broadcast and everyone uses it. A
+:class:`~minddp.ddp.contracts.Policy` on the reducer's interface, like the
+lab's bucket planner (``minddp_lab.auto.plan_buckets``): it adds an arrival log to the reducer's
+observers, is told the end of the backward (``after_backward``), and calls
+``rebuild``; until then its ``pending_rebuild`` is ``Rebuild.ORDER_TO_LEARN``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from minddp.ddp.contracts import Policy, Rebuild
 
 __all__ = ["TensorSpec", "assign_buckets", "bucket_groups", "first_guess_buckets", "first_guess_limits", "size_limits",
            "BucketStorage", "slot_in", "LearnedBucketOrder", "MiB", "FIRST_BUCKET_CAP_MB"]
@@ -178,7 +180,7 @@ def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
-class LearnedBucketOrder:
+class LearnedBucketOrder(Policy):
     """Rebuild ``reducer``'s buckets once, in rank 0's arrival order in its first backward, with its caps
     (until then, torch's first guess: one bucket): the order is agreed at the end of that backward, the
     buckets are rebuilt at the next synchronized forward (``Reducer.rebuild``). With ``static_graph`` after
@@ -188,22 +190,25 @@ class LearnedBucketOrder:
     def __init__(self, reducer, arrivals):
         self.reducer, self.arrivals = reducer, arrivals  # arrivals: the reducer's ArrivalLog, a fresh one
         self.backwards_to_skip = 1 if reducer.options.static_graph else 0
-        reducer.order_to_learn = True
+        self.learned = False
         reducer.add_observer(self.arrivals)
-        reducer.backward_done_callbacks.append(self.after_first_backward)
+        reducer.add_policy(self)
 
-    def after_first_backward(self) -> None:
+    def pending_rebuild(self) -> Rebuild:
+        return Rebuild.NONE if self.learned else Rebuild.ORDER_TO_LEARN
+
+    def after_backward(self) -> None:
         if self.backwards_to_skip:  # the same on every rank: each takes part in the broadcast below
             self.backwards_to_skip -= 1
             return
         reducer = self.reducer
         reducer.remove_observer(self.arrivals)
-        reducer.backward_done_callbacks.remove(self.after_first_backward)
+        reducer.remove_policy(self)
         arrived = list(dict.fromkeys(i for i, _ in self.arrivals.log))
         seen = set(arrived)  # parameters that got no gradient keep the guess: reverse registration
         order = arrived + [i for i in reversed(range(len(reducer.params))) if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64, device=reducer.device)
         rank0 = dist.get_process_group_ranks(reducer.process_group)[0]  # a global rank, as broadcast wants
         dist.broadcast(order_t, src=rank0, group=reducer.process_group)
-        reducer.order_to_learn = False
+        self.learned = True
         reducer.rebuild(order_t.tolist(), *reducer.caps)  # always: the caps change too (one bucket until now)

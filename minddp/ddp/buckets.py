@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+import minddp.ddp.messages as messages
 from minddp.ddp.bucket_assignment import BucketStorage, slot_in
 
 __all__ = ["Bucket", "BucketStorage"]
@@ -115,13 +116,7 @@ class Bucket:
     def mark_ready_at(self, i: int) -> bool:
         """:meth:`mark_ready` for ``params[i]`` (the reducer knows ``i`` in advance)."""
         if self._ready[i]:
-            raise RuntimeError(
-                f"parameter {self.names[i]!r} produced a gradient twice in one backward "
-                "(a second backward through the same graph, or a block run twice under a reentrant "
-                "activation checkpoint: construct MiniDDP(..., static_graph=True) for that); "
-                "its bucket was already marked ready. (torch's DDP says: Expected to mark a variable "
-                "ready only once.)"
-            )
+            raise RuntimeError(messages.gradient_twice(self.names[i]))
         self._ready[i] = True
         self.pending -= 1
         return self.pending == 0
@@ -158,7 +153,7 @@ class Bucket:
         self.future = communicate(self)
 
     def launch_unconditionally(self, communicate: Callable[["Bucket"], torch.futures.Future]) -> None:
-        """Launch whatever the buffer holds (a joined rank's zeros, see minddp.ddp.join)."""
+        """Launch whatever the buffer holds (a joined rank's zeros, see Reducer.shadow_backward)."""
         self.future = communicate(self)
 
     def wait(self) -> None:

@@ -18,15 +18,18 @@ from its ``Reducer`` (C++). The plain path, top to bottom in this file::
         └─ _on_pass_end() ─> finish_backward()
               every bucket launched? (else an error naming the parameters without a gradient)
               per bucket: wait for its sum, gradients.write_grads copies it into .grad, reset
-           then backward_done_callbacks (the policies above: learned order, "auto", ZeRO stage 2)
+           then each policy's after_backward (above: learned order, "auto", ZeRO stage 2)
 
 Where DDP's options differ, the reducer holds a *part* per slot, an object
-chosen once by ``MiniDDP``'s constructor: ``readiness`` (when is a parameter
-ready), ``gradients`` (how a gradient gets into its bucket and back),
-``communication`` (how a bucket travels); the plain ones are here, the others
-in :mod:`minddp.ddp.parts`. What only watches is an :class:`Observer` in
-``observers`` (none: no call). The policies above (the learned bucket order,
-``bucket_cap_mb="auto"``, ZeRO stage 2) use "the interface for policies" below.
+chosen once by ``MiniDDP``'s constructor, typed by its contract
+(:mod:`minddp.ddp.contracts`): ``readiness`` (when is a parameter ready),
+``gradients`` (how a gradient gets into its bucket and back),
+``communication`` (how a bucket travels), ``passenger`` (what rides in the
+last bucket); the plain ones are here, the others in :mod:`minddp.ddp.parts`.
+What only watches is an ``Observer`` in ``observers`` (none: no call). Where
+a backward is, is one ``BackwardPhase``. The policies above (the learned
+bucket order, ``bucket_cap_mb="auto"``, ZeRO stage 2) are ``Policy`` objects
+and use "the interface for policies" below, and nothing else.
 
 Why divide *before* summing: the sum of N half-precision gradients can
 overflow where N parts of their average cannot.
@@ -37,18 +40,20 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import minddp.ddp.torch_reducer_calls as torch_reducer_calls
+import minddp.ddp.messages as messages
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, bucket_groups, first_guess_limits
 from minddp.ddp.buckets import Bucket, BucketStorage
+from minddp.ddp.contracts import (BackwardPhase, Communication, GradientTransfer, Observer, Passenger, Policy,
+                                  Readiness, Rebuild)
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer", "EveryHookReady", "CopyGradients", "AllReduce",
-           "Observer", "ArrivalLog"]
+           "ArrivalLog"]
 
 _engine = torch.autograd.Variable._execution_engine
 
@@ -67,7 +72,7 @@ class ReducerOptions:
 
 
 # ------------------------------------------------------------- the plain parts
-class EveryHookReady:
+class EveryHookReady(Readiness):
     """Readiness, plain: a parameter is ready at its hook (every parameter gets exactly one per backward)."""
 
     used_on_some_rank: list[bool] | None = None  # None: every parameter had a gradient
@@ -80,7 +85,7 @@ class EveryHookReady:
         return True
 
 
-class CopyGradients:
+class CopyGradients(GradientTransfer):
     """Gradients in and out, plain: one batched copy into the complete bucket, one batched copy back."""
 
     def buckets_built(self, reducer: Reducer) -> None: ...  # the buckets were (re)built
@@ -95,11 +100,11 @@ class CopyGradients:
         torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
 
 
-class AllReduce:
+class AllReduce(Communication):
     """Communication, plain: sum the bucket over the ranks, asynchronously (it holds gradients times 1/N)."""
 
     divides_first = True  # the reducer scales gradients by 1/N before the sum
-    comm_hook = None  # (state, hook) for a registered comm hook (minddp.ddp.parts.comm_hook)
+    comm_hook = None  # no comm hook registered (minddp.ddp.parts.comm_hook)
 
     def __init__(self, process_group: dist.ProcessGroup):
         self.process_group = process_group
@@ -112,22 +117,6 @@ class AllReduce:
             done.set_result(bucket.buffer)
             return done
         return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
-
-
-class Observer:
-    """What only watches the path: override the events you need (``reducer.add_observer(observer)``)."""
-
-    def forward_started(self) -> None: ...
-    def forward_done(self) -> None: ...
-    def backward_started(self) -> None: ...
-    def gradient_ready(self, index: int, param: nn.Parameter) -> None: ...
-    def bucket_filled(self, bucket: Bucket, scale: float) -> None: ...
-    def bucket_launching(self, bucket: Bucket) -> None: ...
-    def bucket_launched(self, bucket: Bucket) -> None: ...  # bucket.future: its communication
-    def backward_ending(self) -> None: ...  # the end-of-backward wait begins
-    def bucket_reduced(self, bucket: Bucket) -> None: ...  # its sum is in its buffer
-    def grads_written(self, bucket: Bucket) -> None: ...
-    def backward_done(self) -> None: ...
 
 
 class ArrivalLog(Observer):
@@ -147,33 +136,31 @@ class Reducer:
     """Averages the gradients of ``params`` over ``process_group`` during backward, through its parts."""
 
     def __init__(self, params: list[nn.Parameter], names: list[str], process_group: dist.ProcessGroup,
-                 options: ReducerOptions, *, readiness: Any = None, gradients: Any = None, communication: Any = None,
-                 observers: tuple[Observer, ...] = (), passenger: Any = None):
+                 options: ReducerOptions, *, readiness: Readiness | None = None,
+                 gradients: GradientTransfer | None = None, communication: Communication | None = None,
+                 observers: tuple[Observer, ...] = (), passenger: Passenger | None = None):
         self.params, self.names, self.options = params, names, options
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.device = params[0].device
-        self.readiness = readiness or EveryHookReady()
-        self.gradients = gradients or CopyGradients()
-        self.communication = communication or AllReduce(process_group)
+        self.readiness: Readiness = readiness or EveryHookReady()
+        self.gradients: GradientTransfer = gradients or CopyGradients()
+        self.communication: Communication = communication or AllReduce(process_group)
         self.observers = tuple(observers)
         self.passenger = passenger  # what rides in the last bucket (minddp.ddp.parts.buffers_in_bucket)
+        self.policies: tuple[Policy, ...] = ()  # told at the end of every synchronized backward
         self.average_over(self.world_size)  # join() may lower it
-        self.sync_this_backward = False  # armed at the end of a synchronized forward, until its backward ends
-        # Also set then: did that forward run inside a backward pass? (A reentrant checkpoint
-        # around the whole model recomputes its forward there: see _on_pass_end.)
-        self.forward_inside_backward = False
-        self.backward_started = False
-        self._end_of_pass_queued = False
+        self.phase = BackwardPhase.IDLE
+        # Set with ARMED: did that forward run inside a backward pass? [Note: forward inside backward]
+        # A reentrant checkpoint around the whole model runs its forward without grad, then again
+        # inside the backward, where it arms this reducer: the pass it starts is the whole backward.
+        self.armed_inside_backward = False
         self.backwards_done = 0
         self.buckets_reduced, self.buckets_reduced_logged = 0, None  # last backward's; as of the last forward
-        self.backward_done_callbacks: list[Callable[[], None]] = []
-        self.planned_rebuild: str | None = None  # why the buckets will still change (a policy's plan)
         self.due_rebuild: tuple[list[int], int, int | None] | None = None  # (order, caps) at the next forward
         self.storage = BucketStorage()
         self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
-        self.order_to_learn = False  # set by a policy while the buckets await the order backward shows
         self.first_guess_limits = first_guess_limits(self.caps, self.per_bucket_caps, options)
         self._build_buckets(None if options.learn_bucket_order else list(reversed(range(len(params)))))  # 1st guess
         for i, p in enumerate(params):  # fires after p.grad has been accumulated
@@ -207,8 +194,9 @@ class Reducer:
     def prepare_for_backward(self, output: Any) -> None:
         """Arm the reducer: the next backward averages. Called at the end of a synchronized forward, with
         its output (where unused parameters are searched for)."""
-        self.sync_this_backward = True
-        self.forward_inside_backward = torch._C._current_graph_task_id() != -1
+        if self.phase is BackwardPhase.IDLE:
+            self.phase = BackwardPhase.ARMED
+        self.armed_inside_backward = torch._C._current_graph_task_id() != -1
         if self.backwards_done:  # torch's logger records the last backward's count at a synchronized forward
             self.buckets_reduced_logged = self.buckets_reduced
         for observer in self.observers:
@@ -218,15 +206,15 @@ class Reducer:
     # ------------------------------------------------ the path of a gradient
     def _autograd_hook(self, index: int, param: nn.Parameter) -> None:
         """Post-accumulate hook of ``params[index]``: its ``.grad`` is final for this backward."""
-        if not self.sync_this_backward:
+        phase = self.phase
+        if phase is BackwardPhase.IDLE:
             return  # inside no_sync(): the gradient just accumulates
-        if not self._end_of_pass_queued:  # the first hook of this backward (or of a pass: _on_pass_end)
-            if not self.backward_started:
-                self.backward_started = True
+        if phase is not BackwardPhase.REDUCING:  # the first hook of this backward (or of a pass: _on_pass_end)
+            if phase is BackwardPhase.ARMED:
                 for observer in self.observers:
                     observer.backward_started()
             _engine.queue_callback(self._on_pass_end)
-            self._end_of_pass_queued = True
+            self.phase = BackwardPhase.REDUCING
         for observer in self.observers:
             observer.gradient_ready(index, param)
         self.gradients.gradient_ready(*self._plan[index], param)
@@ -261,31 +249,36 @@ class Reducer:
     def _on_pass_end(self) -> None:
         """Autograd finished a pass that delivered gradients: is the backward over?
 
-        Usually yes. But a reentrant activation checkpoint runs a nested
-        backward pass inside a node of the outer one, and its hooks may fire
-        first: when that pass ends with buckets still to come, the outer pass
-        goes on, and the next hook queues this callback again, there. A pass
-        that is outermost (no autograd node running), or the only pass of a
-        forward that itself ran inside a backward, ends the backward.
+        Usually yes. But see [Note: nested passes] (``BackwardPhase``): a pass
+        nested in the outer one that ends with buckets still to come leaves the
+        backward BETWEEN_PASSES. A pass that is outermost (no autograd node
+        running), or the only pass of a forward that itself ran inside a
+        backward ([Note: forward inside backward], ``__init__``), ends it.
         """
-        if (self._next_to_launch == len(self.buckets) or self.forward_inside_backward
+        if (self._next_to_launch == len(self.buckets) or self.armed_inside_backward
                 or torch._C._current_autograd_node() is None):
-            self.finish_backward()  # returned first: no frame of it holds a bucket while the callbacks run
-            for callback in list(self.backward_done_callbacks):  # a callback may remove itself
-                callback()
+            self.finish_backward()  # returned first: no frame of it holds a bucket while the policies run
+            self._tell_policies()
         else:
-            self._end_of_pass_queued = False
+            self.phase = BackwardPhase.BETWEEN_PASSES
 
     def finish_backward(self) -> None:
         """Every bucket launched? Then wait for each, write ``.grad``, and be ready for the next backward."""
-        self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
+        self.phase = BackwardPhase.IDLE
         self.readiness.backward_ending(self)
         if self._next_to_launch < len(self.buckets):
             raise self._missing_gradients_error()
         for observer in self.observers:
             observer.backward_ending()
         for bucket in self.buckets:
-            bucket.wait()
+            try:
+                bucket.wait()
+            except RuntimeError as error:  # a timeout: name the bucket that never came, and why
+                if not messages.is_timeout(error):
+                    raise
+                said = messages.bucket_never_arrived(self, bucket, error)
+                self.abandon_unfinished_backward()
+                raise RuntimeError(said) from error
             for observer in self.observers:
                 observer.bucket_reduced(bucket)
             if bucket.extra_numel:
@@ -302,12 +295,7 @@ class Reducer:
 
     def _missing_gradients_error(self) -> RuntimeError:
         missing = self.abandon_unfinished_backward()
-        return RuntimeError(
-            f"MiniDDP: parameters {missing} received no gradient in this backward, so their "
-            "buckets could not be all-reduced and no .grad was averaged. If a forward may "
-            "leave some parameters unused (or some outputs out of the loss), construct "
-            "MiniDDP(..., find_unused_parameters=True)."
-        )
+        return RuntimeError(messages.missing_gradients(self, missing))
 
     def abandon_unfinished_backward(self) -> list[str]:
         """Forget a backward that began and never ended; the names that got no gradient."""
@@ -315,31 +303,84 @@ class Reducer:
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0
-        self.backward_started = self._end_of_pass_queued = self.sync_this_backward = False
+        self.phase = BackwardPhase.IDLE
         return missing
 
-    # --------------------------- what frameworks call on torch's reducer (minddp/ddp/torch_reducer_calls.py)
-    _rebuild_buckets = torch_reducer_calls.rebuild_buckets
-    _delay_all_reduce = torch_reducer_calls.delay_all_reduce
+    def _tell_policies(self) -> None:
+        for policy in self.policies:  # (a tuple: a policy may remove itself meanwhile)
+            policy.after_backward()
+
+    # ------------------------------------------------ a joined rank's backward
+    def shadow_backward(self) -> None:
+        """A joined rank's stand-in for a backward (``join()``): the same collectives as the other ranks',
+        in the same order, contributing zeros (:mod:`minddp.ddp.parts.uneven_inputs`)."""
+        self.rebuild_if_due()  # the others rebuild at their forward: the same buckets everywhere
+        for observer in self.observers:
+            observer.backward_started()  # nothing will arrive here; the step still counts, as on the other ranks
+        for bucket in self.buckets:
+            bucket.acquire()
+            bucket.buffer.zero_()
+            bucket.launch_unconditionally(self.communication.communicate)
+            bucket.wait()
+            bucket.reset()
+            if not self.storage.keep_buffers:
+                bucket.release()
+        self.readiness.shadow_backward(self)
+        self._tell_policies()
+
+    # ------------------------------------- what frameworks call on torch's reducer
+    # accelerate and Lightning reach into ``ddp.reducer`` for two private methods of torch's C++ reducer
+    # (docs/frameworks.md). These answer them with the same effect, or refuse naming the call: a framework
+    # that calls one expecting work done must never get a silent nothing.
+    def _rebuild_buckets(self) -> bool:
+        """torch's ``reducer._rebuild_buckets()``: rebuild the buckets now if a rebuild is due, and say whether
+        it did (True once, after the backward that showed the order, as torch's); first, refuse if the previous
+        backward started reducing and never finished (Lightning calls it before each manual backward)."""
+        if self.phase.in_backward:
+            raise self._missing_gradients_error()
+        return self.rebuild_if_due()
+
+    def _delay_all_reduce(self) -> None:
+        """torch's ``reducer._delay_all_reduce()``, its static-graph first step: reduce every bucket at the end
+        of the first backward (Lightning calls it after a manual backward with ``static_graph=True``). MiniDDP's
+        ``static_graph`` does exactly that at the end of its first backward (:mod:`minddp.ddp.parts.static_graph`):
+        afterwards there is nothing left to reduce. Anything else is refused."""
+        if not self.options.static_graph or not self.backwards_done or self.phase.in_backward:
+            raise RuntimeError(
+                "MiniDDP's reducer._delay_all_reduce(): only after the first backward of a model constructed "
+                "with static_graph=True (whose gradients MiniDDP has then reduced already); here "
+                f"static_graph={self.options.static_graph}, {self.backwards_done} backward(s) done")
 
     # ------------------------------------------ the interface for policies
+    def add_policy(self, policy: Policy) -> None:
+        """Tell ``policy`` the end of every synchronized backward from now on (after those added before)."""
+        if policy not in self.policies:
+            self.policies += (policy,)
+
+    def remove_policy(self, policy: Policy) -> None:
+        self.policies = tuple(p for p in self.policies if p is not policy)
+
+    def pending_rebuilds(self) -> set[Rebuild]:
+        """What the policies still plan for the buckets (empty: they are final)."""
+        return {policy.pending_rebuild() for policy in self.policies} - {Rebuild.NONE}
+
     def average_over(self, ranks: int) -> None:
         """Average over ``ranks`` ranks (the world; fewer under ``join()``): gradients are multiplied by
         ``1/ranks`` before the sum, unless the communication averages itself (a comm hook)."""
         self.divisor = ranks
         self.scale = 1.0 / ranks if self.communication.divides_first else 1.0
 
-    def set_communication(self, communication: Any) -> None:
+    def set_communication(self, communication: Communication) -> None:
         """How buckets travel from now on (``register_comm_hook``; ZeRO stage 2 through it)."""
         self.communication = communication
         self.average_over(self.divisor)
 
-    def set_gradients(self, gradients: Any) -> None:
+    def set_gradients(self, gradients: GradientTransfer) -> None:
         """How gradients get into their buckets and back from now on (ZeRO stage 2: lent bucket views)."""
         self.gradients = gradients
         self.gradients.buckets_built(self)
 
-    def set_passenger(self, passenger: Any) -> None:
+    def set_passenger(self, passenger: Passenger | None) -> None:
         """What rides in the last bucket (None: nothing): the buckets are rebuilt with its room."""
         self.passenger = passenger
         self._build_buckets(self.layout_order)

@@ -16,37 +16,43 @@ torch/csrc/distributed/c10d/reducer.cpp, whose behaviour these files mirror.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import os
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
-import minddp.ddp.parts.comm_hook as comm_hook
-import minddp.ddp.parts.uneven_inputs as uneven_inputs
-import minddp.ddp.torch_ddp_calls as torch_ddp_calls
 from minddp.ddp.arguments import (buffer_rule, check_arguments, first_bucket_cap_mb, refuse_unsupported,
                                   warn_check_reduction_deprecated)
 from minddp.ddp.broadcast import BufferSync, broadcast_coalesced
-from minddp.ddp.bucket_assignment import LearnedBucketOrder
-from minddp.ddp.join import Join
+from minddp.ddp.bucket_assignment import LearnedBucketOrder, MiB
+from minddp.ddp.default_hooks import builtin_comm_hook, check_comm_hook
+from minddp.ddp.observers.follow import FollowedGradient, follow
+from minddp.ddp.observers.trace import ProfilerRanges, StepObserver, StepTimeline, Tracer
 from minddp.ddp.parts.bucket_views import BucketViews
 from minddp.ddp.parts.buffers_in_bucket import BuffersInLastBucket
+from minddp.ddp.parts.comm_hook import CommHook
 from minddp.ddp.parts.gradient_cases import GradientCases, sparse_embedding_weights
 from minddp.ddp.parts.lent_buckets import BuffersPerBackward, lend_buckets
 from minddp.ddp.parts.replica_checks import ReplicaChecks
 from minddp.ddp.parts.static_graph import StaticGraph
-from minddp.ddp.parts.unused_parameters import MissingGradients, UnusedParameters
+from minddp.ddp.parts.uneven_inputs import MiniDDPJoinHook
+from minddp.ddp.parts.unused_parameters import UnusedParameters
 from minddp.ddp.placement import module_device, move_to_device, on_device, process_group_of
 from minddp.ddp.reducer import FIRST_BUCKET_CAP_MB, ArrivalLog, Reducer, ReducerOptions
 from minddp.ddp.replicas import check_same_parameters
-from minddp.observe.follow import FollowedGradient, follow
-from minddp.observe.trace import ProfilerRanges, StepObserver, timeline_of, tracer_of
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
 
+# Built again by __setstate__, never pickled: the process group, the reducer (its hooks are on these very
+# parameters) and the parts and policies around it.
+NOT_PICKLED = ("process_group", "reducer", "_observer", "bucket_planner", "_join_hook",
+               "buffer_policy", "_replica_checks", "_profiler_ranges")
 
-class MiniDDP(nn.Module):
+
+class MiniDDP(nn.Module, Joinable):
     """Wrap ``module`` so that ``backward()`` leaves the average gradient over all ranks.
 
     Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``, plus a few of
@@ -56,6 +62,8 @@ class MiniDDP(nn.Module):
 
     Collectives are issued in the same order on every rank, by construction:
     all ranks build the same buckets and launch them strictly in bucket order.
+    A torch ``Joinable``, as torch's DDP: ``with model.join():`` or torch's
+    ``Join([model, ...])`` for uneven inputs.
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class MiniDDP(nn.Module):
         learn_bucket_order: bool = True,
     ):
         super().__init__()
+        Joinable.__init__(self)
         if not dist.is_initialized():
             raise RuntimeError(
                 "MiniDDP needs an initialized process group: call "
@@ -172,8 +181,8 @@ class MiniDDP(nn.Module):
             gradients = BucketViews(count, never=sparse)
         elif sparse:
             gradients = GradientCases(count)
-        elif readiness is not None:
-            gradients = MissingGradients()
+        elif readiness is not None:  # a gradient may be missing
+            gradients = GradientCases(count)
         # Who watches? Nobody (the plain path), or the timeline and trace:
         self._observer = None
         if self.timeline_asked or self.trace:
@@ -199,24 +208,9 @@ class MiniDDP(nn.Module):
         self._replica_checks = ReplicaChecks(self.module, self.process_group, self.check_sync_every) \
             if self.check_sync_every else None
         self._profiler_ranges = ProfilerRanges(self.reducer)
-        self._join_hook: uneven_inputs.MiniDDPJoinHook | None = None
+        self._join_hook: MiniDDPJoinHook | None = None
         self.require_backward_grad_sync = True  # torch's public switch; no_sync() sets it
         self.require_forward_param_sync = True  # did the last forward synchronize? (buffers, see forward)
-        self.join_context: Join | None = None  # set by Join inside ``with model.join():``
-
-    # ------------------ torch's DDP beyond the path of a gradient (minddp/ddp/torch_ddp_calls.py)
-    __getstate__ = torch_ddp_calls.getstate  # pickling and copying: the reducer is built again
-    __setstate__ = torch_ddp_calls.setstate
-    _set_params_and_buffers_to_ignore_for_model = staticmethod(torch_ddp_calls.ignore_params_and_buffers)
-    _register_builtin_comm_hook = torch_ddp_calls.register_builtin_comm_hook
-    _get_ddp_logging_data = torch_ddp_calls.ddp_logging_data
-    bucket_bytes_cap = property(torch_ddp_calls.bucket_bytes_cap)
-    bucket_bytes_cap_list = property(torch_ddp_calls.bucket_bytes_cap_list)
-    bucket_bytes_cap_default = property(torch_ddp_calls.bucket_bytes_cap_default)
-    device_ids = property(torch_ddp_calls.device_ids)
-    join = torch_ddp_calls.join  # with model.join(): uneven inputs (the Joinable protocol, with join_hook)
-    join_process_group = property(torch_ddp_calls.join_process_group)
-    join_device = property(torch_ddp_calls.join_device)
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
@@ -230,7 +224,7 @@ class MiniDDP(nn.Module):
         step sees rank 0's BatchNorm statistics on every rank, and the forward
         that closes a ``no_sync()`` accumulation keeps what the micro-steps did.
         """
-        if self.reducer.backward_started:
+        if self.reducer.phase.in_backward:
             raise self._unfinished_backward_error()
         if self._input_device is not None:  # device_ids given: the inputs go there, as torch's DDP does
             inputs, kwargs = move_to_device((inputs, kwargs), self._input_device)
@@ -241,7 +235,8 @@ class MiniDDP(nn.Module):
         if sync and self._join_hook is not None:  # under join(): who still trains, and whose buffers count
             buffers_from = self._join_hook.before_forward(buffers_from)
         if sync and self._replica_checks is not None:
-            self._replica_checks.before_forward(self.join_context)
+            self._replica_checks.before_forward(self._join_hook is None or
+                                                self._join_hook.ranks_training() == self.world_size)
         if buffers_from is not None and self.buffer_policy is not None:
             self.buffer_policy.before_forward(buffers_from)
         for observer in self.reducer.observers:
@@ -294,9 +289,47 @@ class MiniDDP(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    # ---------------- options asked for after construction, each in the file of its part
-    register_comm_hook = comm_hook.register_comm_hook  # swaps the communication part
-    join_hook = uneven_inputs.join_hook  # adds the forward's join part (``with model.join():``)
+    # ---------------- options asked for after construction: each swaps or adds a part
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Replace the all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]`` (the communication
+        part :class:`~minddp.ddp.parts.comm_hook.CommHook`). torch's contract: once, before the first backward;
+        the hook does the averaging (MiniDDP no longer divides by the world size for it)."""
+        if self.reducer.communication.comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if self.reducer.backwards_done or self.reducer.phase.in_backward:
+            raise RuntimeError("register_comm_hook must be called before the first backward")
+        check_comm_hook(hook)
+        self.reducer.set_communication(CommHook(self.reducer, state, hook))
+        self._buffers_by_broadcast()  # a hook need not be a sum: buffers go back to their broadcast
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
+        self.register_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type))
+        self.reducer.communication.name = str(comm_hook_type)  # torch's logging data names a built-in by its type
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """``with model.join():`` lets ranks with fewer batches finish early: torch's ``Join([self])``
+        (:mod:`minddp.ddp.parts.uneven_inputs`); ``throw_on_early_termination=True``: every rank
+        raises as soon as one has run out instead."""
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, divide_by_initial_world_size: bool = True) -> MiniDDPJoinHook:
+        """What the model does for a ``Join`` once its rank has run out of data
+        (torch's ``Joinable`` contract); from then on a part of its forward too."""
+        self._join_hook = MiniDDPJoinHook(self, divide_by_initial_world_size)
+        self._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
+        return self._join_hook
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where a ``Join``'s count lives (torch's ``Joinable`` contract)."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The ranks a ``Join`` counts over (torch's ``Joinable`` contract)."""
+        return self.process_group
 
     def _buffers_by_broadcast(self) -> None:
         """Buffers no longer ride in the last bucket (``buffer_sync="with_gradients"``): a broadcast again."""
@@ -306,15 +339,105 @@ class MiniDDP(nn.Module):
 
     def follow(self, name: str) -> FollowedGradient:
         """Follow one parameter's gradient down the path in the next synchronized backwards
-        (:mod:`minddp.observe.follow`): ``print(model.follow("0.weight").report())`` after one."""
+        (:mod:`minddp.ddp.observers.follow`): ``print(model.follow("0.weight").report())`` after one."""
         return follow(self.reducer, name)
 
     # ------------------------------------------------------------- inspection
-    timeline = property(timeline_of)  # with timeline=True or trace=True (minddp/observe/trace.py)
-    tracer = property(tracer_of)  # with trace=True
+    @property
+    def timeline(self) -> StepTimeline:
+        """When things happened in the last synchronized backward (with ``timeline=True`` or ``trace=True``:
+        :mod:`minddp.ddp.observers.trace`)."""
+        if self._observer is None:
+            raise RuntimeError("MiniDDP records no timeline unless asked: construct MiniDDP(..., timeline=True)")
+        return self._observer.timeline
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The Chrome-trace recorder, with ``trace=True``; None otherwise."""
+        return self._observer.tracer if self._observer is not None else None
 
     @property
     def bucket_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for tests and lessons)."""
         return [list(b.names) for b in self.reducer.buckets]
 
+    # ------------------------------------ torch's DDP names beyond its documented API
+    # Frameworks, libraries and torch's own tests call these on a DDP model (docs/frameworks.md lists who
+    # calls each). None is on the path of a gradient.
+    def __getstate__(self) -> dict:
+        """What ``torch.save`` and ``copy.deepcopy`` keep: the module and the settings, not the process group
+        or the reducer; :meth:`__setstate__` builds them again, as torch's DDP does. Only with the default
+        process group, the one a loading process can name."""
+        if self.process_group is not dist.group.WORLD and \
+                self.process_group != dist.distributed_c10d._get_default_group():
+            raise RuntimeError(
+                "MiniDDP can be pickled or copied only when it uses the default process group (constructed "
+                "without process_group=): a process loading it could not name the group it used")
+        state = dict(nn.Module.__getstate__(self) if hasattr(nn.Module, "__getstate__") else self.__dict__)
+        for name in NOT_PICKLED:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """The settings back, then the reducer and its parts built again."""
+        nn.Module.__setstate__(self, state)
+        self.process_group = dist.group.WORLD
+        self._build_reducer()
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
+        """Leave these parameters and buffers (by name) out of MiniDDP, before wrapping ``module``: not
+        broadcast, not averaged, no hook. For state a library keeps in sync itself (e.g. a sharded
+        embedding table). torch's DDP's method of the same (private) name, which such libraries call."""
+        module._ddp_params_and_buffers_to_ignore = list(names)
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The cap in bytes, as torch names it."""
+        return int((25.0 if self.bucket_cap_mb == "auto" else self.bucket_cap_mb) * MiB)
+
+    @property
+    def bucket_bytes_cap_list(self) -> list[int]:
+        return [int(cap * MiB) for cap in self.bucket_cap_mb_list or ()]
+
+    @property
+    def bucket_bytes_cap_default(self) -> bool:
+        """Is the first bucket smaller than the others (no cap given)?"""
+        return self._first_bucket_cap_mb * MiB < self.bucket_bytes_cap
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """torch's attribute: ``[the GPU's index]`` when ``device_ids`` was given for a GPU module, else None."""
+        return None if self._input_device is None or self.device.type == "cpu" else [self.device.index]
+
+    def _get_ddp_logging_data(self) -> dict[str, int | str]:
+        """torch's dictionary of what the model is and did, for what MiniDDP knows, recorded when torch records
+        it (``num_buckets_reduced``: the count of the backward before the last synchronized forward; torch
+        samples it after its tenth iteration, MiniDDP records it at every one). The keys it has no value for
+        (torch's timings, ``bucket_sizes`` of its construction-time buckets, ``can_set_static_graph``, its
+        NCCL settings) are absent, as in torch before they are known, so ``.get(key)`` answers None.
+        Lightning reads it after every ``fit``."""
+        params = self.reducer.params
+        data: dict[str, int | str] = {
+            "world_size": self.world_size,
+            "rank": dist.get_rank(self.process_group),
+            "module_name": type(self.module).__name__,
+            "device_ids": ",".join(str(i) for i in self.device_ids or ()),
+            "output_device": self.device_ids[0] if self.device_ids else -1,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "backend_name": dist.get_backend(self.process_group),
+            "has_sync_bn": int(any(type(m).__name__ == "SyncBatchNorm" for m in self.module.modules())),
+            "is_multi_device_module": int(len({p.device for p in params}) > 1),
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "master_addr": os.environ.get("MASTER_ADDR", "N/A"),
+            "master_port": os.environ.get("MASTER_PORT", "N/A"),
+        }
+        if self.reducer.buckets_reduced_logged is not None:  # recorded at a synchronized forward, as torch's
+            data["num_buckets_reduced"] = self.reducer.buckets_reduced_logged
+        if self.reducer.communication.comm_hook is not None:
+            data["comm_hook"] = self.reducer.communication.name
+        return data

@@ -60,8 +60,8 @@ counts (a small all-reduce). Parameters MiniDDP does not reduce (frozen
 when it was built) are stepped from their own ``.grad``, not averaged, as
 torch's ZeRO does beside torch's DDP.
 
-Uneven inputs: ``Join([model, opt])``, torch's ``Join`` or minddp's (the
-join hook follows torch's ``JoinHook`` contract). A rank out of data steps
+Uneven inputs: torch's ``Join([model, opt])`` (the optimizer is a torch
+``Joinable``, as torch's ZeRO; MiniDDP first). A rank out of data steps
 its shard with the others' average where it can get it (MiniDDP, or no
 wrapper). With ``average_gradients=False`` the averaging is a wrapper's we
 were not given, so, as torch's ZeRO, the joined rank steps its shard with
@@ -75,9 +75,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from minddp.ddp.join import Join, JoinHook
 from minddp.zero.checkpoint import consolidate, load_pieces, pieces_of_full
 from minddp.zero.clipping import clip_shards_by_global_norm_
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
@@ -86,12 +86,12 @@ from minddp.zero.partition import PARTITIONS
 from minddp.zero.presence import stepped_parameters
 from minddp.zero.shards import Shard, ShardLayout
 from minddp.zero.stage1_hook import attach_allreduce
-from minddp.zero.stage2 import attach, check_attachable, check_buckets_unchanged, use_pool
+from minddp.zero.stage2 import GradientSharding, check_attachable, check_buckets_unchanged
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shard ``optimizer_class``'s state over ``process_group`` (ZeRO stage 1, or 2 with ``shard_gradients``)."""
 
     def __init__(self, params, optimizer_class: type[Optimizer], process_group: dist.ProcessGroup | None = None,
@@ -119,6 +119,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                                "(torch.distributed.init_process_group or minddp.init_distributed)")
         self._ready = False
         super().__init__(params, defaults)
+        Joinable.__init__(self)
         sparse = [i for i, p in enumerate(p for g in self.param_groups for p in g["params"]) if p.is_sparse]
         if sparse:
             raise ValueError(f"ZeroRedundancyOptimizer shards dense parameters only; parameters {sparse} "
@@ -131,7 +132,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._grads_in_shards = False  # set once this round's averaged gradients are in the shards
         self._pending_load: dict | None = None  # a loaded state, kept until stage 2's layout is final
         self._all_state: dict | None = None  # the consolidated state, on the rank it was sent to
-        self.join_context: Join | None = None
         if self.shard_gradients:
             check_attachable(self, self.ddp)
         self._gradients_from_hook = False  # stage 1 on MiniDDP: its buckets' all-reduce fills the shards
@@ -142,11 +142,17 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optim: Optimizer | None = None
         self.layout: ShardLayout | None = None
         self._repartition()
+        self.gradient_sharding: GradientSharding | None = None  # stage 2: its state, and MiniDDP's part in it
         if self.shard_gradients:  # stage 2 is a bucket communication of MiniDDP's
-            attach(self, self.ddp)
+            self.gradient_sharding = GradientSharding(self, self.ddp)
         elif self.ddp is not None:
             self._gradients_from_hook = attach_allreduce(self, self.ddp)
         self._ready = True
+
+    @property
+    def bucket_pool(self):
+        """Stage 2's pool of bucket buffers (:mod:`minddp.zero.bucket_pool`); None without ``shard_gradients``."""
+        return self.gradient_sharding.bucket_pool if self.gradient_sharding is not None else None
 
     # ------------------------------------------------------------ partition
     def _repartition(self) -> None:
@@ -250,8 +256,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._end_gradient_round()
         self._pending_load = None
-        if self.shard_gradients:
-            use_pool(self)
+        if self.gradient_sharding is not None:
+            self.gradient_sharding.use_pool()
         with torch.no_grad():
             all_gather_params(self.layout, lambda s: s.master, lambda p: p.data, self.process_group)
         return loss

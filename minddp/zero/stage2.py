@@ -12,7 +12,12 @@ bucket. The reduce-scatter of a bucket then lands exactly in its owner's
 shard, and it still starts as soon as the bucket is full: the overlap of
 communication with backward stays. Three narrow contacts with MiniDDP:
 
-* a comm hook (:func:`reduce_scatter_hook`, torch's contract) that divides
+One object, :class:`GradientSharding`, holds stage 2's state and makes
+these contacts; the optimizer makes it (``shard_gradients=True``) and
+MiniDDP's reducer knows it as a comm hook's state, a lender of buckets and
+a :class:`~minddp.ddp.contracts.Policy` told the end of each backward:
+
+* a comm hook (:meth:`GradientSharding.reduce_scatter`, torch's contract) that divides
   the bucket by N, drops the ``.grad`` just copied into it, and
   reduce-scatters it, this rank's piece landing in the optimizer's shard
   gradient (straight into it where the piece lies there end to end; on
@@ -47,6 +52,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from minddp.ddp.contracts import Policy, Rebuild
 from minddp.ddp.default_hooks import GradBucket
 from minddp.ddp.parts.bucket_views import BucketViews
 from minddp.ddp.parts.gradient_cases import sparse_embedding_weights
@@ -62,8 +68,7 @@ from minddp.zero.partition import FlatUnit
 # reduce-scatter is waited for as it is sent: one buffer.
 BUCKET_BUFFERS = 2
 
-__all__ = ["attach", "bucket_units", "check_attachable", "check_buckets_unchanged", "missing_from",
-           "reduce_scatter_hook", "use_pool"]
+__all__ = ["GradientSharding", "bucket_units", "check_attachable", "check_buckets_unchanged", "missing_from"]
 
 
 def bucket_units(ddp, world_size: int) -> list[FlatUnit]:
@@ -77,9 +82,9 @@ def check_attachable(zero, ddp) -> None:
     if reducer is None or not hasattr(reducer, "set_gradients"):
         raise TypeError("shard_gradients=True needs ddp=<the MiniDDP model>: stage 2 changes how MiniDDP "
                         f"reduces its buckets (got ddp={type(ddp).__name__})")
-    if reducer.planned_rebuild is not None:
+    if Rebuild.PLANS_TO_TIME in reducer.pending_rebuilds():
         raise ValueError(
-            f"{reducer.planned_rebuild}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
+            f"{Rebuild.PLANS_TO_TIME.value}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
             "those buckets: give MiniDDP a fixed bucket_cap_mb to use them together")
     if ddp.process_group is not zero.process_group and \
             dist.get_process_group_ranks(ddp.process_group) != dist.get_process_group_ranks(zero.process_group):
@@ -99,88 +104,138 @@ def missing_from(zero) -> list[str]:
             if id(p) not in mine]
 
 
-def attach(zero, ddp) -> None:
-    """Make ``ddp`` (a MiniDDP) reduce-scatter its buckets into ``zero``'s shards, from a pool of buffers."""
-    reducer = ddp.reducer
-    zero._scattered = set()  # buckets whose piece arrived in this backward, not yet taken
-    zero._in_flight = deque()  # this backward's reduce-scatters not yet waited for, oldest first
-    zero._taken = []  # parameters of the buckets taken in this backward
-    zero._reducer_index = {id(p): i for i, p in enumerate(reducer.params)}  # where used_on_some_rank says it
-    ddp.register_comm_hook(zero, reduce_scatter_hook)
-    zero.bucket_pool = BucketPool(zero.world_size)
-    zero._pool_in_use = False
-    if not _provisional(zero):
-        use_pool(zero)
-    reducer.backward_done_callbacks.append(lambda: _end_of_backward(zero))
+class GradientSharding(Policy):
+    """ZeRO stage 2 on one MiniDDP: ``ddp`` reduce-scatters its buckets into ``zero``'s shards, from a pool."""
 
+    def __init__(self, zero, ddp):
+        self.zero, self.ddp, self.reducer = zero, ddp, ddp.reducer
+        self.scattered: set[int] = set()  # buckets whose piece arrived in this backward, not yet taken
+        self.in_flight: deque[WorkFuture] = deque()  # this backward's reduce-scatters not yet waited for, oldest first
+        self.taken: list = []  # parameters of the buckets taken in this backward
+        self.reducer_index = {id(p): i for i, p in enumerate(self.reducer.params)}  # where used_on_some_rank says
+        self.bucket_pool = BucketPool(zero.world_size)
+        self.pool_in_use = False
+        ddp.register_comm_hook(self, GradientSharding.reduce_scatter)
+        if not self.provisional:
+            self.use_pool()
+        self.reducer.add_policy(self)
 
-def use_pool(zero) -> None:
-    """Buckets take their buffers from the pool from now on (after a step: its gradients were consumed).
+    @property
+    def provisional(self) -> bool:
+        """Will MiniDDP rebuild its buckets at the end of this backward (its order still to learn)?"""
+        return Rebuild.ORDER_TO_LEARN in self.reducer.pending_rebuilds()
 
-    Not during the first backward when MiniDDP learns its bucket order: that
-    one is all-reduced into ``.grad`` as in DDP, and its buckets are rebuilt
-    at its end. Its ``.grad`` (bucket slots, with bucket views) are dropped
-    here, once the first step has read them: stage 2 keeps no full gradient.
-    """
-    if zero._pool_in_use or _provisional(zero):
-        return
-    reducer = zero.ddp.reducer
-    for bucket in reducer.buckets:
-        for p in bucket.params:
-            p.grad = None
-    if zero.bucket_pool.slots_at_hook:  # each gradient into its bucket at its hook: MiniDDP's bucket views
-        sparse = sparse_embedding_weights(zero.ddp.module)
-        reducer.set_gradients(BucketViews(len(reducer.params),
-                                          never=frozenset(i for i, p in enumerate(reducer.params) if id(p) in sparse)))
-    lend_buckets(reducer, zero.bucket_pool, on_reduced=lambda bucket: _took(zero, bucket))
-    zero._pool_in_use = True
+    def pending_rebuild(self) -> Rebuild:
+        return Rebuild.NONE  # stage 2 follows the buckets; it never rebuilds them
 
+    def use_pool(self) -> None:
+        """Buckets take their buffers from the pool from now on (after a step: its gradients were consumed).
 
-def _provisional(zero) -> bool:
-    """Will MiniDDP rebuild its buckets at the end of this backward?"""
-    return zero.ddp.reducer.order_to_learn
+        Not during the first backward when MiniDDP learns its bucket order:
+        that one is all-reduced into ``.grad`` as in DDP, and its buckets are
+        rebuilt at its end. Its ``.grad`` (bucket slots, with bucket views) are
+        dropped here, once the first step has read them: stage 2 keeps no full
+        gradient.
+        """
+        if self.pool_in_use or self.provisional:
+            return
+        reducer = self.reducer
+        for bucket in reducer.buckets:
+            for p in bucket.params:
+                p.grad = None
+        if self.bucket_pool.slots_at_hook:  # each gradient into its bucket at its hook: MiniDDP's bucket views
+            sparse = sparse_embedding_weights(self.ddp.module)
+            reducer.set_gradients(BucketViews(len(reducer.params),
+                                              never=frozenset(i for i, p in enumerate(reducer.params)
+                                                              if id(p) in sparse)))
+        lend_buckets(reducer, self.bucket_pool, on_reduced=self._took)
+        self.pool_in_use = True
 
-
-def reduce_scatter_hook(zero, bucket: GradBucket) -> torch.futures.Future:
-    """Comm hook: average the bucket, keep this rank's piece (into ``zero``'s shards)."""
-    buffer, group, n = bucket.buffer(), zero.process_group, zero.world_size
-    divisor = zero.ddp.reducer.ranks_averaged_over()  # the world size, or the ranks still active under join()
-    if _provisional(zero):  # as DDP: the whole average lands in .grad
+    def reduce_scatter(self, bucket: GradBucket) -> torch.futures.Future:
+        """The comm hook (``self`` its state): average the bucket, keep this rank's piece (into the shards)."""
+        zero = self.zero
+        buffer, group, n = bucket.buffer(), zero.process_group, zero.world_size
+        divisor = self.reducer.ranks_averaged_over()  # the world size, or the ranks still active under join()
+        if self.provisional:  # as DDP: the whole average lands in .grad
+            buffer.mul_(1.0 / divisor)
+            if n == 1:
+                return completed(buffer)
+            return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: buffer)
+        index = bucket.index()
+        if index == 0:  # buckets launch in order: once per backward is enough
+            check_buckets_unchanged(zero)
+            self.in_flight.clear()
+        self._wait_for_room()
+        unit = zero.layout.units[index]
         buffer.mul_(1.0 / divisor)
-        if n == 1:
-            return completed(buffer)
-        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: buffer)
-    index = bucket.index()
-    if index == 0:  # buckets launch in order: once per backward is enough
-        check_buckets_unchanged(zero)
-        zero._in_flight.clear()
-    _wait_for_room(zero)
-    unit = zero.layout.units[index]
-    buffer.mul_(1.0 / divisor)
-    send = buffer if n * unit.piece == buffer.numel() else zero.bucket_pool.padded(buffer, n * unit.piece)
-    if send is None:  # pad to N equal pieces (a copy: the bucket's buffer has no room)
-        send = torch.zeros(n * unit.piece, dtype=buffer.dtype, device=buffer.device)
-        send[: buffer.numel()] = buffer
-    for p, slot in zip(bucket.parameters(), bucket.gradients()):
-        if p.grad is not slot:  # copied into the bucket: not needed any more (a slot goes with its buffer)
-            p.grad = None
-    zero._begin_gradient_round()
-    direct = _shard_slice(zero, index)  # received straight into the shard gradient, when it can be
-    zero._written_units.add(index)
-    piece = direct if direct is not None else torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
-    work = _start_reduce_scatter(send, piece, group)
+        send = buffer if n * unit.piece == buffer.numel() else self.bucket_pool.padded(buffer, n * unit.piece)
+        if send is None:  # pad to N equal pieces (a copy: the bucket's buffer has no room)
+            send = torch.zeros(n * unit.piece, dtype=buffer.dtype, device=buffer.device)
+            send[: buffer.numel()] = buffer
+        for p, slot in zip(bucket.parameters(), bucket.gradients()):
+            if p.grad is not slot:  # copied into the bucket: not needed any more (a slot goes with its buffer)
+                p.grad = None
+        zero._begin_gradient_round()
+        direct = _shard_slice(zero, index)  # received straight into the shard gradient, when it can be
+        zero._written_units.add(index)
+        piece = direct if direct is not None else torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
+        work = _start_reduce_scatter(send, piece, group)
 
-    def arrived() -> None:
-        if direct is None:
-            zero._receive_piece(index, piece)
-        zero._scattered.add(index)
+        def arrived() -> None:
+            if direct is None:
+                zero._receive_piece(index, piece)
+            self.scattered.add(index)
 
-    future = WorkFuture(work, buffer, arrived)
-    if zero.overlap_comm:
-        zero._in_flight.append(future)
-    else:  # one buffer in all: the next bucket fills it once this one has arrived (nothing else holds it)
-        future.wait()
-    return future
+        future = WorkFuture(work, buffer, arrived)
+        if zero.overlap_comm:
+            self.in_flight.append(future)
+        else:  # one buffer in all: the next bucket fills it once this one has arrived (nothing else holds it)
+            future.wait()
+        return future
+
+    def _wait_for_room(self) -> None:
+        """Before a bucket is sent, wait for the older reduce-scatters: then at most ``BUCKET_BUFFERS``
+        buckets hold a pool buffer, the one being sent and the next one filling.
+
+        The pool lends a buffer to every bucket between its first gradient and
+        its arrival. When backward outruns the network (here: small layers, two
+        CPU cores), every bucket would be in flight at once and the pool would
+        grow to the whole model. Bounded, a bucket's reduce-scatter still
+        overlaps the next bucket's backward (DeepSpeed's ``overlap_comm`` makes
+        the same trade). An arrived bucket's buffer goes back right after this
+        launch (the reducer reclaims finished buckets then), before the next
+        bucket's first gradient takes one: a second bucket still on the wire
+        would make a third buffer.
+        """
+        in_flight = self.in_flight
+        while in_flight and (in_flight[0].done() or len(in_flight) >= BUCKET_BUFFERS - 1):
+            in_flight.popleft().wait()
+
+    def _took(self, bucket: GradBucket) -> bool:
+        """Lent buckets' ``on_reduced``: did the optimizer take this bucket? Then drop its ``.grad``."""
+        if bucket.index() not in self.scattered:
+            return False  # all-reduced (the first backward): the reducer writes .grad as usual
+        self.scattered.discard(bucket.index())
+        for p in bucket.parameters():
+            p.grad = None  # its average lives, sharded, in the optimizer; no full gradient is kept
+        self.taken += bucket.parameters()
+        return True
+
+    def after_backward(self) -> None:
+        """End of a backward: note which parameters are stepped, and keep nothing bucket-sized until the next.
+
+        Which taken parameters had a gradient on some rank is known only now (a
+        bucket may have been taken during backward): those are stepped, one with
+        no gradient anywhere is not. Every bucket has arrived: the finished
+        reduce-scatters (which hold their buffers and received pieces) and the
+        pool's free buffers are let go.
+        """
+        used = self.reducer.used_on_some_rank()  # None: every parameter had a gradient
+        self.zero._used_in_round.update(id(p) for p in self.taken
+                                        if used is None or used[self.reducer_index[id(p)]])
+        self.taken = []
+        self.in_flight.clear()
+        self.bucket_pool.let_go()
 
 
 def _start_reduce_scatter(send: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup):
@@ -218,52 +273,6 @@ def _shard_slice(zero, index: int) -> torch.Tensor | None:
     if at - start != unit.piece:
         return None
     return zero._shard_grad(shard)[start:at]
-
-
-def _wait_for_room(zero) -> None:
-    """Before a bucket is sent, wait for the older reduce-scatters: then at most ``BUCKET_BUFFERS`` buckets
-    hold a pool buffer, the one being sent and the next one filling.
-
-    The pool lends a buffer to every bucket between its first gradient and
-    its arrival. When backward outruns the network (here: small layers, two
-    CPU cores), every bucket would be in flight at once and the pool would
-    grow to the whole model. Bounded, a bucket's reduce-scatter still
-    overlaps the next bucket's backward (DeepSpeed's ``overlap_comm`` makes
-    the same trade). An arrived bucket's buffer goes back right after this
-    launch (the reducer reclaims finished buckets then), before the next
-    bucket's first gradient takes one: a second bucket still on the wire
-    would make a third buffer.
-    """
-    in_flight = zero._in_flight
-    while in_flight and (in_flight[0].done() or len(in_flight) >= BUCKET_BUFFERS - 1):
-        in_flight.popleft().wait()
-
-
-def _took(zero, bucket: GradBucket) -> bool:
-    """The reducer's ``bucket_reduced_hook``: did the optimizer take this bucket? Then drop its ``.grad``."""
-    if bucket.index() not in zero._scattered:
-        return False  # all-reduced (the first backward): the reducer writes .grad as usual
-    zero._scattered.discard(bucket.index())
-    for p in bucket.parameters():
-        p.grad = None  # its average lives, sharded, in the optimizer; no full gradient is kept
-    zero._taken += bucket.parameters()
-    return True
-
-
-def _end_of_backward(zero) -> None:
-    """End of a backward: note which parameters are stepped, and keep nothing bucket-sized until the next.
-
-    Which taken parameters had a gradient on some rank is known only now (a
-    bucket may have been taken during backward): those are stepped, one with
-    no gradient anywhere is not. Every bucket has arrived: the finished
-    reduce-scatters (which hold their buffers and received pieces) and the
-    pool's free buffers are let go.
-    """
-    used = zero.ddp.reducer.used_on_some_rank()  # None: every parameter had a gradient
-    zero._used_in_round.update(id(p) for p in zero._taken if used is None or used[zero._reducer_index[id(p)]])
-    zero._taken = []
-    zero._in_flight.clear()
-    zero.bucket_pool.let_go()
 
 
 def check_buckets_unchanged(zero) -> None:

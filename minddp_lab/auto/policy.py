@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
+from minddp.ddp.contracts import Policy, Rebuild
 from minddp.ddp.placement import global_rank
 from minddp_lab.auto.costs import BucketCostLog, contention_us_per_MB, fixed_cost_us
 from minddp_lab.auto.planner import (CANDIDATE_CAPS_MB, DEFAULT_CAP_MB, MAX_PROPOSALS, BucketChoice, choose_plan,
@@ -46,11 +47,11 @@ PROBE_SMALL_BYTES = 64 * 1024
 PROBE_REPEATS = 5
 
 
-class AutoBuckets:
+class AutoBuckets(Policy):
     """``plan_buckets`` on one reducer: measure a few backwards, probe, propose, time, rebuild.
 
     Its life cycle: attached (the reducer records arrivals and calls
-    :meth:`_after_backward` at the end of every backward), measuring (each
+    :meth:`after_backward` at the end of every backward), measuring (each
     call hands the arrivals to :meth:`backward_done`), proposing (once enough
     backwards are in: :meth:`decide` on every rank, since it runs
     collectives; rank 0's contenders are broadcast), timing them in turn
@@ -79,10 +80,12 @@ class AutoBuckets:
 
         self.arrivals = BucketCostLog()
         reducer.add_observer(self.arrivals)
-        reducer.planned_rebuild = "minddp_lab.auto.plan_buckets rebuilds MiniDDP's buckets after its first measured steps"
-        reducer.backward_done_callbacks.append(self._after_backward)
+        reducer.add_policy(self)
 
-    def _after_backward(self) -> None:
+    def pending_rebuild(self) -> Rebuild:
+        return Rebuild.NONE if self.settled else Rebuild.PLANS_TO_TIME
+
+    def after_backward(self) -> None:
         """The reducer's callback: record this backward; once enough are in, propose; then time each step."""
         if self.trials is not None:
             return self._trial_step_done()
@@ -130,8 +133,7 @@ class AutoBuckets:
         (kept,) = self._from_rank0([(self.choice.cap_mb, self.choice.first_cap_mb) if self.choice else trials.plans[0]])
         if self._is_rank0:
             print(self.choice.describe() if self.choice else why, flush=True)
-        self.reducer.planned_rebuild = None
-        self.reducer.backward_done_callbacks.remove(self._after_backward)
+        self.reducer.remove_policy(self)
         self.settled = True
         if kept != (trials.schedule[-1] if trials.schedule else trials.plans[0]):  # what the last step built
             self._rebuild(kept)

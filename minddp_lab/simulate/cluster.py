@@ -42,7 +42,7 @@ class Achieved:
 
 _NVLINK_OVERHEAD = "NCCL's ~20% protocol overhead on NVLink (NVIDIA/nccl-tests issue 212, a maintainer's answer)"
 _IB = ("NCCL's maintainers: ~24 GB/s all-reduce bus bandwidth per 200 Gb/s NIC (NVIDIA/nccl-tests issue 252), "
-       "46-48 GB/s per 400 Gb/s NIC (issue 290): 96% of the line rate")
+       "46-48 GB/s per 400 Gb/s NIC (nccl-tests issue 290): 96% of the line rate")
 _TCP = "assumed: kernel TCP reaches less than InfiniBand's 96% (NCCL's socket transport, Gloo)"
 ACHIEVED: dict[str, Achieved] = {
     "nvlink4": Achieved(370 / 450, "about 370 GB/s bus bandwidth on 8 H100s with NCCL_ALGO=Ring; " + _NVLINK_OVERHEAD),

@@ -25,7 +25,7 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-from minddp.observe.trace import BACKWARD_TRACK
+from minddp.ddp.observers.trace import BACKWARD_TRACK
 
 __all__ = ["Gradient", "ComputeProfile", "profile_from_trace", "load_profile", "save_profile", "save_profiles",
            "load_profiles"]

@@ -7,9 +7,9 @@ and ``test/distributed/optim/test_zero_redundancy_optimizer.py`` (any folder
 layout; files are found by name). Their helpers ship in torch's wheel
 (``torch.testing._internal``), which needs the ``expecttest`` package::
 
-    pip install --target /tmp/deps expecttest
-    PYTHONPATH=$PWD:/tmp/deps python scripts/torch_suites/run.py DIR            # both runs, then the table
-    PYTHONPATH=$PWD:/tmp/deps python scripts/torch_suites/run.py DIR --list     # what would run
+    pip install expecttest
+    PYTHONPATH=$PWD python scripts/torch_suites/run.py DIR            # both runs, then the table
+    PYTHONPATH=$PWD python scripts/torch_suites/run.py DIR --list     # what would run
     python scripts/torch_suites/run.py DIR --impl minddp -k checkpointing --jsonl out.jsonl
     python scripts/torch_suites/run.py --report torch.jsonl minddp.jsonl        # the table from saved runs
 

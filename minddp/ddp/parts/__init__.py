@@ -4,23 +4,24 @@ The plain path (``minddp/ddp/wrapper.py``, ``minddp/ddp/reducer.py``, ``minddp/d
 is what a default ``MiniDDP(model)`` step runs: hook, bucket, in-order launch,
 end-of-backward wait, ``.grad``. Where torch's DDP varies, the reducer holds
 one part per slot, an object with its own state, and calls it at the named
-step; the plain part of each slot lives in ``minddp/ddp/reducer.py``, the others
-here, one file per option:
+step. Each slot is a ``Protocol`` of :mod:`minddp.ddp.contracts`; the plain
+part of each lives in ``minddp/ddp/reducer.py``, the others here, one file
+per option, each readable alone:
 
-* readiness, when is a parameter ready (``prepare_for_backward``,
+* readiness (``Readiness``), when is a parameter ready (``prepare_for_backward``,
   ``is_ready``, ``backward_ending``, ``shadow_backward``):
   :mod:`~minddp.ddp.parts.unused_parameters`, :mod:`~minddp.ddp.parts.static_graph`;
-* gradients, how a gradient gets into its bucket and back
+* gradients (``GradientTransfer``), how a gradient gets into its bucket and back
   (``buckets_built``, ``gradient_ready``, ``fill_bucket``, ``write_grads``):
-  ``MissingGradients`` in :mod:`~minddp.ddp.parts.unused_parameters`,
-  :mod:`~minddp.ddp.parts.gradient_cases`, :mod:`~minddp.ddp.parts.bucket_views`,
+  :mod:`~minddp.ddp.parts.gradient_cases` (missing, sparse, already in its slot),
+  :mod:`~minddp.ddp.parts.bucket_views` (holds a ``GradientCases``),
   :mod:`~minddp.ddp.parts.lent_buckets` (around another);
-* communication, how a bucket travels (``communicate``):
+* communication (``Communication``), how a bucket travels (``communicate``):
   :mod:`~minddp.ddp.parts.comm_hook`;
-* what rides in the last bucket (the reducer's ``passenger``):
+* what rides in the last bucket (``Passenger``):
   :mod:`~minddp.ddp.parts.buffers_in_bucket`;
-* observers, what only watches (:class:`minddp.ddp.reducer.Observer`):
-  :mod:`~minddp.observe.follow` (and ``minddp/observe/trace.py``, the reducer's ``ArrivalLog``);
+* observers, what only watches (``Observer``): in :mod:`minddp.ddp.observers`
+  (and the reducer's ``ArrivalLog``);
 * the forward's parts (``MiniDDP.forward`` calls them):
   :mod:`~minddp.ddp.parts.replica_checks`, :mod:`~minddp.ddp.parts.uneven_inputs`,
   and the buffers' policy (:class:`minddp.ddp.broadcast.BufferSync`, or the passenger).

@@ -9,36 +9,41 @@ fresh ``.grad``, at its hook: copied into the slot at once, so its memory
 goes back at once (as torch's reducer does). Only for a dense gradient in a
 bucket of the parameter's own dtype (not with ``reduce_dtype``).
 
-A gradients part, :class:`BucketViews`: :class:`~minddp.ddp.parts.gradient_cases.GradientCases`
-with its views on. ZeRO stage 2 chooses it too (its pool's buffers take
-each gradient at its hook).
+A gradients part, :class:`BucketViews`: it keeps each ``.grad`` in its
+slot, and leaves filling the bucket and writing ``.grad`` to a
+:class:`~minddp.ddp.parts.gradient_cases.GradientCases` it holds, told
+which gradients are views (a view needs no copy either way; a sparse one or
+one of another dtype is copied as usual). ZeRO stage 2 chooses it too (its
+pool's buffers take each gradient at its hook).
 """
 
 from __future__ import annotations
 
+from minddp.ddp.buckets import Bucket
+from minddp.ddp.contracts import GradientTransfer
 from minddp.ddp.parts.gradient_cases import GradientCases
 
 __all__ = ["BucketViews"]
 
 
-class BucketViews(GradientCases):
+class BucketViews(GradientTransfer):
     """Gradients as views into the buckets (``never``: parameter indices whose gradients are sparse)."""
 
     def __init__(self, count: int, never: frozenset[int] = frozenset()):
-        super().__init__(count)
+        self.cases = GradientCases(count)  # fills the buckets and writes .grad, views included
         self.never = never
 
     def buckets_built(self, reducer) -> None:
-        plan = [(bucket, position) for bucket in reducer.buckets for position in range(len(bucket.params))]
-        for bucket, position in plan:
-            index, p = bucket.indices[position], bucket.params[position]
-            self.as_view[index] = bucket.dtype == p.dtype and index not in self.never and index not in self.sparse_dim
-            if p.grad is not None and self.as_view[index] and bucket.buffer is not None:
-                p.grad = bucket.views[position].copy_(p.grad)  # kept across a rebuild: into its new slot
+        as_view, sparse = self.cases.as_view, self.cases.sparse_dim
+        for bucket in reducer.buckets:
+            for position, (index, p) in enumerate(zip(bucket.indices, bucket.params)):
+                as_view[index] = bucket.dtype == p.dtype and index not in self.never and index not in sparse
+                if p.grad is not None and as_view[index] and bucket.buffer is not None:
+                    p.grad = bucket.views[position].copy_(p.grad)  # kept across a rebuild: into its new slot
 
-    def gradient_ready(self, bucket, position: int, param) -> None:
+    def gradient_ready(self, bucket: Bucket, position: int, param) -> None:
         index = bucket.indices[position]
-        if self.as_view[index] and (grad := param.grad) is not None and not grad.is_sparse:
+        if self.cases.as_view[index] and (grad := param.grad) is not None and not grad.is_sparse:
             if bucket.buffer is None:  # a storage that lends buffers: the bucket's first use this backward
                 bucket.acquire()
             if grad is not (slot := bucket.views[position]):
@@ -47,3 +52,9 @@ class BucketViews(GradientCases):
                 # reducer; batching these copies per bucket measured no faster, and held up to a
                 # bucket of gradients twice).
                 param.grad = slot.copy_(grad)
+
+    def fill_bucket(self, bucket: Bucket, scale: float) -> None:
+        self.cases.fill_bucket(bucket, scale)
+
+    def write_grads(self, bucket: Bucket, used: list[bool] | None) -> None:
+        self.cases.write_grads(bucket, used)

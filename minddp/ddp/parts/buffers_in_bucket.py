@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from minddp.ddp.broadcast import BufferSync
+from minddp.ddp.contracts import Passenger
 
 __all__ = ["BuffersInLastBucket", "CARRIER_DTYPES"]
 
@@ -52,7 +53,7 @@ __all__ = ["BuffersInLastBucket", "CARRIER_DTYPES"]
 CARRIER_DTYPES = (torch.float32, torch.float64)
 
 
-class BuffersInLastBucket:
+class BuffersInLastBucket(Passenger):
     """What rides in the last bucket: ``numel`` extra elements after its gradients.
 
     :meth:`pack` fills them before the bucket is sent (rank 0: its buffers'

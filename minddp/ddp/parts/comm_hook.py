@@ -1,6 +1,6 @@
 """``register_comm_hook(state, hook)``: a bucket's communication is ``hook(state, bucket)``, not an all-reduce.
 
-A communication part. torch's contract (see :mod:`minddp.ddp.default_hooks` for
+A communication part, chosen by ``MiniDDP.register_comm_hook``. torch's contract (see :mod:`minddp.ddp.default_hooks` for
 the hooks themselves): the hook gets the bucket's buffer *not* divided by
 the world size (the hook averages: ``divides_first`` is False), and returns
 a ``torch.futures.Future`` of the reduced buffer.
@@ -12,25 +12,13 @@ from typing import Any, Callable
 
 import torch
 
-from minddp.ddp.default_hooks import GradBucket, check_comm_hook
+from minddp.ddp.contracts import Communication
+from minddp.ddp.default_hooks import GradBucket
 
-__all__ = ["CommHook", "register_comm_hook"]
-
-
-def register_comm_hook(ddp, state: Any, hook: Callable) -> None:
-    """``MiniDDP.register_comm_hook``: replace the all-reduce of each bucket by ``hook(state, bucket) ->
-    Future[Tensor]``. torch's contract: once, before the first backward; the hook does the averaging
-    (MiniDDP no longer divides by the world size for it)."""
-    if ddp.reducer.communication.comm_hook is not None:
-        raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-    if ddp.reducer.backwards_done or ddp.reducer.backward_started:
-        raise RuntimeError("register_comm_hook must be called before the first backward")
-    check_comm_hook(hook)
-    ddp.reducer.set_communication(CommHook(ddp.reducer, state, hook))
-    ddp._buffers_by_broadcast()  # a hook need not be a sum: buffers go back to their broadcast
+__all__ = ["CommHook"]
 
 
-class CommHook:
+class CommHook(Communication):
     """Communication by a comm hook (``reducer``: whose buckets, for ``GradBucket.is_last``)."""
 
     divides_first = False  # the hook does the averaging

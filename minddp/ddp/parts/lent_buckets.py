@@ -17,9 +17,10 @@ A gradients part that wraps another (:class:`LentBuckets`), installed with
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from minddp.ddp.buckets import BucketStorage
+from minddp.ddp.contracts import GradientTransfer
 from minddp.ddp.default_hooks import GradBucket
 
 __all__ = ["BuffersPerBackward", "LentBuckets", "lend_buckets"]
@@ -39,10 +40,10 @@ def lend_buckets(reducer, storage: BucketStorage, on_reduced: Callable[[GradBuck
     reducer.set_gradients(LentBuckets(reducer.gradients, storage, on_reduced))
 
 
-class LentBuckets:
+class LentBuckets(GradientTransfer):
     """A gradients part around ``inner``: buffers acquired late and released as soon as they can be."""
 
-    def __init__(self, inner: Any, storage: BucketStorage, on_reduced: Callable[[GradBucket], bool] | None = None):
+    def __init__(self, inner: GradientTransfer, storage: BucketStorage, on_reduced: Callable[[GradBucket], bool] | None = None):
         self.inner, self.storage, self.on_reduced = inner, storage, on_reduced
         self._buckets: list = []
         self._offered: dict[int, bool] = {}  # this backward: bucket index -> did on_reduced take it?

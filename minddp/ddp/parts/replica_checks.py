@@ -21,8 +21,8 @@ class ReplicaChecks:
         self.module, self.group, self.every = module, group, every
         self.synchronized_forwards = 0
 
-    def before_forward(self, join) -> None:
-        """Before a synchronized forward; ``join``: the model's ``join_context`` (None outside ``join()``)."""
-        if self.synchronized_forwards % self.every == 0 and (join is None or all(join.active)):
+    def before_forward(self, everyone_trains: bool) -> None:
+        """Before a synchronized forward; ``everyone_trains``: False inside ``join()`` once a rank has stopped."""
+        if self.synchronized_forwards % self.every == 0 and everyone_trains:
             check_replicas_in_sync(self.module, self.group)
         self.synchronized_forwards += 1

@@ -7,7 +7,7 @@ as zero, now and always); later backwards mark a parameter ready at its
 activation checkpoint (two nested passes, two hooks). Which parameters some
 rank uses is learned once, with the first backward. A graph that changes
 after all is an error, in torch's words. Its gradients part is
-:class:`~minddp.ddp.parts.unused_parameters.MissingGradients` (a parameter
+:class:`~minddp.ddp.parts.gradient_cases.GradientCases` (a parameter
 unused in the first backward has no ``.grad``).
 """
 

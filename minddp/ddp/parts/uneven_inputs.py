@@ -1,43 +1,56 @@
 """MiniDDP under ``join()``: ranks with fewer batches shadow the others' steps (torch's ``_DDPJoinHook``).
 
-The generic mechanism (who is still training, the loop that shadows) is
-:mod:`minddp.ddp.join`; this is MiniDDP's part in it, :class:`MiniDDPJoinHook`,
-made when a ``Join`` (minddp's or torch's) asks the model for its join hook
-(``MiniDDP.join_hook``), and from then on a forward-time part of the model:
+Every synchronized step issues the same collectives on every rank. If rank 1
+has 3 batches and rank 0 has 5, rank 0's fourth backward waits forever for a
+partner. Dropping data to make shards even throws samples away; ``join``
+keeps them::
+
+    with model.join():                    # or torch's Join([model, optimizer])
+        for batch in my_batches:          # a different count per rank
+            loss_fn(model(batch)).backward()
+            optimizer.step()
+
+The mechanism is torch's (``torch.distributed.algorithms.join``), and
+MiniDDP is a ``Joinable`` in it, as torch's DDP is: at each step the first
+joinable notifies the join context (one all-reduce: how many ranks still
+train), and a rank that left its loop answers that all-reduce and runs
+each joinable's ``JoinHook.main_hook``, which issues the collectives of a
+real step with nothing to contribute; when no rank trains any more, each
+``post_hook`` runs once. This is MiniDDP's hook, :class:`MiniDDPJoinHook`,
+made when a ``Join`` asks the model for it (``MiniDDP.join_hook``), and from
+then on a forward-time part of the model:
 
 * at each synchronized forward (:meth:`MiniDDPJoinHook.before_forward`):
-  tell the join context this rank trains, and learn who else does; divide
-  gradients by the initial world size (torch's default) or by the ranks
-  still active; take buffers from the last rank still training, at every
-  synchronized forward (a joined rank shadows each one with a broadcast,
-  not knowing what the others' previous forward was);
+  notify the join context, which counts the ranks still training; divide
+  gradients by the initial world size (torch's default) or by that count;
+  take buffers from the highest rank still training (one more small
+  all-reduce, as torch's ``_find_common_rank``), at every synchronized
+  forward (a joined rank shadows each one with that all-reduce and a
+  broadcast, not knowing what the others' previous forward was);
 * on a rank that ran out of data, for each step the others still take
   (:meth:`~MiniDDPJoinHook.main_hook`): the same collectives in the same
-  order, with nothing to contribute: the buffer broadcast, every bucket's
-  all-reduce (of zeros, :func:`shadow_backward`), the unused-parameter
-  search if there is one;
-* when everyone is done: the last rank to train broadcasts its parameters
-  and buffers.
+  order: the buffers' source and broadcast, every bucket's all-reduce (of
+  zeros, ``Reducer.shadow_backward``), the unused-parameter search if there
+  is one;
+* when everyone is done: the highest of the last ranks to train broadcasts
+  its parameters and buffers.
+
+MiniDDP's collectives open each step, so it must be the first joinable.
 """
 
 from __future__ import annotations
 
-from minddp.ddp.join import Join, JoinHook, under_torchs_join
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook
+
 from minddp.ddp.broadcast import broadcast_coalesced, sync_buffers
 
-__all__ = ["MiniDDPJoinHook", "join_hook", "shadow_backward"]
-
-
-def join_hook(ddp, divide_by_initial_world_size: bool = True) -> JoinHook:
-    """``MiniDDP.join_hook``: what the model does for a ``Join`` (minddp's or torch's) once its rank has
-    run out of data; from then on a part of its forward too."""
-    ddp._join_hook = MiniDDPJoinHook(ddp, divide_by_initial_world_size)
-    ddp._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
-    return ddp._join_hook
+__all__ = ["MiniDDPJoinHook", "common_rank"]
 
 
 class MiniDDPJoinHook(JoinHook):
-    """MiniDDP's part in :class:`~minddp.ddp.join.Join`: count who trains, shadow the others' steps, then agree."""
+    """MiniDDP's part in torch's ``Join``: count who trains, shadow the others' steps, then agree."""
 
     def __init__(self, ddp, divide_by_initial_world_size: bool):
         if ddp.buffer_sync == "average":
@@ -47,63 +60,55 @@ class MiniDDPJoinHook(JoinHook):
             )
         self.ddp = ddp
         self.divide_by_initial_world_size = divide_by_initial_world_size
-
-    def divisor(self, active) -> int:
-        """Gradients are divided by the initial world size (torch's default) or by the active ranks."""
-        return len(active) if self.divide_by_initial_world_size else sum(active)
+        self._work: dist.Work | None = None  # this step's count of the ranks still training (None: not joined)
+        self._active: int | None = None  # ... read back, once asked for
 
     def before_forward(self, buffers_from: int | None) -> int | None:
-        """Before a synchronized forward: who trains? Returns the rank whose buffers everyone takes now."""
+        """Before a synchronized forward: notify the join context. Returns the rank whose buffers everyone
+        takes now."""
         ddp = self.ddp
         ddp.reducer.average_over(ddp.world_size)
-        if ddp.join_context is None and under_torchs_join(ddp):  # Join([model, ...]) of torch's
-            if not ddp._join_config.is_first_joinable:  # its steps open with MiniDDP's collectives
-                raise ValueError("under torch's Join, MiniDDP must be the first joinable: Join([model, optimizer])")
-            ddp.join_context = Join.inside_torchs_join(ddp)
-        active = Join.notify_join_context(ddp)  # inside join(): who is still training?
-        if active is None:
-            return buffers_from
-        ddp.reducer.average_over(self.divisor(active))
+        self._work, self._active = Join.notify_join_context(ddp), None
+        if not ddp._join_config.enable:
+            return buffers_from  # outside every Join
+        if self._work is None:  # an enabled Join notifies through its first joinable only
+            raise ValueError("under join, MiniDDP must be the first joinable: Join([model, optimizer])")
+        if not self.divide_by_initial_world_size:
+            ddp.reducer.average_over(self.ranks_training())
         if ddp.buffer_policy is None:
-            return buffers_from  # (last_active reads the answer back: a wait for the GPU, only where used)
-        return ddp.join_context.last_active
+            return buffers_from
+        return common_rank(ddp.process_group, ddp.device, is_candidate=True)
+
+    def ranks_training(self) -> int:
+        """How many ranks train this step (the world outside ``join``). A wait for the count's all-reduce
+        (on a GPU, for the device), so read only where it is used."""
+        if self._work is None:
+            return self.ddp.world_size
+        if self._active is None:
+            self._work.wait()
+            self._active = int(self._work.result()[0].item())
+        return self._active
 
     def main_hook(self) -> None:
-        join = self._join()
-        if join.inside_torch:  # torch's loop answers only its own all-reduce; the exchange is answered here
-            join._exchange(active=False)
         ddp = self.ddp
-        if ddp.world_size > 1:
-            sync_buffers(ddp._module_buffers(), ddp.process_group, ddp.buffer_sync, join.last_active)
-        shadow_backward(ddp.reducer)
+        if ddp.buffer_policy is not None:
+            source = common_rank(ddp.process_group, ddp.device, is_candidate=False)
+            sync_buffers(ddp._module_buffers(), ddp.process_group, ddp.buffer_sync, source)
+        ddp.reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        # Everyone is done: the last rank to train has the newest parameters.
+        # Everyone is done: the last ranks to train have the newest parameters.
         ddp = self.ddp
+        source = common_rank(ddp.process_group, ddp.device, is_candidate=is_last_joiner)
         buffers = ddp._module_buffers() if ddp.buffer_sync != "off" else []  # torch: forward_sync_buffers
-        broadcast_coalesced(ddp._module_parameters() + buffers, ddp.process_group, self._join().last_active)
+        broadcast_coalesced(ddp._module_parameters() + buffers, ddp.process_group, source)
         ddp.reducer.average_over(ddp.world_size)
-
-    def _join(self) -> Join:
-        """Who trains, and who trained last: minddp's Join knows (see ``Join.inside_torchs_join``)."""
-        if self.ddp.join_context is None:  # under torch's Join, a rank that never trained in it
-            self.ddp.join_context = Join.inside_torchs_join(self.ddp)
-        return self.ddp.join_context
+        self._work = self._active = None
 
 
-def shadow_backward(reducer) -> None:
-    """A joined rank's stand-in for a backward: the same collectives as the others', contributing zeros."""
-    reducer.rebuild_if_due()  # the others rebuild at their forward: the same buckets everywhere
-    for observer in reducer.observers:
-        observer.backward_started()  # nothing will arrive here; the step still counts, as on the other ranks
-    for bucket in reducer.buckets:
-        bucket.acquire()
-        bucket.buffer.zero_()
-        bucket.launch_unconditionally(reducer.communication.communicate)
-        bucket.wait()
-        bucket.reset()
-        if not reducer.storage.keep_buffers:
-            bucket.release()
-    reducer.readiness.shadow_backward(reducer)
-    for callback in list(reducer.backward_done_callbacks):
-        callback()
+def common_rank(group: dist.ProcessGroup, device: torch.device, is_candidate: bool) -> int:
+    """The highest group rank among the candidates, on every rank (one all-reduce; torch's DDP's
+    ``_find_common_rank``)."""
+    rank = torch.tensor([dist.get_rank(group) if is_candidate else -1], device=device)
+    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=group)
+    return int(rank.item())

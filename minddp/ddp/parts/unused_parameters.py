@@ -17,23 +17,24 @@ with an error naming it. With it, as in torch's DDP, two parts:
   one defined at its hook: an undefined gradient leaves it None); with ``skip_all_reduce_unused_params``
   (a promise that the unused ones stay the same on every rank) it is done
   at the first backward only;
-* gradients, :class:`MissingGradients`: a parameter without ``.grad``
-  contributes zeros; one that had a gradient on no rank keeps its
-  ``.grad`` (None stays None), the others get the average.
+* gradients, :class:`~minddp.ddp.parts.gradient_cases.GradientCases`: a
+  parameter without ``.grad`` contributes zeros; one that had a gradient on
+  no rank keeps its ``.grad`` (None stays None), the others get the average.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-from minddp.ddp.reducer import CopyGradients, EveryHookReady
+import minddp.ddp.messages as messages
+from minddp.ddp.reducer import EveryHookReady
 
-__all__ = ["UnusedParameters", "MissingGradients", "params_reached_from", "used_on_any_rank",
-           "mark_the_rest_ready"]
+__all__ = ["UnusedParameters", "params_reached_from", "used_on_any_rank", "mark_the_rest_ready"]
 
 
 class UnusedParameters(EveryHookReady):
@@ -44,11 +45,15 @@ class UnusedParameters(EveryHookReady):
         self.used_on_some_rank = None
         self._unmarked: list[int] = []  # not reached by this forward's graph, not yet counted ready
         self._used_here = [True] * len(params)  # a gradient on this rank since the last synchronization?
+        self._warned = False  # about a first forward that used every parameter
 
     def prepare_for_backward(self, reducer, output: Any) -> None:
         with torch.autograd.profiler.record_function("minddp.search_unused_parameters"):  # torch's name for it
             reached = params_reached_from(output)
         self._unmarked = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        if not self._warned and not self._unmarked:  # once, as torch's: the flag may have been for nothing
+            warnings.warn(messages.nothing_unused(reducer), stacklevel=2)
+        self._warned = True
         self._used_here = [p.grad is not None for p in self.params]  # accumulated under no_sync(), say
 
     def is_ready(self, reducer, index: int) -> bool:
@@ -69,47 +74,6 @@ class UnusedParameters(EveryHookReady):
         """A joined rank's stand-in: it used nothing, and says so in the same all-reduce."""
         if not (self.skip_all_reduce and self.used_on_some_rank is not None):
             self.used_on_some_rank = used_on_any_rank([False] * len(self.params), reducer)
-
-
-class MissingGradients(CopyGradients):
-    """Gradients in and out when some may be missing (``find_unused_parameters``, ``static_graph``).
-
-    The plain batched copies, for every gradient that is not a case of its own: :meth:`fill_case` and
-    :meth:`write_case` say which are (here, a missing one; more in :mod:`minddp.ddp.parts.gradient_cases`).
-    """
-
-    def fill_bucket(self, bucket, scale: float) -> None:
-        grads, slots = [], []
-        for index, param, slot in zip(bucket.indices, bucket.params, bucket.views):
-            if not self.fill_case(index, param, slot):
-                grads.append(param.grad)
-                slots.append(slot)
-        bucket.copy_in(grads, slots, scale)
-
-    def fill_case(self, index: int, param, slot) -> bool:
-        """Fill ``slot`` if ``param``'s gradient is a case of its own; False: a plain copy."""
-        if param.grad is None:  # unused here (but maybe used on another rank): contributes zero
-            slot.zero_()
-            return True
-        return False
-
-    def write_grads(self, bucket, used: list[bool] | None) -> None:
-        grads, slots = [], []
-        for index, param, slot in zip(bucket.indices, bucket.params, bucket.views):
-            if used is not None and not used[index]:
-                continue  # unused on every rank: .grad stays as it was (None stays None)
-            if not self.write_case(index, param, slot):
-                grads.append(param.grad)
-                slots.append(slot)
-        if grads:
-            torch._foreach_copy_(grads, slots)  # casts too, with reduce_dtype
-
-    def write_case(self, index: int, param, slot) -> bool:
-        """Write ``param.grad`` from ``slot`` if it is a case of its own; False: a plain copy."""
-        if param.grad is None:
-            param.grad = slot.to(param.dtype, copy=True)
-            return True
-        return False
 
 
 def mark_the_rest_ready(reducer) -> None:
