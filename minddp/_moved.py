@@ -1,4 +1,4 @@
-"""Names that left the library for the lab, and the error that says where each went.
+"""Names that left the library (most for the lab), and the error that says where each went.
 
 The lab (``minddp_lab``) imports the library, never the reverse, so an old
 name cannot stand for its new module. Instead :class:`MovedToTheLab`, first
@@ -16,6 +16,8 @@ import sys
 __all__ = ["MOVED", "MovedToTheLab", "install"]
 
 MOVED = {
+    "minddp.observe": "minddp.ddp.observers (the observers live beside the reducer they watch; reading a trace "
+                      "back and drawing it is the lab's minddp_lab.trace_view)",
     "minddp.simulate": "minddp_lab.simulate (the step-time simulator; python -m minddp_lab.simulate)",
     "minddp.net": "minddp_lab.network (the alpha-beta model), minddp_lab.simulated_link, minddp_lab.links "
                   "(real shaped links: namespaces, hosts, probe) and minddp_lab.auto (the bucket planner)",
@@ -31,9 +33,9 @@ class MovedToTheLab(importlib.abc.MetaPathFinder):
     """Finds no module: for a moved name, or one below it, raises an error naming where it went."""
 
     def find_spec(self, fullname: str, path=None, target=None):
-        for old, new in MOVED.items():
+        for old in sorted(MOVED, key=len, reverse=True):  # the most precise name first
             if fullname == old or fullname.startswith(old + "."):
-                raise ModuleNotFoundError(f"{fullname}: {old} moved to the lab, to {new}", name=fullname)
+                raise ModuleNotFoundError(f"{fullname}: {old} moved to {MOVED[old]}", name=fullname)
         return None
 
 

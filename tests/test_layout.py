@@ -29,6 +29,7 @@ MOVED = {
     "minddp.data": "minddp_lab.data",
     "minddp.launch.rank_pool": "minddp_lab.rank_pool",
     "minddp.observe.trace_view": "minddp_lab.trace_view",
+    "minddp.observe": "minddp.ddp.observers",  # moved within the library, under the DDP core
 }
 # Older names of modules still in the library: the very same module under both names.
 ALIASES = {"minddp.comm_hooks": "minddp.ddp.default_hooks", "minddp.replicas": "minddp.ddp.replicas"}
