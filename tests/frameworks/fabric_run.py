@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from both_ddps import save_and_leave  # (this script's folder is on sys.path)
+
 torch.set_num_threads(1)
 
 
@@ -83,9 +85,7 @@ def main(out: str, *cases: str) -> None:
         package, precision = case.split(":")
         for which in ("torch", "minddp"):
             results[package, precision, which] = run(package, precision, which, out)
-    torch.save(results, f"{out}/rank{torch.distributed.get_rank()}.pt")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    save_and_leave(results, out)
 
 
 if __name__ == "__main__":
