@@ -138,13 +138,41 @@ def close(mine: torch.Tensor, right: torch.Tensor) -> bool:
     return mine.shape == right.shape and torch.allclose(mine.to(right.dtype), right, rtol=1e-4, atol=1e-4)
 
 
+# A common shift large against the data's spread: float32 keeps about 7 digits, so E[x^2] - E[x]^2 loses the
+# variance (of order 1) to rounding of numbers of order SHIFT^2.
+SHIFT = 1e4
+
+
 def check_10(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
+    failures = _check_10(exercise, rank, world_size, shift=0.0)
+    if not failures:
+        failures = _check_10(exercise, rank, world_size, shift=SHIFT)
+    return gather_failures(failures)
+
+
+def _check_10(exercise, rank: int, world_size: int, shift: float) -> list[str]:
+    """The statistics of every rank's batch together (sizes 2, 5, 8...), each rank's shifted by 3 r, plus ``shift``."""
     channels = 4
-    batches = [torch.randn(2 + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r
+    batches = [torch.randn(2 + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r + shift
                for r in range(world_size)]  # every rank makes every rank's batch, for the reference
     x = batches[rank]
     mean, var = exercise.global_mean_and_var(x.clone())
+    if isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor) and (mean.dtype, var.dtype) != (x.dtype,) * 2:
+        return [f"for a {str(x.dtype).removeprefix('torch.')} batch you returned "
+                f"{str(mean.dtype).removeprefix('torch.')} and {str(var.dtype).removeprefix('torch.')} statistics: "
+                f"return them in x's dtype (compute in float64 if you like, then .to(x.dtype)), or BatchNorm turns "
+                f"the batch it normalizes into another dtype"]
+    if shift:
+        whole = torch.cat(batches).double()
+        right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)
+        if not torch.allclose(mean.double(), right_mean, rtol=1e-6, atol=0) or \
+                not torch.allclose(var.double(), right_var, rtol=1e-3, atol=1e-3):
+            return [f"with every sample shifted by {shift:g} (a mean large against the spread) the variance is off "
+                    f"by up to {(var.double() - right_var).abs().max():.3g} (it is about {right_var.mean():.3g}): "
+                    f"E[x^2] - E[x]^2 subtracts two numbers near {shift ** 2:g}, and in float32 they cancel "
+                    f"catastrophically. Combine each rank's count, mean and M2 (lesson 10), or sum in float64"]
+        return []
     whole = torch.cat(batches)
     right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)
     failures = []
@@ -177,4 +205,4 @@ def check_10(rank: int, world_size: int, path: str) -> list[str]:
     dist.all_gather_object(everyone, (mean, var))
     if not failures and not all(torch.equal(m, mean) and torch.equal(v, var) for m, v in everyone):
         failures.append("the ranks returned different statistics: every rank must normalize with the same ones")
-    return gather_failures(failures)
+    return failures
