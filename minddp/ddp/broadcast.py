@@ -8,14 +8,14 @@ replicas *are* identical lives in :mod:`minddp.ddp.replicas`; the graph walk of
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from minddp.ddp.placement import global_rank
 
-__all__ = ["BUFFER_POLICIES", "broadcast_coalesced", "sync_buffers", "BufferSync"]
+__all__ = ["BUFFER_POLICIES", "broadcast_coalesced", "sync_buffers", "BufferSync", "switch_forward_sync"]
 
 BUFFER_POLICIES = ("broadcast", "with_gradients", "average", "off")
 
@@ -77,6 +77,21 @@ class BufferSync:
 
     def before_forward(self, source: int) -> None:
         sync_buffers(self.read_buffers(), self.group, self.policy, source)
+
+
+def switch_forward_sync(ddp: Any, value: bool) -> None:
+    """``model.forward_sync_buffers = value`` (or ``broadcast_buffers``) on a built MiniDDP, as frameworks set it:
+    it rules from the next forward on, as torch's DDP reads its flag at every forward. Switched on again, the
+    kind asked at construction comes back (``average`` stays ``average``); buffers that rode in the last bucket
+    (``with_gradients``) come by broadcast."""
+    ddp._forward_sync_buffers = bool(value)
+    if not value:
+        ddp._buffers_by_broadcast()
+        ddp.buffer_sync, ddp.buffer_policy = "off", None
+    elif ddp.buffer_sync == "off":
+        ddp.buffer_sync = ddp._buffer_sync_asked if ddp._buffer_sync_asked in ("broadcast", "average") else "broadcast"
+        if ddp.world_size > 1 and ddp._module_buffers():
+            ddp.buffer_policy = BufferSync(ddp._module_buffers, ddp.process_group, ddp.buffer_sync)
 
 
 def _flatten(chunk: list[torch.Tensor]) -> torch.Tensor:

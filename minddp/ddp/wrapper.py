@@ -27,7 +27,7 @@ import minddp.ddp.parts.uneven_inputs as uneven_inputs
 import minddp.ddp.torch_ddp_calls as torch_ddp_calls
 from minddp.ddp.arguments import (buffer_rule, check_arguments, first_bucket_cap_mb, refuse_unsupported,
                                   warn_check_reduction_deprecated)
-from minddp.ddp.broadcast import BufferSync, broadcast_coalesced
+from minddp.ddp.broadcast import BufferSync, broadcast_coalesced, switch_forward_sync
 from minddp.ddp.bucket_assignment import LearnedBucketOrder
 from minddp.ddp.join import Join
 from minddp.ddp.parts.bucket_views import BucketViews
@@ -107,9 +107,8 @@ class MiniDDP(nn.Module):
         self.world_size = dist.get_world_size(self.process_group)
         self._forward_sync_buffers, init_sync_buffers = buffer_rule(broadcast_buffers, forward_sync_buffers)
         self.buffer_sync = buffer_sync or ("broadcast" if self._forward_sync_buffers else "off")
-        self._buffer_sync_when_on = buffer_sync if buffer_sync in ("broadcast", "average") else "broadcast"
         check_arguments(self.buffer_sync, check_sync_every, bucket_cap_mb, bucket_cap_mb_list, reduce_dtype)
-        self.check_sync_every = check_sync_every
+        self.check_sync_every, self._buffer_sync_asked = check_sync_every, buffer_sync  # (the latter: broadcast.py)
         self.find_unused_parameters = find_unused_parameters
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -299,27 +298,7 @@ class MiniDDP(nn.Module):
     register_comm_hook = comm_hook.register_comm_hook  # swaps the communication part
     join_hook = uneven_inputs.join_hook  # adds the forward's join part (``with model.join():``)
 
-    @property
-    def forward_sync_buffers(self) -> bool:
-        """torch's switch for buffers at forward (``broadcast_buffers`` is its old name, an alias)."""
-        return self._forward_sync_buffers
-
-    @forward_sync_buffers.setter
-    def forward_sync_buffers(self, value: bool) -> None:
-        """Set on a built model (frameworks do), it rules from the next forward on, as torch's DDP reads its
-        flag at every forward. Switched on again, the kind chosen at construction comes back (``average``
-        stays ``average``); buffers that rode in the last bucket come by broadcast."""
-        self._forward_sync_buffers = bool(value)
-        if not value:
-            self._buffers_by_broadcast()
-            self.buffer_sync, self.buffer_policy = "off", None
-        elif self.buffer_sync == "off":
-            self.buffer_sync = self._buffer_sync_when_on
-            if self.world_size > 1 and self._module_buffers():
-                self.buffer_policy = BufferSync(self._module_buffers, self.process_group, self.buffer_sync)
-
-    broadcast_buffers = forward_sync_buffers
-
+    forward_sync_buffers = broadcast_buffers = property(lambda self: self._forward_sync_buffers, switch_forward_sync)
     def _buffers_by_broadcast(self) -> None:
         """Buffers no longer ride in the last bucket (``buffer_sync="with_gradients"``): a broadcast again."""
         if self.reducer.passenger is not None:
