@@ -99,5 +99,5 @@ def test_ddp_kwargs_through_accelerate_are_taken_like_torch(ranks):
     from minddp import MiniDDP
 
     if not {"check_reduction", "dim"} <= set(inspect.signature(MiniDDP.__init__).parameters):
-        pytest.skip("MiniDDP does not take check_reduction and dim yet (torch 2.15's arguments: the lead's change)")
+        pytest.skip("MiniDDP does not take check_reduction and dim (torch 2.15's arguments)")
     ranks(2).run(_kwargs_from_accelerate)
