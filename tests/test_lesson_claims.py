@@ -62,7 +62,7 @@ def test_06_replays_the_backward_in_the_links_time():
 
 
 def test_06_the_drawing_and_the_count_are_of_one_replayed_backward():
-    # The timeline the lesson draws is the replay its "N of 10 end during backward" counts (issue 45).
+    # The timeline the lesson draws is the replay its "N of 10 end during backward" counts.
     m = lesson("06_async_overlap").modelled(fake_backward(0.010, [(0.001, 0.004), (0.002, 0.004), (0.009, 0.004)]))
     assert [tuple(round(v, 9) for v in row[1:]) for row in m["rows"]] == [(1, 1, 5), (2, 5, 9), (9, 9, 13)]
     assert m["hidden"] == sum(done < m["backward"] for *_, done in m["rows"]) == 2
