@@ -148,6 +148,34 @@ def test_a_reentrant_block_used_twice_is_refused_clearly(ranks):
         assert "'b.0.weight' produced a gradient twice" in message or "'b.0.bias' produced a gradient twice" in message
 
 
+class EveryBlockCheckpointed(nn.Module):
+    """Every parameter inside a reentrant checkpoint: each gradient hook fires in a nested pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return checkpoint(self.b, checkpoint(self.a, x, use_reentrant=True), use_reentrant=True)
+
+
+def _input_needing_grad_step(model, step, rank, world_size):
+    x, y = _batch(step, PER_RANK * world_size)
+    if rank is not None:
+        x, y = _shard(x, rank), _shard(y, rank)
+    # A reentrant checkpoint whose inputs need no gradient computes none for its
+    # parameters (torch warns): here the input stands for an embedding's output.
+    F.mse_loss(model(x.requires_grad_(True)), y).backward()
+
+
+@pytest.mark.parametrize("find_unused", [False, True], ids=["static_only", "find_unused"])
+def test_static_graph_with_every_parameter_under_reentrant_checkpoints_matches_torch_ddp(ranks, find_unused):
+    # The outer pass runs no hook at all: the first backward, which reduces
+    # everything at its end, must still see that end (torch's _DDPSink).
+    kwargs = {"static_graph": True, "find_unused_parameters": find_unused}
+    assert ranks(2).run(_train_three_ways, EveryBlockCheckpointed, _input_needing_grad_step, kwargs) == [True, True]
+
+
 class CheckpointedWithUnused(Chain):
     def __init__(self):
         super().__init__(("c",), reentrant=True)

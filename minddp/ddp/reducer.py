@@ -210,11 +210,7 @@ class Reducer:
         if phase is BackwardPhase.IDLE:
             return  # inside no_sync(): the gradient just accumulates
         if phase is not BackwardPhase.REDUCING:  # the first hook of this backward (or of a pass: _on_pass_end)
-            if phase is BackwardPhase.ARMED:
-                for observer in self.observers:
-                    observer.backward_started()
-            _engine.queue_callback(self._on_pass_end)
-            self.phase = BackwardPhase.REDUCING
+            self.watch_this_pass()
         for observer in self.observers:
             observer.gradient_ready(index, param)
         self.gradients.gradient_ready(*self._plan[index], param)
@@ -246,6 +242,20 @@ class Reducer:
             self._next_to_launch += 1
 
     # ------------------------------------------------------ end of backward
+    def watch_this_pass(self) -> None:
+        """Queue the end-of-pass check (:meth:`_on_pass_end`: is the backward over?) on the autograd pass
+        running now. The first hook of a backward asks for it, and the first hook of a pass after a nested
+        one left the backward BETWEEN_PASSES; a part may ask for it in a pass that runs no hook at all
+        ([Note: hooks only in nested passes], :mod:`minddp.ddp.parts.static_graph`). Nothing happens
+        when a check is queued already (REDUCING) or no synchronized backward is armed (IDLE)."""
+        if self.phase is BackwardPhase.IDLE or self.phase is BackwardPhase.REDUCING:
+            return
+        if self.phase is BackwardPhase.ARMED:
+            for observer in self.observers:
+                observer.backward_started()
+        _engine.queue_callback(self._on_pass_end)
+        self.phase = BackwardPhase.REDUCING
+
     def _on_pass_end(self) -> None:
         """Autograd finished a pass that delivered gradients: is the backward over?
 
