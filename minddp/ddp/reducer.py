@@ -7,7 +7,7 @@ from its ``Reducer`` (C++). The plain path, top to bottom in this file::
     loss.backward()
       autograd accumulates p.grad
         └─ _autograd_hook(i, p)           post-accumulate hook, one per parameter
-             first hook of this backward: queue _on_pass_end on autograd's engine
+             first hook of this backward: watch_this_pass queues _on_pass_end on autograd's engine
              readiness.is_ready(i)        plain: yes, at its hook
                mark_ready(i)              count p ready in its bucket (which one: _plan[i])
                  its bucket complete? ─> bucket_ready(bucket)
