@@ -176,6 +176,31 @@ def test_static_graph_with_every_parameter_under_reentrant_checkpoints_matches_t
     assert ranks(2).run(_train_three_ways, EveryBlockCheckpointed, _input_needing_grad_step, kwargs) == [True, True]
 
 
+def _penalty_before_the_first_backward(rank, world_size):
+    """A gradient penalty's ``torch.autograd.grad`` (of the input: no parameter's hook fires) before each
+    backward of a static graph; the averaged gradients against each rank's own, averaged by hand."""
+    x = _shard(_batch(0, PER_RANK * world_size)[0], rank).requires_grad_(True)
+    torch.manual_seed(0)
+    reference = nn.Linear(8, 8)
+    torch.manual_seed(0)
+    mini = MiniDDP(nn.Linear(8, 8), static_graph=True)
+    for model in (reference, mini):
+        for _ in range(2):  # (accumulated: the second backward reduces by the learned counts)
+            y = model(x)
+            (grad_x,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+            (y.pow(2).sum() + grad_x.pow(2).sum()).backward()
+    for p, q in zip(mini.module.parameters(), reference.parameters()):
+        torch.distributed.all_reduce(q.grad)
+        torch.testing.assert_close(p.grad, q.grad / world_size, rtol=1e-5, atol=1e-6)
+    return True
+
+
+def test_static_graph_learns_from_the_backward_and_not_from_a_gradient_penalty_before_it(ranks):
+    # The first backward's output hook fires in the penalty's pass too, where
+    # no parameter gets a gradient: that pass must not end the first backward.
+    assert ranks(2).run(_penalty_before_the_first_backward) == [True, True]
+
+
 class CheckpointedWithUnused(Chain):
     def __init__(self):
         super().__init__(("c",), reentrant=True)

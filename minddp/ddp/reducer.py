@@ -7,7 +7,7 @@ from its ``Reducer`` (C++). The plain path, top to bottom in this file::
     loss.backward()
       autograd accumulates p.grad
         └─ _autograd_hook(i, p)           post-accumulate hook, one per parameter
-             first hook of this backward: watch_this_pass queues _on_pass_end on autograd's engine
+             first hook of this backward: queue _on_pass_end on autograd's engine
              readiness.is_ready(i)        plain: yes, at its hook
                mark_ready(i)              count p ready in its bucket (which one: _plan[i])
                  its bucket complete? ─> bucket_ready(bucket)
@@ -210,7 +210,11 @@ class Reducer:
         if phase is BackwardPhase.IDLE:
             return  # inside no_sync(): the gradient just accumulates
         if phase is not BackwardPhase.REDUCING:  # the first hook of this backward (or of a pass: _on_pass_end)
-            self.watch_this_pass()
+            if phase is BackwardPhase.ARMED:
+                for observer in self.observers:
+                    observer.backward_started()
+            _engine.queue_callback(self._on_pass_end)
+            self.phase = BackwardPhase.REDUCING
         for observer in self.observers:
             observer.gradient_ready(index, param)
         self.gradients.gradient_ready(*self._plan[index], param)
@@ -243,18 +247,16 @@ class Reducer:
 
     # ------------------------------------------------------ end of backward
     def watch_this_pass(self) -> None:
-        """Queue the end-of-pass check (:meth:`_on_pass_end`: is the backward over?) on the autograd pass
-        running now. The first hook of a backward asks for it, and the first hook of a pass after a nested
-        one left the backward BETWEEN_PASSES; a part may ask for it in a pass that runs no hook at all
-        ([Note: hooks only in nested passes], :mod:`minddp.ddp.parts.static_graph`). Nothing happens
-        when a check is queued already (REDUCING) or no synchronized backward is armed (IDLE)."""
-        if self.phase is BackwardPhase.IDLE or self.phase is BackwardPhase.REDUCING:
-            return
-        if self.phase is BackwardPhase.ARMED:
-            for observer in self.observers:
-                observer.backward_started()
-        _engine.queue_callback(self._on_pass_end)
-        self.phase = BackwardPhase.REDUCING
+        """At the end of the autograd pass running now, end the backward if nested passes left it
+        BETWEEN_PASSES: for a part whose backward's hooks may all fire in nested passes, called from
+        the outer one ([Note: hooks only in nested passes], :mod:`minddp.ddp.parts.static_graph`).
+        A pass whose own hooks queued the check (REDUCING), or that reduced nothing (ARMED, IDLE:
+        ``torch.autograd.grad`` of an input, say), is left alone."""
+        _engine.queue_callback(self._on_watched_pass_end)
+
+    def _on_watched_pass_end(self) -> None:
+        if self.phase is BackwardPhase.BETWEEN_PASSES:
+            self._on_pass_end()
 
     def _on_pass_end(self) -> None:
         """Autograd finished a pass that delivered gradients: is the backward over?

@@ -45,13 +45,14 @@ class StaticGraph(EveryHookReady):
             # first hook sees ([Note: nested passes], BackwardPhase). With every
             # parameter inside reentrant activation checkpoints, every hook
             # fires in a nested pass, each nested pass ends with every bucket
-            # still to come, and the outer pass, which runs no hook, would end
-            # without asking: the backward would never finish. So the first
-            # gradient of the forward's output, which autograd computes in the
-            # outer pass before any nested one starts, queues the check there
-            # (torch's _DDPSink queues its _delay_all_reduce on the outer pass
-            # the same way). Later backwards launch each bucket at its last
-            # expected hook: the last nested pass ends with all of them launched.
+            # still to come (BETWEEN_PASSES), and the outer pass, which runs no
+            # hook, would end without asking: the backward would never finish.
+            # So the first gradient of the forward's output, which autograd
+            # computes in the outer pass before any nested one starts, has the
+            # reducer watch that pass's end (torch's _DDPSink queues its
+            # _delay_all_reduce on the outer pass the same way). Later backwards
+            # launch each bucket at its last expected hook: the last nested
+            # pass ends with all of them launched.
             outputs = [t for t in tensors_in(output) if t.grad_fn is not None]
             if outputs:
                 torch.autograd.graph.register_multi_grad_hook(
