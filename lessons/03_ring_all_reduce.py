@@ -6,7 +6,8 @@ What you will learn
 
     * Parameter server: everyone sends its tensor to rank 0, rank 0 adds them
       and sends the sum back. Rank 0 sends (p-1)N numbers and receives as
-      many; everyone else waits on that one link. Doubling the workers doubles rank 0's traffic.
+      many; everyone else waits on that one link. Its traffic grows with
+      every worker: from 2 workers to 4 it triples ((p-1)N: N, then 3N).
     * Ring: cut the tensor into p chunks and pass chunks around a ring
       (rank r sends to r+1, receives from r-1). First p-1 steps of
       *reduce-scatter* (each step, add the chunk you received to yours; at

@@ -9,9 +9,11 @@ What you will learn
       complete, all its gradients are copied in, times 1/N, in one batched
       call, and the complete buckets are launched strictly in order (07).
       torch's DDP copies one gradient at a time unless given
-      ``batched_grad_copy=True`` (torch 2.15); its ``lazy_bucket_allocation=True``
-      (MiniDDP's too) allocates a bucket's buffer only at that copy and frees
-      it once ``.grad`` is written, so no bucket is held between steps;
+      ``batched_grad_copy=True`` (an argument of every torch minddp
+      supports, 2.13 to 2.15); ``lazy_bucket_allocation=True`` (torch's from
+      2.15; MiniDDP takes it on 2.13 and 2.14 too) allocates a bucket's
+      buffer only at that copy and frees it once ``.grad`` is written, so no
+      bucket is held between steps;
     * the end-of-backward callback (07b) is queued again if a nested
       backward pass (a reentrant activation checkpoint) ends first, and
       waits for each bucket before writing its averages into ``.grad``;

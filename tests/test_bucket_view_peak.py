@@ -7,11 +7,18 @@ first set was still alive: a construction peak of parameters + twice the
 gradients (60.4 MiB against torch's DDP's 49.1). Here the buffers are counted
 as they are taken: at no moment may more bucket memory be alive than one
 bucket per parameter holds.
+
+[Note: a one-rank group] Each rank builds its MiniDDP on a group of its own.
+What is counted is when the reducer lets a buffer go; over two ranks Gloo's
+worker thread still holds an all-reduced buffer for a moment after its future
+has completed, and when that moment ends depends on the machine's load, so the
+count would be of Gloo's thread, not of the reducer.
 """
 
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import minddp.ddp.buckets
@@ -33,7 +40,8 @@ def _most_bucket_elements_alive(rank, world_size, view, steps=0):
     try:
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])  # 4 x 257 KiB
-        ddp = MiniDDP(model, bucket_cap_mb=1.0, gradient_as_bucket_view=view)
+        groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group, in order
+        ddp = MiniDDP(model, bucket_cap_mb=1.0, gradient_as_bucket_view=view, process_group=groups[rank])
         gradient_elements = sum(p.numel() for p in model.parameters())
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         for _ in range(steps):  # the first backward ends with the rebuild in the learned order

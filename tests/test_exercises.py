@@ -109,6 +109,44 @@ def _held_until_wait(rank, world_size):
             and len(kept) == 1 and watch.changed_before_wait == 0)
 
 
+@pytest.mark.parametrize("name", ["broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                                  "reduce_scatter_tensor"])
+def test_every_async_collective_the_stubs_invite_is_held_back_until_wait(ranks, name):
+    # Exercise 19's all-gather read before wait() must be wrong every time too, as the all-reduce's is.
+    early, waited = zip(*ranks(3).run(_held_collective, name))
+    assert not any(early) and all(waited), (early, waited)
+
+
+def _held_collective(rank, world_size, name):
+    """(output already final before wait(), output right after wait()) for one async collective."""
+    import torch.distributed as dist
+
+    from lessons.grading.watch import Watch
+
+    mine = torch.full((2,), float(rank + 1))
+    everyone = torch.arange(1.0, world_size + 1).repeat_interleave(2)  # every rank's (rank + 1), twice
+    calls = {  # (output, the call, its right result)
+        "broadcast": (mine, lambda out: dist.broadcast(out, src=2, async_op=True), torch.full((2,), 3.0)),
+        "all_gather": ([torch.zeros(2) for _ in range(world_size)],
+                       lambda out: dist.all_gather(out, mine, async_op=True), list(everyone.split(2))),
+        "all_gather_into_tensor": (torch.zeros(2 * world_size),
+                                   lambda out: dist.all_gather_into_tensor(out, mine, async_op=True), everyone),
+        "reduce_scatter": (torch.zeros(2), lambda out: dist.reduce_scatter(
+            out, [torch.full((2,), float(rank + 1)) for _ in range(world_size)], async_op=True), torch.full((2,), 6.0)),
+        "reduce_scatter_tensor": (torch.zeros(2), lambda out: dist.reduce_scatter_tensor(
+            out, torch.full((2 * world_size,), float(rank + 1)), async_op=True), torch.full((2,), 6.0)),
+    }
+    out, call, right = calls[name]
+    before = [t.clone() for t in out] if isinstance(out, list) else out.clone()
+    with Watch().active():
+        work = call(out)
+        time.sleep(0.2)  # long enough for Gloo to have finished: the result must still be held back
+        same = lambda a, b: all(map(torch.equal, a, b)) if isinstance(a, list) else torch.equal(a, b)  # noqa: E731
+        early = same(out, right) and not same(before, right)
+        work.wait()
+    return early, same(out, right)
+
+
 def test_grading_ends_its_ranks_cleanly():
     # The ranks leave the process group together: no "terminate called without an active exception".
     result = _grade_command("21", "--file", str(SOLUTIONS_DIR / "21_fsdp_unit.py"))

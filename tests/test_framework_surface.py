@@ -254,3 +254,30 @@ def _rebuild_answers(rank, world_size):
 
 def test_rebuild_buckets_answers_true_once_after_the_first_backward_like_torch(ranks):
     ranks(2).run(_rebuild_answers)
+
+
+# ------------------------------- buffer flags set on a built model
+def _flag_switched(rank, world_size, name, before, after):
+    """Frameworks set ``broadcast_buffers`` / ``forward_sync_buffers`` on a built model; torch's DDP reads the
+    flag at every forward, so the next forward follows it. BatchNorm's running statistics after the same steps,
+    and the flag read back, must be torch's on every rank."""
+    states, read = {}, {}
+    for label, model in _both(rank, forward_sync_buffers=before).items():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 1:
+                setattr(model, name, after)
+            x, y = _batch(rank, step)
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        read[label] = (model.broadcast_buffers, model.forward_sync_buffers)
+        states[label] = _state(model)
+    assert read["minddp"] == read["torch"] == (after, after), read
+    _assert_same(states, f"rank {rank}, {name} switched from {before} to {after}")
+
+
+@pytest.mark.parametrize("before, after", [(True, False), (False, True)])
+@pytest.mark.parametrize("name", ["broadcast_buffers", "forward_sync_buffers"])
+def test_buffer_flag_set_after_construction_acts_as_torchs(ranks, name, before, after):
+    ranks(2).run(_flag_switched, name, before, after)

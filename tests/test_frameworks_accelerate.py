@@ -37,6 +37,36 @@ def test_accelerates_script_passes(tmp_path, which, script, flags):
     _run(which, script, tmp_path, *flags)
 
 
+LOOP = Path(__file__).parent / "frameworks" / "accelerate_loop.py"
+
+
+@pytest.mark.timeout(300)
+def test_accelerates_loop_with_minddp_equals_torchs_ddp(tmp_path):
+    """accelerate's own loop (``accumulate``, ``clip_grad_norm_``, bf16, ``save_state`` / ``load_state``) with
+    MiniDDP and with torch's DDP, in one launch: every micro-batch's loss, parameters and buffers bitwise equal
+    on each rank, and the resumed run equal to the first one from where it was saved."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(find_free_port()), str(LOOP), str(tmp_path)]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"the loop failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    import torch
+
+    for rank in (0, 1):
+        runs = torch.load(tmp_path / f"rank{rank}.pt")
+        mine, torchs = runs["minddp"], runs["torch"]
+        assert (mine["wrapper"], torchs["wrapper"]) == ("MiniDDP", "DistributedDataParallel")
+        pairs = [("first", mine["first"], torchs["first"]), ("resumed", mine["resumed"], torchs["resumed"]),
+                 ("resumed against the first run", mine["resumed"], mine["first"][4:])]
+        for when, ours, theirs in pairs:
+            assert len(ours) == len(theirs) > 0, when
+            for i, (a, b) in enumerate(zip(ours, theirs)):
+                assert torch.equal(a["loss"], b["loss"]), f"rank {rank}, {when}, micro-batch {i}: loss"
+                for name in b["state"]:
+                    assert torch.equal(a["state"][name], b["state"][name]), f"rank {rank}, {when}, {i}: {name}"
+
+
 def _kwargs_from_accelerate(rank, world_size):
     """``DistributedDataParallelKwargs(check_reduction=True, dim=1)``: accelerate passes both on (they are not
     its defaults); torch's DDP takes them (a FutureWarning for check_reduction), and so must MiniDDP."""
@@ -69,5 +99,5 @@ def test_ddp_kwargs_through_accelerate_are_taken_like_torch(ranks):
     from minddp import MiniDDP
 
     if not {"check_reduction", "dim"} <= set(inspect.signature(MiniDDP.__init__).parameters):
-        pytest.skip("MiniDDP does not take check_reduction and dim yet (torch 2.15's arguments)")
+        pytest.skip("MiniDDP does not take check_reduction and dim (torch 2.15's arguments)")
     ranks(2).run(_kwargs_from_accelerate)

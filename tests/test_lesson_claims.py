@@ -68,6 +68,44 @@ def test_06_the_drawing_and_the_count_are_of_one_replayed_backward():
     assert m["hidden"] == sum(done < m["backward"] for *_, done in m["rows"]) == 2
 
 
+def test_06_a_hook_that_fires_as_backward_returns_keeps_its_mark_in_the_drawing(capsys):
+    # The last hooks fire in the very column where backward returns: "|" must not hide their "^".
+    draw = lesson("06_async_overlap").draw
+    draw([("p0", 1.0, 1.0, 5.0), ("p1", 9.99, 10.0, 12.0), ("p2", 10.0, 10.0, 12.0)], 10.0, 12.0)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["p0"], ["p1"], ["p2"])]
+    assert len(rows) == 3 and all("^" in row for row in rows), rows
+    assert "|" in rows[0], rows[0]  # where no hook fired there, the end of backward shows
+
+
+class _TimedWrapper:
+    """Stands for lesson 06's wrapper in ``time_alternately``: each step as long as the next of ``step_ms``."""
+
+    def __init__(self, step_ms: list[float]):
+        self.step_ms, self.backward_and_sync_ms, self.link, self.timeline = list(step_ms), [], None, []
+
+    def zero_grad(self):
+        pass
+
+    def __call__(self, x):
+        return x.sum() * torch.ones((), requires_grad=True)
+
+    def finish_gradient_synchronization(self):
+        ms = self.step_ms.pop(0)
+        self.forward_done, self.backward_done, self.all_done = 0.0, ms / 2e3, ms / 1e3
+        self.timeline = [["p0", 0.0, ms / 1e3, None]]
+        self.backward_and_sync_ms.append(ms)
+
+
+def test_06_without_a_link_the_drawn_backward_is_the_fastest_whose_time_is_printed(monkeypatch):
+    module = lesson("06_async_overlap")
+    monkeypatch.setattr(module.dist, "barrier", lambda: None)
+    slow, fast = _TimedWrapper([30, 20, 25, 40, 50, 60]), _TimedWrapper([9, 8, 7, 12, 14, 16])
+    (slow_ms, fast_ms), model, (slow_rows, fast_rows) = module.time_alternately([slow, fast], per_rank=2)
+    assert model is None and (slow_ms, fast_ms) == (20, 7)
+    assert slow_rows[2] == pytest.approx(20) and fast_rows[2] == pytest.approx(7)  # all done: the printed time
+    assert fast_rows[1] == pytest.approx(3.5)  # its backward, not the last step's (8 ms)
+
+
 def test_06_the_saving_is_bounded_whatever_the_hooks_timing():
     # A core taken away for 35 ms after the first hook: ten 4.4 ms messages, nine of them launched late.
     modelled = lesson("06_async_overlap").modelled

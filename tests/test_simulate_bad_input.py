@@ -31,6 +31,23 @@ def test_a_trace_with_a_negative_gradient_size_is_refused(tmp_path, capsys):
     assert "efficiency" not in out
 
 
+@pytest.mark.parametrize("step", [0, 1])
+def test_a_chrome_trace_with_a_negative_gradient_size_in_any_step_is_refused(tmp_path, capsys, step):
+    """The Chrome trace of ``MiniDDP(trace=True)``: a gradient event's ``bytes`` is checked in every step, not
+    only in the one whose size the profile keeps."""
+    from test_simulate import synthetic_trace
+
+    trace = synthetic_trace()
+    for event in trace["traceEvents"]:
+        if event["name"] == "grad b" and event["args"]["step"] == step:
+            event["args"]["bytes"] = -400
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    code, out, err = run_cli(capsys, "--trace", str(path), "--step-ms", "10")
+    one_line(code, err, "--trace", "'b'", "-400", ">= 0")
+    assert "efficiency" not in out
+
+
 def test_absurd_gradient_sizes_are_refused(tmp_path, capsys):
     path = saved_profile(tmp_path, [["huge", 3.0, 10**18, "torch.float32"]])
     one_line(*run_cli(capsys, "--trace", path, "--step-ms", "10")[::2], "more than any GPU holds")

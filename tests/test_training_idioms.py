@@ -148,6 +148,59 @@ def test_a_reentrant_block_used_twice_is_refused_clearly(ranks):
         assert "'b.0.weight' produced a gradient twice" in message or "'b.0.bias' produced a gradient twice" in message
 
 
+class EveryBlockCheckpointed(nn.Module):
+    """Every parameter inside a reentrant checkpoint: each gradient hook fires in a nested pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return checkpoint(self.b, checkpoint(self.a, x, use_reentrant=True), use_reentrant=True)
+
+
+def _input_needing_grad_step(model, step, rank, world_size):
+    x, y = _batch(step, PER_RANK * world_size)
+    if rank is not None:
+        x, y = _shard(x, rank), _shard(y, rank)
+    # A reentrant checkpoint whose inputs need no gradient computes none for its
+    # parameters (torch warns): here the input stands for an embedding's output.
+    F.mse_loss(model(x.requires_grad_(True)), y).backward()
+
+
+@pytest.mark.parametrize("find_unused", [False, True], ids=["static_only", "find_unused"])
+def test_static_graph_with_every_parameter_under_reentrant_checkpoints_matches_torch_ddp(ranks, find_unused):
+    # The outer pass runs no hook at all: the first backward, which reduces
+    # everything at its end, must still see that end (torch's _DDPSink).
+    kwargs = {"static_graph": True, "find_unused_parameters": find_unused}
+    assert ranks(2).run(_train_three_ways, EveryBlockCheckpointed, _input_needing_grad_step, kwargs) == [True, True]
+
+
+def _penalty_before_the_first_backward(rank, world_size):
+    """A gradient penalty's ``torch.autograd.grad`` (of the input: no parameter's hook fires) before each
+    backward of a static graph; the averaged gradients against each rank's own, averaged by hand."""
+    x = _shard(_batch(0, PER_RANK * world_size)[0], rank).requires_grad_(True)
+    torch.manual_seed(0)
+    reference = nn.Linear(8, 8)
+    torch.manual_seed(0)
+    mini = MiniDDP(nn.Linear(8, 8), static_graph=True)
+    for model in (reference, mini):
+        for _ in range(2):  # (accumulated: the second backward reduces by the learned counts)
+            y = model(x)
+            (grad_x,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+            (y.pow(2).sum() + grad_x.pow(2).sum()).backward()
+    for p, q in zip(mini.module.parameters(), reference.parameters()):
+        torch.distributed.all_reduce(q.grad)
+        torch.testing.assert_close(p.grad, q.grad / world_size, rtol=1e-5, atol=1e-6)
+    return True
+
+
+def test_static_graph_learns_from_the_backward_and_not_from_a_gradient_penalty_before_it(ranks):
+    # The first backward's output hook fires in the penalty's pass too, where
+    # no parameter gets a gradient: that pass must not end the first backward.
+    assert ranks(2).run(_penalty_before_the_first_backward) == [True, True]
+
+
 class CheckpointedWithUnused(Chain):
     def __init__(self):
         super().__init__(("c",), reentrant=True)

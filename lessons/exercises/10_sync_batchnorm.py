@@ -6,7 +6,9 @@ Write ``global_mean_and_var`` below; then, from the repository's root:
 
 The grader gives each of 3 ranks a batch of its own size (2, 5 and 8
 samples), shifted differently, and compares with the mean and variance of all
-the samples together in one process.
+the samples together in one process; then again with every sample shifted by
+10^4, a mean large against the spread, where a formula that subtracts two
+large numbers in float32 loses the variance.
 """
 
 import torch
@@ -19,6 +21,6 @@ def global_mean_and_var(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``x`` is this rank's batch, shape (n, C); n may differ from rank to rank.
     The variance is the biased one BatchNorm normalizes with (divided by the
     total count, not count - 1). Every rank returns the same two tensors of
-    shape (C,).
+    shape (C,), in ``x``'s dtype.
     """
     raise NotImplementedError

@@ -38,6 +38,7 @@ class Seen:
     weight_error: float = 0.0  # after the last step, worst rank
     ranks_agree: bool = True  # bit-identical weights at the end
     ops: set = field(default_factory=set)  # the ReduceOps the learner's dist.all_reduce calls named
+    frozen_with_grad: list = field(default_factory=list)  # parameters not requiring a gradient whose .grad is set
 
     def exact(self, tolerance: float = 1e-5) -> bool:
         return (self.start_spread == 0 and self.grad_error < tolerance and self.weight_error < tolerance
@@ -159,6 +160,7 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
         seen.grad_error = max(seen.grad_error, error)
         opt.step()
         opt_single.step()
+    seen.frozen_with_grad = [name for name, p in mine.named_parameters() if not p.requires_grad and p.grad is not None]
     seen.weight_error = worst((flat_weights(mine) - flat_weights(single)).abs().max().item())
     seen.ranks_agree = agree(flat_weights(mine))
     return seen

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -115,13 +116,13 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
             elif torch.allclose(result, x):
                 failures.append(f"for shape {tuple(shape)} the result is this rank's own x: nothing was added")
             else:
-                wrong = [i for i, (a, b) in enumerate(zip(result.reshape(-1).tensor_split(p), right.reshape(-1).tensor_split(p)))
-                         if not torch.allclose(a, b, atol=1e-5)]
-                failures.append(f"for a tensor of {n} numbers rank {rank}'s chunks {wrong} (of {p}) are not the sum: "
-                                f"after the reduce-scatter rank r holds the finished chunk (r + 1) mod p, and the "
-                                f"all-gather must hand every finished chunk to every rank")
+                failures.append(WRONG_CHUNKS)  # told apart below, with every rank's chunks
+        chunks = _chunk_kinds(result, shape, dtype, p) if WRONG_CHUNKS in failures else None
         everyone = [None] * p
-        dist.all_gather_object(everyone, sum(sent))
+        dist.all_gather_object(everyone, (sum(sent), chunks))  # every rank, whatever it found
+        if WRONG_CHUNKS in failures:
+            failures[failures.index(WRONG_CHUNKS)] = _wrong_chunks([kinds for _, kinds in everyone], n, rank, p)
+        everyone = [count for count, _ in everyone]
         allowed = ring_allowance(shape, p)
         if not used and max(everyone) > allowed:
             failures.append(f"for a tensor of shape {tuple(shape)} ({n} numbers) the ranks sent {everyone} numbers: "
@@ -133,18 +134,86 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
     return gather_failures(failures)
 
 
+WRONG_CHUNKS = "<chunks not the sum>"  # a placeholder until every rank's chunks are known
+
+
+def _chunk_kinds(result: torch.Tensor, shape: tuple, dtype: torch.dtype, p: int) -> list[str]:
+    """What each chunk of this rank's result holds: "sum", "sum of j" (chunk j's finished sum), "partial" (the sum
+    of some but not all ranks' pieces of it), or "?". Every rank's x is the grader's ``example``, known to all."""
+    pieces = [example(shape, dtype, k).reshape(-1).tensor_split(p) for k in range(p)]
+    sums = [sum(pieces[k][c] for k in range(p)) for c in range(p)]
+    kinds = []
+    for c, got in enumerate(result.reshape(-1).tensor_split(p)):
+        same = lambda a: a.shape == got.shape and torch.allclose(got, a, atol=1e-5)  # noqa: E731
+        partial = any(same(sum(pieces[k][c] for k in ranks))
+                      for size in range(1, p) for ranks in itertools.combinations(range(p), size))
+        other = next((j for j in range(p) if j != c and same(sums[j])), None)
+        kinds.append("sum" if same(sums[c]) else f"sum of {other}" if other is not None else
+                     "partial" if partial else "?")
+    return kinds
+
+
+def _wrong_chunks(everyone: list, n: int, rank: int, p: int) -> str:
+    """Which ring mistake the chunks show, told apart by what they hold on every rank (None: that rank's are right)."""
+    everyone = [kinds or ["sum"] * p for kinds in everyone]
+    wrong = [c for c, kind in enumerate(everyone[rank]) if kind != "sum"]
+    misplaced = [(r, c, kind.removeprefix("sum of ")) for r, kinds in enumerate(everyone)
+                 for c, kind in enumerate(kinds) if kind.startswith("sum of ")]
+    if misplaced:
+        r, c, j = misplaced[0]
+        return (f"for a tensor of {n} numbers rank {r}'s chunk {c} holds the finished sum of chunk {j}: the all-gather "
+                f"stored a chunk where chunk {c} belongs. At all-gather step s rank r receives chunk (r - s) mod p, "
+                f"the one its left neighbour just finished or received: receive it into that same chunk")
+    finished = any(kind == "sum" for kinds in everyone for kind in kinds)
+    if not finished and all(kind == "partial" for kinds in everyone for kind in kinds):
+        return (f"for a tensor of {n} numbers no rank ends with any chunk summed over all {p} ranks, each holds "
+                f"the sum of only some ranks' pieces: the reduce-scatter stopped a step early. It takes p - 1 = "
+                f"{p - 1} steps, each adding the chunk received, before rank r's chunk (r + 1) mod p is finished")
+    return (f"for a tensor of {n} numbers rank {rank}'s chunks {wrong} (of {p}) are not the sum: after the "
+            f"reduce-scatter rank r holds the finished chunk (r + 1) mod p, and the all-gather must hand every "
+            f"finished chunk to every rank")
+
+
 def close(mine: torch.Tensor, right: torch.Tensor) -> bool:
     """Equal within float32 rounding; statistics computed in float64 (say) are as right as float32 ones."""
     return mine.shape == right.shape and torch.allclose(mine.to(right.dtype), right, rtol=1e-4, atol=1e-4)
 
 
+# A common shift large against the data's spread: float32 keeps about 7 digits, so E[x^2] - E[x]^2 loses the
+# variance (of order 1) to rounding of numbers of order SHIFT^2.
+SHIFT = 1e4
+
+
 def check_10(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
+    failures = _check_10(exercise, rank, world_size, shift=0.0)
+    if not failures:
+        failures = _check_10(exercise, rank, world_size, shift=SHIFT)
+    return gather_failures(failures)
+
+
+def _check_10(exercise, rank: int, world_size: int, shift: float) -> list[str]:
+    """The statistics of every rank's batch together (sizes 2, 5, 8...), each rank's shifted by 3 r, plus ``shift``."""
     channels = 4
-    batches = [torch.randn(2 + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r
+    batches = [torch.randn(2 + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r + shift
                for r in range(world_size)]  # every rank makes every rank's batch, for the reference
     x = batches[rank]
     mean, var = exercise.global_mean_and_var(x.clone())
+    if isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor) and (mean.dtype, var.dtype) != (x.dtype,) * 2:
+        return [f"for a {str(x.dtype).removeprefix('torch.')} batch you returned "
+                f"{str(mean.dtype).removeprefix('torch.')} and {str(var.dtype).removeprefix('torch.')} statistics: "
+                f"return them in x's dtype (compute in float64 if you like, then .to(x.dtype)), or BatchNorm turns "
+                f"the batch it normalizes into another dtype"]
+    if shift:
+        whole = torch.cat(batches).double()
+        right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)
+        if not torch.allclose(mean.double(), right_mean, rtol=1e-6, atol=0) or \
+                not torch.allclose(var.double(), right_var, rtol=1e-3, atol=1e-3):
+            return [f"with every sample shifted by {shift:g} (a mean large against the spread) the variance is off "
+                    f"by up to {(var.double() - right_var).abs().max():.3g} (it is about {right_var.mean():.3g}): "
+                    f"E[x^2] - E[x]^2 subtracts two numbers near {shift ** 2:g}, and in float32 they cancel "
+                    f"catastrophically. Combine each rank's count, mean and M2 (lesson 10), or sum in float64"]
+        return []
     whole = torch.cat(batches)
     right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)
     failures = []
@@ -177,4 +246,4 @@ def check_10(rank: int, world_size: int, path: str) -> list[str]:
     dist.all_gather_object(everyone, (mean, var))
     if not failures and not all(torch.equal(m, mean) and torch.equal(v, var) for m, v in everyone):
         failures.append("the ranks returned different statistics: every rank must normalize with the same ones")
-    return gather_failures(failures)
+    return failures

@@ -10,10 +10,13 @@ after ``finish()``.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lessons._common import FEATURES, make_model
@@ -38,20 +41,54 @@ class _HandWrapper:
             self.exercise.average_gradients(self.module)
 
 
-def _never_waited(watch: Watch) -> list[str]:
-    """An async all-reduce nobody waited for: its sum never reaches the tensor (the grader holds it until wait())."""
-    unwaited = sum(launch.is_async for launch in watch.launches)
+def never_waited(watch: Watch) -> list[str]:
+    """An async collective nobody waited for: its result never reaches the tensor (the grader holds it until wait())."""
+    unwaited = [launch.name for launch in watch.launches if launch.is_async]
     if unwaited and not watch.waits:
-        return [f"{unwaited} all-reduces were launched with async_op=True and never waited for: the sum is in the "
-                f"tensor only once its handle's wait() has returned. Wait for each, or launch without async_op"]
+        names = ", ".join(f"dist.{name}" for name in sorted(set(unwaited)))
+        return [f"{len(unwaited)} collectives ({names}) were launched with async_op=True and never waited for: the "
+                f"result is in the tensor only once its handle's wait() has returned. Wait for each, or launch "
+                f"without async_op"]
+    return []
+
+
+def _gradient_bytes(model: nn.Module) -> tuple[int, set]:
+    """The bytes of one step's gradients (every parameter that requires one), and their dtypes."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return (sum(p.numel() * p.element_size() for p in trainable),
+            {str(p.dtype).removeprefix("torch.") for p in trainable})
+
+
+def _cost_failures(watch: Watch, model: nn.Module, steps: int = STEPS) -> list[str]:
+    """Each synchronized step may send each gradient once, in its own dtype: the all-reduced bytes of a step are at
+    most the gradients' bytes (one all-reduce per gradient, or flat buckets of them, alike)."""
+    allowed, dtypes = _gradient_bytes(model)
+    for step, sent in enumerate(watch.bytes_per_step(steps)):
+        if sent <= allowed:
+            continue
+        launches = [launch for launch in watch.launches if launch.step == step]
+        wider = sorted({d for launch in launches for d in launch.dtypes} - dtypes)
+        if wider:
+            return [f"step {step + 1} sent {sent:,} bytes for {allowed:,} bytes of {', '.join(sorted(dtypes))} "
+                    f"gradients: your all-reduces send {', '.join(wider)} tensors, {sent / allowed:.0f}x the bytes. "
+                    f"Send the gradients in their own dtype (torch.cat of them keeps it)"]
+        numbers = sum(launch.numel for launch in launches)
+        gradient_numbers = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return [f"step {step + 1} all-reduced {numbers:,} numbers in {len(launches)} collectives for "
+                f"{gradient_numbers:,} numbers of gradients: each gradient went over the network "
+                f"{'twice' if numbers == 2 * gradient_numbers else f'{numbers / gradient_numbers:.1f} times'}. "
+                f"All-reduce each gradient once per step: once averaged, every rank holds the same numbers"]
     return []
 
 
 def check_04(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    with Watch().active() as watch:  # an async all-reduce's sum lands at wait(), never by luck
-        seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True)
-    failures = _never_waited(watch) + explain(seen, world_size)
+    watch = Watch()
+    with watch.active():  # an async all-reduce's sum lands at wait(), never by luck
+        seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True,
+                                    step_starts=lambda step: setattr(watch, "step", step))
+    failures = never_waited(watch) + explain(seen, world_size)
+    failures = failures or _cost_failures(watch, make_model(seed=0))
     return gather_failures(failures or _frozen_failures(exercise, world_size))
 
 
@@ -68,6 +105,10 @@ def _frozen_failures(exercise, world_size: int) -> list[str]:
         reason = " ".join(str(error).split()).rstrip(".")
         return [f"{frozen} your code raised {type(error).__name__}: {reason}: skip the parameters whose .grad is "
                 f"None, as the docstring asks"]
+    if seen.frozen_with_grad:
+        return [f"{frozen} your code gave {', '.join(seen.frozen_with_grad)} a .grad: a frozen parameter's .grad "
+                f"must stay None. An optimizer skips a parameter whose .grad is None, but moves one whose .grad is "
+                f"zeros when it has momentum or weight decay: leave the parameters whose .grad is None alone"]
     return explain(seen, world_size, f"{frozen}: ")
 
 
@@ -84,46 +125,128 @@ def check_05(rank: int, world_size: int, path: str) -> list[str]:
     if worst((model[-1].weight - before).abs().max().item()) > 0:
         failures.append("backward changed the weights: your hook averaged the parameter itself. A post-accumulate "
                         "hook receives the parameter, not its gradient: average param.grad (lesson 05's mistake B)")
-    with Watch().active() as watch:  # an async all-reduce's sum lands at wait(), never by luck
+    kinds = set()
+    with Watch().active() as watch, hooks_registered(kinds):  # an async sum lands at wait(), never by luck
         one = train_vs_one_process(exercise.HookAverager)
         two = train_vs_one_process(exercise.HookAverager, micro_batches=2)
-    failures += _never_waited(watch)
+    failures += never_waited(watch)
+    accumulating = _accumulating_failures(exercise.HookAverager)
     if not failures:
-        if one.exact() and not two.exact():
+        if one.exact() and not two.exact() and kinds == {"register_hook"}:
             failures.append("right with one backward per step, wrong when 2 micro-batches accumulate: your hook saw "
                             "only this pass's gradient, so the earlier micro-batch stayed un-averaged in .grad. "
                             "Tensor.register_hook runs before accumulation (lesson 05's mistake A): use "
                             "register_post_accumulate_grad_hook")
+        elif one.exact() and not two.exact():
+            failures += accumulating or [
+                "right with one backward per step, wrong when 2 micro-batches accumulate: after the last backward "
+                "each .grad must hold the average of every micro-batch's gradient, each averaged exactly once"]
         else:
             failures += explain(one, world_size)
             failures += explain(two, world_size, "with 2 micro-batches accumulated: ") if one.exact() else []
-    failures += _accumulating_failures(exercise.HookAverager)
+    failures += [f for f in accumulating if f not in failures]
     return gather_failures(failures)
 
 
 def _accumulating_failures(make) -> list[str]:
-    """require_sync False, as for every micro-batch but the last: backward and finish() must send nothing."""
-    watch = Watch()
-    wrapper = make(make_model(seed=0))
+    """require_sync False, as for every micro-batch but the last: backward and finish() must send nothing, and
+    leave in .grad the plain gradient, as one process's backward leaves it."""
+    watch, model = Watch(), make_model(seed=0)
+    plain = copy.deepcopy(model)
+    wrapper = make(model)
     wrapper.require_sync = False
+    x = torch.randn(4, FEATURES, generator=torch.Generator().manual_seed(dist.get_rank()))
     with watch.active():
-        wrapper(torch.randn(4, FEATURES)).sum().backward()
+        wrapper(x).sum().backward()
         getattr(wrapper, "finish", lambda: None)()
     if watch.launches:
         return [f"with require_sync False your code still made {len(watch.launches)} all-reduces: while "
                 f"micro-batches accumulate nothing should be sent (test self.require_sync in the hook)"]
+    plain(x).sum().backward()
+    changed = [name for (name, p), q in zip(model.named_parameters(), plain.parameters())
+               if p.grad is not None and not torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)]
+    if changed:
+        return [f"with require_sync False your hook still changed .grad (of {', '.join(changed)}; divided it?): "
+                f"while micro-batches accumulate, .grad must keep the plain sum of their gradients, so that the "
+                f"last, synchronized backward averages each micro-batch's once"]
     return []
 
 
-def _watched_training(make, model=None) -> tuple:
-    """Train through ``make`` on the bench with every all-reduce watched.
+@contextlib.contextmanager
+def hooks_registered(kinds: set):
+    """Note, in ``kinds``, which of ``Tensor.register_hook`` / ``register_post_accumulate_grad_hook`` the learner called."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook")}
+
+    def noting(name):
+        def register(tensor, hook):
+            kinds.add(name)
+            return originals[name](tensor, hook)
+        return register
+
+    for name in originals:
+        setattr(torch.Tensor, name, noting(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def held_tensors(owner, module: nn.Module) -> dict[str, int]:
+    """{attribute: bytes of the tensors it holds}, through lists, tuples, sets and dicts: what an object keeps
+    between steps. The module's parameters (and the module) are its to hold, not counted; a storage counts once."""
+    own = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen, held = set(own), {}
+
+    def walk(value, depth: int) -> int:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage.data_ptr() in seen or value.device.type == "meta":
+                return 0
+            seen.add(storage.data_ptr())
+            return storage.nbytes()
+        if depth > 4 or isinstance(value, (nn.Module, str, bytes)):
+            return 0
+        if isinstance(value, dict):
+            return sum(walk(k, depth + 1) + walk(v, depth + 1) for k, v in value.items())
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return sum(walk(v, depth + 1) for v in value)
+        return 0
+
+    for name, value in vars(owner).items():
+        held[f"self.{name}"] = walk(value, 0)
+    return held
+
+
+def _growth_failures(kept: list[dict[str, int]]) -> list[str]:
+    """What the learner's object holds after each finish() must not grow from step to step."""
+    first, last = kept[0], kept[-1]
+    growing = [name for name in last if last[name] > first.get(name, 0)]
+    if not growing:
+        return []
+    sizes = ", ".join(f"{name}: {first.get(name, 0):,} bytes after step 1, {last[name]:,} after step {len(kept)}"
+                      for name in growing)
+    return [f"the tensors your object keeps between steps grow every step ({sizes}): a step must let go of what "
+            f"it made (clear it in finish()), or memory grows until the process runs out"]
+
+
+def _watched_training(make, model=None, keep_sent: bool = False) -> tuple:
+    """Train through ``make`` on the bench with every collective watched.
 
     Returns (seen, watch, backward end times, handles held after each finish(), when the first step's last
-    gradient was accumulated).
+    gradient was accumulated, the tensors the wrapper held after each finish() by attribute, this rank's own
+    gradients after the first backward, before finish(), by parameter).
     """
-    watch, ends, held, arrivals = Watch(), [], [], []
+    watch, ends, held, arrivals, kept = Watch(keep_sent), [], [], [], []
+    modules, local = [], {}
+
+    def backward_done():
+        ends.append(time.perf_counter())
+        if len(ends) == 1:
+            local.update({p: p.grad.detach().clone() for p in modules[0].parameters() if p.grad is not None})
 
     def made(module):
+        modules.append(module)
         for p in module.parameters():  # hooks registered before the learner's run before theirs
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _: arrivals.append(time.perf_counter()))
@@ -134,6 +257,7 @@ def _watched_training(make, model=None) -> tuple:
             finish()
             gc.collect()  # what is left is what the learner's objects still refer to
             held.append(sorted(h.step for h in watch.handles()))
+            kept.append(held_tensors(wrapper, module))
         wrapper.finish = finish_then_count
         return wrapper
 
@@ -141,9 +265,8 @@ def _watched_training(make, model=None) -> tuple:
         watch.step = step
 
     with watch.active():
-        seen = train_vs_one_process(made, lambda: ends.append(time.perf_counter()), model=model,
-                                    step_starts=step_starts)
-    return seen, watch, ends, held, max(t for t in arrivals if t < ends[0])
+        seen = train_vs_one_process(made, backward_done, model=model, step_starts=step_starts)
+    return seen, watch, ends, held, max(t for t in arrivals if t < ends[0]), kept, local
 
 
 def _launch_failures(watch: Watch, last_gradient: float, where: str) -> list[str]:
@@ -186,7 +309,7 @@ def _holding_failures(watch: Watch, held: list) -> list[str]:
 
 def check_06(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    seen, watch, ends, held, last_gradient = _watched_training(exercise.AsyncAverager)
+    seen, watch, ends, held, last_gradient, kept, _ = _watched_training(exercise.AsyncAverager)
     n_params = len(list(make_model(seed=0).parameters()))
     failures = _launch_failures(watch, last_gradient, "the hook")
     launched_in_backward = sum(launch.at < ends[0] for launch in watch.launches)
@@ -200,35 +323,42 @@ def check_06(rank: int, world_size: int, path: str) -> list[str]:
                         f"computed. The hook must launch each gradient's sum as soon as it is ready")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
+    failures = failures or _cost_failures(watch, make_model(seed=0)) + _growth_failures(kept)
     failures += _accumulating_failures(exercise.AsyncAverager)
     return gather_failures(failures)
 
 
 class TwoBranches(nn.Module):
-    """Two equal branches whose order in forward depends on the rank: so does the order of their gradients."""
+    """Two branches whose order in forward depends on the rank: so does the order of their gradients.
+
+    Four equal weights, registered a, p, b, head: with a cap of two, buckets [head, b] and [p, a]. Even ranks
+    compute branch A (a then p) first, so b's gradient arrives before p's and a's: bucket 0 fills first. Odd ranks
+    compute B first: bucket 1 fills first. Equal buckets, so that ranks launching different buckets at once
+    mismatch their sums, not their sizes (which Gloo would stop them for)."""
 
     def __init__(self, swap: bool):
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b = nn.Linear(FEATURES, 16, bias=False), nn.Linear(FEATURES, 16, bias=False)
-        self.head = nn.Linear(16, 4, bias=False)
+        self.a, self.p, self.b, self.head = (nn.Linear(16, 16, bias=False) for _ in range(4))
         self.swap = swap
 
     def forward(self, x):
-        if self.swap:  # b first: autograd then reaches a's gradient first
+        if self.swap:  # B first: autograd then reaches A's gradients first
             hb = torch.relu(self.b(x))
-            ha = torch.tanh(self.a(x))
+            ha = self.p(torch.tanh(self.a(x)))
         else:
-            ha = torch.tanh(self.a(x))
+            ha = self.p(torch.tanh(self.a(x)))
             hb = torch.relu(self.b(x))
         return self.head(ha + hb)
+
+    CAP = 2 * 16 * 16 * 4  # two weights per bucket
 
 
 def check_07(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     cap = 4096  # the bench model: 4 buckets
     made = []
-    seen, watch, ends, held, last_gradient = _watched_training(
+    seen, watch, ends, held, last_gradient, kept, _ = _watched_training(
         lambda m: made.append(exercise.BucketAverager(m, cap)) or made[-1])
     buckets = len(made[0].buckets)
     failures = _launch_failures(watch, last_gradient, "a bucket")
@@ -249,13 +379,38 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
                         "full, not when all are")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
+    failures = failures or _cost_failures(watch, make_model(seed=0)) + _growth_failures(kept)
     if not failures:  # in-order launching: ranks that fill buckets in different orders
-        swapped, *_ = _watched_training(lambda m: exercise.BucketAverager(m, 16 * FEATURES * 4),
-                                          model=TwoBranches(swap=rank % 2 == 1))
-        if not swapped.exact():
-            failures.append("wrong when ranks fill their buckets in different orders (odd ranks compute branch b "
-                            "before a): collectives are matched by the order they are called, so one rank's bucket "
-                            "was summed with another rank's different bucket. Launch bucket i only after buckets "
-                            "0 .. i-1, whatever order they fill in")
+        failures.append(_swapped_failure(exercise, rank))
+    failures = [f for f in failures if f]
     failures += _accumulating_failures(lambda m: exercise.BucketAverager(m, cap))
     return gather_failures(failures)
+
+
+def _swapped_failure(exercise, rank: int) -> str:
+    """Ranks whose gradients arrive in different orders (``TwoBranches``): what each launched tensor held, bucket by
+    bucket, names the mistake."""
+    made = []
+    swapped, watch, *_, local = _watched_training(
+        lambda m: made.append(exercise.BucketAverager(m, TwoBranches.CAP)) or made[-1],
+        model=TwoBranches(swap=rank % 2 == 1), keep_sent=True)
+    if swapped.exact():
+        return ""
+    flats = [torch.cat([local[p].reshape(-1) for p in bucket]) for bucket in made[0].buckets]
+    first_step = [launch.sent for launch in watch.launches if launch.step == 0 and launch.sent is not None]
+    order = [next((i for i, flat in enumerate(flats) if flat.shape == sent.shape and torch.equal(flat, sent)), None)
+             for sent in first_step]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, order)
+    if any(i is None for order in everyone for i in order):
+        return ("wrong when ranks' gradients arrive in different orders (odd ranks compute branch B before A): a "
+                "tensor you all-reduced held other gradients than any one bucket of self.buckets (filled in the "
+                "order they arrived?), so the ranks summed different parameters together. Fill bucket i with "
+                "exactly the parameters self.buckets[i] lists, the same on every rank, whatever order they arrive in")
+    if any(order != sorted(order) for order in everyone):
+        return ("wrong when ranks fill their buckets in different orders (odd ranks compute branch B before A): "
+                f"the ranks launched their buckets in the orders {everyone}, and collectives are matched by the "
+                "order they are called, so one rank's bucket was summed with another rank's different bucket. "
+                "Launch bucket i only after buckets 0 .. i-1, whatever order they fill in")
+    return ("wrong when ranks' gradients arrive in different orders (odd ranks compute branch B before A), though "
+            "every rank launched its buckets in order: " + (explain(swapped, dist.get_world_size()) or [""])[0])

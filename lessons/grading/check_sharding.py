@@ -8,7 +8,9 @@ from torch import nn
 
 from lessons._common import CLASSES, FEATURES, make_model
 from lessons.grading.bench import PER_RANK, flat_weights, gather_failures, worst
+from lessons.grading.check_ddp import never_waited
 from lessons.grading.runner import load
+from lessons.grading.watch import Watch
 
 STEPS = 3
 _all_reduce, _all_gather = dist.all_reduce, dist.all_gather  # the grader's own
@@ -17,8 +19,11 @@ _all_reduce, _all_gather = dist.all_reduce, dist.all_gather  # the grader's own
 def check_19(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     # Plain SGD first: its step is the gradient's, scaled, so a gradient of the wrong scale shows as such
-    # (AdamW divides by the gradient's own scale); then AdamW, whose state ZeRO-1 shards.
-    failures = _train_19(exercise, rank, world_size, torch.optim.SGD, lr=0.1)[1]
+    # (AdamW divides by the gradient's own scale); then AdamW, whose state ZeRO-1 shards. Every collective
+    # watched: an asynchronous one's result lands at wait(), never by luck.
+    with Watch().active() as watch:
+        failures = _train_19(exercise, rank, world_size, torch.optim.SGD, lr=0.1)[1]
+    failures = never_waited(watch) or failures
     if not failures:
         sharded, failures = _train_19(exercise, rank, world_size, torch.optim.AdamW, lr=1e-2)
         failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)

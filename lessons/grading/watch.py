@@ -1,4 +1,4 @@
-"""Watch a learner's asynchronous all-reduces: when each was launched, in which step, and when it was waited for.
+"""Watch a learner's collectives: when each was launched, in which step, its bytes, and when it was waited for.
 
 An async all-reduce on Gloo writes its sum into the tensor whenever it
 finishes: code that reads the tensor before ``wait()`` is wrong, yet often
@@ -11,7 +11,9 @@ rank's own numbers, every time. Waiting for that future, alone or through
 whether the tensor was changed between the launch and the wait (a division
 written before the wait), and lives only as long as the learner holds it
 (``handles()`` lists those, for a step that never lets go of what it
-launched).
+launched). Every collective the exercises invite is watched alike
+(``WATCHED``: the all-reduce, the all-gathers, the reduce-scatters, the
+broadcast): an asynchronous one writes its output only at ``wait()``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,24 +32,53 @@ class Launch:
     at: float  # perf_counter
     step: int
     is_async: bool
-    numel: int
+    numel: int  # of the tensor sent (the input)
+    name: str = "all_reduce"
+    nbytes: int = 0  # of the tensor sent
+    dtypes: set = field(default_factory=set)  # of the tensors sent, as "float32"
+    sent: torch.Tensor | None = None  # a copy of what was sent, flat (``Watch(keep_sent=True)``)
+
+
+def _outputs(name: str, args: tuple) -> list[torch.Tensor]:
+    """The tensors a collective writes: its first argument (a list of them for ``all_gather`` / ``reduce_scatter``'s
+    output list); for ``all_reduce`` and ``broadcast`` the tensor sent is also the one written."""
+    first = args[0]
+    return list(first) if isinstance(first, (list, tuple)) else [first]
+
+
+def _sent(name: str, args: tuple) -> list[torch.Tensor]:
+    """The tensors a collective sends from this rank."""
+    if name in ("all_reduce", "broadcast"):
+        return [args[0]]
+    second = args[1]
+    return list(second) if isinstance(second, (list, tuple)) else [second]
+
+
+# the collectives watched: the stubs invite these
+WATCHED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+           "reduce_scatter_tensor")
 
 
 class _Delivery:
-    """Writes the finished sum into the learner's tensor, once; notes a tensor changed since its launch."""
+    """Writes the finished result into the learner's tensors, once; notes a tensor changed since its launch."""
 
-    def __init__(self, tensor: torch.Tensor, private: torch.Tensor, watch: "Watch"):
-        self.tensor, self.private, self.watch = tensor, private, watch
-        self.launched = tensor.detach().clone()
+    def __init__(self, tensors: list[torch.Tensor], privates: list[torch.Tensor], watch: "Watch"):
+        self.tensors, self.privates, self.watch = tensors, privates, watch
+        self.launched = [t.detach().clone() for t in tensors]
         self.done = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.tensors[0]
 
     def __call__(self) -> None:
         if self.done:
             return
         self.done = True
-        if not torch.equal(self.tensor, self.launched):
-            self.watch.changed_before_wait += 1
-        self.tensor.copy_(self.private)
+        for tensor, private, launched in zip(self.tensors, self.privates, self.launched):
+            if not torch.equal(tensor, launched):
+                self.watch.changed_before_wait += 1
+            tensor.copy_(private)
 
 
 class HeldWork:
@@ -75,7 +106,7 @@ class HeldWork:
         def delivered(future):
             future.value()
             delivery()
-            return [delivery.tensor]
+            return list(delivery.tensors)
         return WatchedFuture(self._work.get_future().then(delivered), delivery.watch.waits)
 
     def __getattr__(self, name):
@@ -109,18 +140,23 @@ def _unwrapped(futures) -> list:
 
 
 class Watch:
-    """While active, every dist.all_reduce is recorded (a ``Launch``); async ones are held back until waited for."""
+    """While active, every watched collective is recorded (a ``Launch``); async ones are held back until waited for."""
 
-    def __init__(self):
+    def __init__(self, keep_sent: bool = False):
+        self.keep_sent = keep_sent  # keep a copy of each tensor sent (``Launch.sent``)
         self.launches: list[Launch] = []
         self.waits: list[float] = []
-        self.step = 0  # set by the bench at each step's start
+        self.step = -1  # set by the bench at each step's start (-1: before the first, e.g. the first broadcast)
         self.changed_before_wait = 0  # tensors written between their launch and their wait()
         self._handles = weakref.WeakSet()
 
-    def per_step(self, steps: int) -> list[int]:
-        """All-reduces launched in each step."""
-        return [sum(launch.step == s for launch in self.launches) for s in range(steps)]
+    def per_step(self, steps: int, name: str = "all_reduce") -> list[int]:
+        """Collectives ``name`` launched in each step."""
+        return [sum(launch.step == s and launch.name == name for launch in self.launches) for s in range(steps)]
+
+    def bytes_per_step(self, steps: int) -> list[int]:
+        """Bytes sent by every watched collective, in each step."""
+        return [sum(launch.nbytes for launch in self.launches if launch.step == s) for s in range(steps)]
 
     def handles(self) -> list["HeldWork"]:
         """The handles the learner still holds (each knows the step it was launched in)."""
@@ -128,17 +164,30 @@ class Watch:
 
     @contextlib.contextmanager
     def active(self):
-        original = dist.all_reduce
+        originals = {name: getattr(dist, name) for name in WATCHED}
 
-        def all_reduce(tensor, *args, async_op=False, **kwargs):
-            self.launches.append(Launch(time.perf_counter(), self.step, async_op, tensor.numel()))
-            if not async_op:
-                return original(tensor, *args, **kwargs)
-            private = tensor.detach().clone()
-            delivery = _Delivery(tensor, private, self)
-            handle = HeldWork(original(private, *args, async_op=True, **kwargs), delivery, self.step)
-            self._handles.add(handle)
-            return handle
+        def watched(name):
+            original = originals[name]
+
+            def collective(*args, async_op=False, **kwargs):
+                if not args or (name not in ("all_reduce", "broadcast") and len(args) < 2):
+                    return original(*args, async_op=async_op, **kwargs)  # called by keywords: not watched
+                sent = _sent(name, args)
+                self.launches.append(Launch(time.perf_counter(), self.step, async_op, sum(t.numel() for t in sent),
+                                            name, sum(t.numel() * t.element_size() for t in sent),
+                                            {str(t.dtype).removeprefix("torch.") for t in sent}))
+                if self.keep_sent:
+                    self.launches[-1].sent = torch.cat([t.detach().reshape(-1) for t in sent]).clone()
+                if not async_op:
+                    return original(*args, **kwargs)
+                outputs = _outputs(name, args)
+                privates = [t.detach().clone() for t in outputs]
+                first = privates if isinstance(args[0], (list, tuple)) else privates[0]
+                delivery = _Delivery(outputs, privates, self)
+                handle = HeldWork(original(first, *args[1:], async_op=True, **kwargs), delivery, self.step)
+                self._handles.add(handle)
+                return handle
+            return collective
 
         wait_all, collect_all = torch.futures.wait_all, torch.futures.collect_all
 
@@ -149,10 +198,12 @@ class Watch:
         def collected_all(futures):  # one future for them all: waiting for it waits for each
             return WatchedFuture(collect_all(_unwrapped(futures)), self.waits)
 
-        dist.all_reduce = all_reduce
+        for name in WATCHED:
+            setattr(dist, name, watched(name))
         torch.futures.wait_all, torch.futures.collect_all = waited_all, collected_all
         try:
             yield self
         finally:
-            dist.all_reduce = original
+            for name, original in originals.items():
+                setattr(dist, name, original)
             torch.futures.wait_all, torch.futures.collect_all = wait_all, collect_all

@@ -8,7 +8,7 @@ replicas *are* identical lives in :mod:`minddp.ddp.replicas`; the graph walk of
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,7 @@ class BufferSync:
 
     def before_forward(self, source: int) -> None:
         sync_buffers(self.read_buffers(), self.group, self.policy, source)
+
 
 
 def _flatten(chunk: list[torch.Tensor]) -> torch.Tensor:

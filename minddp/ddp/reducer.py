@@ -246,6 +246,18 @@ class Reducer:
             self._next_to_launch += 1
 
     # ------------------------------------------------------ end of backward
+    def watch_this_pass(self) -> None:
+        """At the end of the autograd pass running now, end the backward if nested passes left it
+        BETWEEN_PASSES: for a part whose backward's hooks may all fire in nested passes, called from
+        the outer one ([Note: hooks only in nested passes], :mod:`minddp.ddp.parts.static_graph`).
+        A pass whose own hooks queued the check (REDUCING), or that reduced nothing (ARMED, IDLE:
+        ``torch.autograd.grad`` of an input, say), is left alone."""
+        _engine.queue_callback(self._on_watched_pass_end)
+
+    def _on_watched_pass_end(self) -> None:
+        if self.phase is BackwardPhase.BETWEEN_PASSES:
+            self._on_pass_end()
+
     def _on_pass_end(self) -> None:
         """Autograd finished a pass that delivered gradients: is the backward over?
 

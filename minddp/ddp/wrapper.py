@@ -118,11 +118,10 @@ class MiniDDP(nn.Module, Joinable):
         if device_mesh is not None:
             self.device_mesh = device_mesh  # torch's DDP has this attribute only when given one
         self.world_size = dist.get_world_size(self.process_group)
-        self.forward_sync_buffers, init_sync_buffers = buffer_rule(broadcast_buffers, forward_sync_buffers)
-        self.broadcast_buffers = self.forward_sync_buffers  # torch keeps the old name as an alias
-        self.buffer_sync = buffer_sync or ("broadcast" if self.forward_sync_buffers else "off")
+        self._forward_sync_buffers, init_sync_buffers = buffer_rule(broadcast_buffers, forward_sync_buffers)
+        self.buffer_sync = buffer_sync or ("broadcast" if self._forward_sync_buffers else "off")
         check_arguments(self.buffer_sync, check_sync_every, bucket_cap_mb, bucket_cap_mb_list, reduce_dtype)
-        self.check_sync_every = check_sync_every
+        self.check_sync_every, self._buffer_sync_asked = check_sync_every, buffer_sync  # (the latter: broadcast.py)
         self.find_unused_parameters = find_unused_parameters
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -330,6 +329,28 @@ class MiniDDP(nn.Module, Joinable):
     def join_process_group(self) -> dist.ProcessGroup:
         """The ranks a ``Join`` counts over (torch's ``Joinable`` contract)."""
         return self.process_group
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """Whether a synchronized forward brings the buffers into line (torch's name; ``broadcast_buffers`` too)."""
+        return self._forward_sync_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        """Set on a built model, as frameworks do: it rules from the next forward on, as torch's DDP reads its
+        flag at every forward. Switched on again, the kind asked at construction comes back (``average`` stays
+        ``average``); buffers that rode in the last bucket (``with_gradients``) come by broadcast."""
+        self._forward_sync_buffers = bool(value)
+        if not value:
+            self._buffers_by_broadcast()
+            self.buffer_sync, self.buffer_policy = "off", None
+        elif self.buffer_sync == "off":
+            asked = self._buffer_sync_asked
+            self.buffer_sync = asked if asked in ("broadcast", "average") else "broadcast"
+            if self.world_size > 1 and self._module_buffers():
+                self.buffer_policy = BufferSync(self._module_buffers, self.process_group, self.buffer_sync)
+
+    broadcast_buffers = forward_sync_buffers  # torch's older name for the same flag
 
     def _buffers_by_broadcast(self) -> None:
         """Buffers no longer ride in the last bucket (``buffer_sync="with_gradients"``): a broadcast again."""

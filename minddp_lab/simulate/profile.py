@@ -43,6 +43,14 @@ class Gradient:
 MAX_GRADIENT_BYTES = 2**44
 
 
+def check_size(name: str, nbytes: object) -> None:
+    """A gradient's size is a whole number of bytes >= 0; anything else is refused, naming the gradient."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"gradient {name!r} has {nbytes!r} bytes"
+                         + (f" ({nbytes / 2**20:.3g} MiB)" if isinstance(nbytes, (int, float)) else "")
+                         + ": a size must be a whole number of bytes >= 0")
+
+
 @dataclass
 class ComputeProfile:
     forward_ms: float
@@ -51,10 +59,7 @@ class ComputeProfile:
 
     def __post_init__(self) -> None:
         for g in self.gradients:
-            if not isinstance(g.nbytes, int) or isinstance(g.nbytes, bool) or g.nbytes < 0:
-                raise ValueError(f"gradient {g.name!r} has {g.nbytes!r} bytes"
-                                 + (f" ({g.nbytes / 2**20:.3g} MiB)" if isinstance(g.nbytes, (int, float)) else "")
-                                 + ": a size must be a whole number of bytes >= 0")
+            check_size(g.name, g.nbytes)
             if not (isinstance(g.ready_ms, (int, float)) and math.isfinite(g.ready_ms)):
                 raise ValueError(f"gradient {g.name!r} is ready at {g.ready_ms!r} ms: must be a finite number")
         if self.gradient_bytes > MAX_GRADIENT_BYTES:
@@ -147,6 +152,7 @@ def profile_from_trace(trace: dict) -> ComputeProfile:
         hooks = sorted(s["hooks"], key=lambda h: h[0])
         for ts, name, args in hooks:
             ready.setdefault(name, []).append(ts - (start + duration))
+            check_size(name, args.get("bytes", 0))  # every step's event: the profile keeps only the last one's
             info[name] = (args.get("bytes", 0), args.get("dtype", "torch.float32"))
         following = steps.get((rank, step + 1), {}).get("forward")
         if following is not None:

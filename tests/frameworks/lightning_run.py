@@ -1,24 +1,29 @@
 """One Lightning run on 2 CPU ranks, with torch's DDP or MiniDDP; rank 0 saves what happened step by step.
 
-    python tests/frameworks/lightning_run.py {torch|minddp} {ddp|ddp_spawn} {auto|manual} OUT_DIR
+    python tests/frameworks/lightning_run.py {torch|minddp} {ddp|ddp_spawn} {auto|manual} OUT_DIR [PACKAGE]
 
 ``auto``: fit with validation, ``accumulate_grad_batches=2``, ``ModelCheckpoint``, then (``ddp``) a
 second Trainer resuming from the last checkpoint for one more epoch. ``manual``: manual
 optimization, one step in three taking no backward. Rank 0 saves each fit to ``OUT_DIR/fitN.pt``:
 per training step the loss, the parameters and the buffers; the validation losses; the final state.
 (Lightning's ``ddp`` runs this file again for rank 1; ``ddp_spawn`` runs the fit in spawned processes.)
+``PACKAGE``: ``pytorch_lightning`` (the default) or the unified ``lightning.pytorch``, the one this
+script imports, as a user's script imports one of them.
 """
 
 import sys
 
-import pytorch_lightning as pl
+import importlib
+
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 torch.set_num_threads(1)
+PACKAGE = sys.argv[5] if len(sys.argv) > 5 else "pytorch_lightning"
+pl = importlib.import_module(PACKAGE)
+ModelCheckpoint = importlib.import_module(f"{PACKAGE}.callbacks").ModelCheckpoint
 
 
 class Net(pl.LightningModule):
@@ -100,4 +105,4 @@ def main(which, launch, mode, out):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:5])  # (PACKAGE read above)

@@ -6,7 +6,9 @@ as zero, now and always); later backwards mark a parameter ready at its
 *last* expected hook. This is what lets a block run twice under a reentrant
 activation checkpoint (two nested passes, two hooks). Which parameters some
 rank uses is learned once, with the first backward. A graph that changes
-after all is an error, in torch's words. Its gradients part is
+after all is an error, in torch's words; the first backward's end is
+watched from the pass that computes the output's gradient ([Note: hooks
+only in nested passes]). Its gradients part is
 :class:`~minddp.ddp.parts.gradient_cases.GradientCases` (a parameter
 unused in the first backward has no ``.grad``).
 """
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from minddp.ddp.parts.unused_parameters import mark_the_rest_ready, used_on_any_rank
+import torch
+
+from minddp.ddp.parts.unused_parameters import mark_the_rest_ready, tensors_in, used_on_any_rank
 from minddp.ddp.reducer import EveryHookReady
 
 __all__ = ["StaticGraph"]
@@ -35,6 +39,24 @@ class StaticGraph(EveryHookReady):
     def prepare_for_backward(self, reducer, output: Any) -> None:
         self.hooks_seen = [0] * self.count
         self._unmarked = list(self._unused)
+        if self.hooks_expected is None:
+            # [Note: hooks only in nested passes] The first backward launches
+            # nothing before its end, which the end-of-pass check queued by its
+            # first hook sees ([Note: nested passes], BackwardPhase). With every
+            # parameter inside reentrant activation checkpoints, every hook
+            # fires in a nested pass, each nested pass ends with every bucket
+            # still to come (BETWEEN_PASSES), and the outer pass, which runs no
+            # hook, would end without asking: the backward would never finish.
+            # So the first gradient of the forward's output, which autograd
+            # computes in the outer pass before any nested one starts, has the
+            # reducer watch that pass's end (torch's _DDPSink queues its
+            # _delay_all_reduce on the outer pass the same way). Later backwards
+            # launch each bucket at its last expected hook: the last nested
+            # pass ends with all of them launched.
+            outputs = [t for t in tensors_in(output) if t.grad_fn is not None]
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grad: reducer.watch_this_pass(), mode="any")
 
     def is_ready(self, reducer, index: int) -> bool:
         if self._unmarked:  # the first hook of the backward: no gradient will come for these

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import minddp.ddp.messages as messages
 from minddp.ddp.reducer import EveryHookReady
 
-__all__ = ["UnusedParameters", "params_reached_from", "used_on_any_rank", "mark_the_rest_ready"]
+__all__ = ["UnusedParameters", "params_reached_from", "tensors_in", "used_on_any_rank", "mark_the_rest_ready"]
 
 
 class UnusedParameters(EveryHookReady):
@@ -90,20 +90,20 @@ def used_on_any_rank(used_here: list[bool], reducer) -> list[bool]:
     return [bool(u) for u in used.tolist()]
 
 
-def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterable[torch.Tensor]:
     """Every tensor in a forward's output: nested in lists, tuples (named too),
     dicts (a HuggingFace ``ModelOutput`` is one) and dataclass fields, as torch's DDP looks."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
-            yield from _tensors_in(getattr(obj, field.name))
+            yield from tensors_in(getattr(obj, field.name))
 
 
 def params_reached_from(outputs: Any) -> set[int]:
@@ -117,7 +117,7 @@ def params_reached_from(outputs: Any) -> set[int]:
     reached: set[int] = set()
     seen: set = set()
     stack = []
-    for t in _tensors_in(outputs):
+    for t in tensors_in(outputs):
         if t.grad_fn is not None:
             stack.append(t.grad_fn)
         elif t.requires_grad:
