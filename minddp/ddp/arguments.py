@@ -8,9 +8,8 @@ Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``
 * ``bucket_cap_mb``: gradients travel in flat buckets of at most this many
   MiB (the first one at most 1 MiB); 0 means one parameter per bucket;
   ``bucket_cap_mb_list``: one cap per bucket, in launch order (the last
-  for every bucket after it). ``"auto"`` (beyond torch): measure the first
-  steps and the link, and rebuild the buckets once with the cap the
-  alpha-beta model predicts fastest (:mod:`minddp_lab.auto.planner`).
+  for every bucket after it). Caps chosen from the measured link and
+  steps are the lab's: ``minddp_lab.auto.plan_buckets(ddp_model)``.
 * ``forward_sync_buffers`` (torch 2.14's name; ``broadcast_buffers`` the
   older one): before each forward that follows a synchronized one,
   whatever its grad mode, and after a ``join``, copy rank 0's buffers
@@ -72,16 +71,16 @@ def check_arguments(buffer_sync: str, check_sync_every: int, bucket_cap_mb: Any,
         raise ValueError(f"buffer_sync must be one of {BUFFER_POLICIES}, got {buffer_sync!r}")
     if check_sync_every < 0:
         raise ValueError(f"check_sync_every must be >= 0 (0 = never), got {check_sync_every}")
-    auto_buckets = isinstance(bucket_cap_mb, str)
-    if auto_buckets and bucket_cap_mb != "auto":
-        raise ValueError(f"bucket_cap_mb must be a number of MiB or 'auto', got {bucket_cap_mb!r}")
-    if not auto_buckets and bucket_cap_mb is not None and bucket_cap_mb < 0:
+    if bucket_cap_mb == "auto":  # the planner lives in the lab, which imports the library, never the reverse
+        raise ValueError("MiniDDP(bucket_cap_mb='auto') is not the library's: build MiniDDP with the default cap, "
+                         "then call minddp_lab.auto.plan_buckets(ddp_model) before the first backward")
+    if isinstance(bucket_cap_mb, str):
+        raise ValueError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}")
+    if bucket_cap_mb is not None and bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be >= 0 (0: one parameter per bucket), got {bucket_cap_mb}")
-    if bucket_cap_mb_list is not None and (auto_buckets or not bucket_cap_mb_list
-                                           or any(cap < 0 for cap in bucket_cap_mb_list)):
+    if bucket_cap_mb_list is not None and (not bucket_cap_mb_list or any(cap < 0 for cap in bucket_cap_mb_list)):
         raise ValueError("bucket_cap_mb_list must be a non-empty list of MiB >= 0, one cap per bucket "
-                         f"(the last one for every bucket after), without bucket_cap_mb='auto'; got "
-                         f"{bucket_cap_mb_list!r}")
+                         f"(the last one for every bucket after); got {bucket_cap_mb_list!r}")
     if reduce_dtype is not None and not reduce_dtype.is_floating_point:
         raise ValueError(f"reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
 
@@ -99,7 +98,7 @@ def buffer_rule(broadcast_buffers: bool | None, forward_sync_buffers: bool | Non
 
 def first_bucket_cap_mb(bucket_cap_mb: Any, bucket_cap_mb_list: Any, cap_mb: Any) -> Any:
     """torch's first bucket: 1 MiB (``FIRST_BUCKET_CAP_MB``) when no cap was given, else the cap itself."""
-    given = bucket_cap_mb not in (None, "auto") or bucket_cap_mb_list is not None
+    given = bucket_cap_mb is not None or bucket_cap_mb_list is not None
     return cap_mb if given else FIRST_BUCKET_CAP_MB
 
 

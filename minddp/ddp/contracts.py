@@ -14,7 +14,7 @@ satisfied by the plain part in ``reducer.py`` and by the parts in
 :class:`BackwardPhase` is where the reducer is in a backward, one value
 instead of several flags (as FSDP2's ``TrainingState``). :class:`Policy` is
 what decides *above* the reducer (the learned bucket order,
-``bucket_cap_mb="auto"``, ZeRO stage 2): it is attached with
+``minddp_lab.auto.plan_buckets``, ZeRO stage 2): it is attached with
 ``Reducer.add_policy``, told at the end of every synchronized backward, and
 drives the reducer only through the methods of the reducer's last section
 ("the interface for policies"); :class:`Rebuild` is what it still plans

@@ -18,7 +18,7 @@ from its ``Reducer`` (C++). The plain path, top to bottom in this file::
         └─ _on_pass_end() ─> finish_backward()
               every bucket launched? (else an error naming the parameters without a gradient)
               per bucket: wait for its sum, gradients.write_grads copies it into .grad, reset
-           then each policy's after_backward (above: learned order, "auto", ZeRO stage 2)
+           then each policy's after_backward (above: learned order, the lab's planner, ZeRO stage 2)
 
 Where DDP's options differ, the reducer holds a *part* per slot, an object
 chosen once by ``MiniDDP``'s constructor, typed by its contract
@@ -28,7 +28,7 @@ chosen once by ``MiniDDP``'s constructor, typed by its contract
 last bucket); the plain ones are here, the others in :mod:`minddp.ddp.parts`.
 What only watches is an ``Observer`` in ``observers`` (none: no call). Where
 a backward is, is one ``BackwardPhase``. The policies above (the learned
-bucket order, ``bucket_cap_mb="auto"``, ZeRO stage 2) are ``Policy`` objects
+bucket order, the lab's ``plan_buckets``, ZeRO stage 2) are ``Policy`` objects
 and use "the interface for policies" below, and nothing else.
 
 Why divide *before* summing: the sum of N half-precision gradients can

@@ -104,10 +104,6 @@ class MiniDDP(nn.Module, Joinable):
                 "MiniDDP needs an initialized process group: call "
                 "torch.distributed.init_process_group (or minddp.init_distributed) first"
             )
-        if bucket_cap_mb == "auto":  # the planner lives in the lab, which imports the library, never the reverse
-            raise ValueError(
-                "MiniDDP(bucket_cap_mb='auto') is gone from the library: build MiniDDP with the default cap, then "
-                "call minddp_lab.auto.plan_buckets(ddp_model) before the first backward")
         refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
                            lazy_bucket_allocation and gradient_as_bucket_view)
         if check_reduction:
@@ -415,7 +411,7 @@ class MiniDDP(nn.Module, Joinable):
     @property
     def bucket_bytes_cap(self) -> int:
         """The cap in bytes, as torch names it."""
-        return int((25.0 if self.bucket_cap_mb == "auto" else self.bucket_cap_mb) * MiB)
+        return int(self.bucket_cap_mb * MiB)
 
     @property
     def bucket_bytes_cap_list(self) -> list[int]:

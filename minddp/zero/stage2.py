@@ -85,7 +85,7 @@ def check_attachable(zero, ddp) -> None:
     if Rebuild.PLANS_TO_TIME in reducer.pending_rebuilds():
         raise ValueError(
             f"{Rebuild.PLANS_TO_TIME.value}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
-            "those buckets: give MiniDDP a fixed bucket_cap_mb to use them together")
+            "those buckets: leave plan_buckets out (give MiniDDP a fixed bucket_cap_mb) to use them together")
     if ddp.process_group is not zero.process_group and \
             dist.get_process_group_ranks(ddp.process_group) != dist.get_process_group_ranks(zero.process_group):
         raise ValueError("shard_gradients=True: the optimizer and MiniDDP must use the same process group")
