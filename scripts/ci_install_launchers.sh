@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the real launchers the launcher tests run under (tests/test_real_launchers.py):
+# Install the real launchers the launcher tests run under (tests/lab/test_real_launchers.py):
 # SLURM (sbatch, slurmctld, slurmd), munge (SLURM's authentication) and OpenMPI's mpirun.
 #
 #   bash scripts/ci_install_launchers.sh

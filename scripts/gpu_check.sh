@@ -7,7 +7,7 @@
 # package itself is installed with --no-deps). Writes everything under
 # docs/gpu/ and takes under 8 minutes on one H100-class GPU:
 #
-#   1. tests/test_cuda.py: NCCL at world size 1 with a communicating comm hook,
+#   1. tests/library/test_cuda.py: NCCL at world size 1 with a communicating comm hook,
 #      2 Gloo ranks on CUDA tensors sharing the GPU (the equivalence oracle),
 #      streams, AMP, sparse, join, host-sync counts, device_ids, device-side
 #      trace times                                       -> docs/gpu/tests.txt
@@ -70,7 +70,7 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None, 'gpus', torch.
 } | tee "$OUT/device.txt"
 
 # 1. The GPU tests (and the CPU tests of the same defects, as a baseline).
-part "tests" 240 "$OUT/tests.txt" "$PY" -m pytest tests/test_cuda.py tests/test_gpu_path.py -q -rs -p no:cacheprovider
+part "tests" 240 "$OUT/tests.txt" "$PY" -m pytest tests/library/test_cuda.py tests/library/test_gpu_path.py -q -rs -p no:cacheprovider
 
 # 2. Train, save, resume, evaluate with NCCL (one rank: one GPU).
 TRAIN=(--backend "$BACKEND" --nproc 1 --synthetic-size 4096 --batch-size 64 --checkpoint-dir "$WORK/ckpt" --save-every 20)

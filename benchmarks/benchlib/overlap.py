@@ -37,7 +37,7 @@ SHUFFLED = "shuffled_mlp"  # the name --models and the JSON use for ShuffledMLP
 # input layer comes last (as in a model whose __init__ builds its head before
 # its stem): reverse registration order then puts the gradient that backward
 # computes *last* into bucket 0, and strict bucket order makes every other
-# bucket wait for it. tests/test_benchmark.py relies on that.
+# bucket wait for it. tests/benchmarks/test_benchmark.py relies on that.
 REGISTRATION_ORDER = [6, 2, 9, 4, 7, 1, 8, 3, 5, 0]
 WIDTH = 512  # hidden layers of 512 x 512 floats: 1 MiB of gradient each, ~9.6 MiB in all
 

@@ -56,7 +56,7 @@ functions::
     def fsdp_gather_full_params(model):
         return full_state_dict(model)           # {name: full fp32 tensor}, on every rank
 
-(``tests/test_fsdp.py``'s ``leaves-only`` case runs exactly these.)
+(``tests/library/test_fsdp.py``'s ``leaves-only`` case runs exactly these.)
 """
 
 from minddp.fsdp.checkpoint import load_sharded, save_sharded

@@ -35,7 +35,7 @@ a :class:`~minddp.ddp.contracts.Policy` told the end of each backward:
   (4 psi / N bytes in fp32) plus two buckets and one gradient, not a second
   copy of the model's gradients, and between steps nothing is left but the
   parameters, the optimizer state and its master shard (measured:
-  ``tests/test_zero_stage2_memory.py``, ``tests/test_zero_stage2_defaults.py``,
+  ``tests/library/test_zero_stage2_memory.py``, ``tests/library/test_zero_stage2_defaults.py``,
   ``benchmarks/zero_memory_peers.py``).
 
 The first backward is special when MiniDDP learns its bucket order

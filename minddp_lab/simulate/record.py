@@ -21,7 +21,7 @@ World size 1 (the default) gives the cleanest compute profile: no rank
 waits for a peer, and no all-reduce competes with backward for the cores.
 
 This is the command line's helper, the one part of the simulator that runs
-a model; the replay never imports it (``tests/test_layout.py`` counts it
+a model; the replay never imports it (``tests/repository/test_layout.py`` counts it
 with the floor above the core). Its functions live here, not in
 ``__main__``, because spawned ranks cannot import a ``__main__`` module.
 """

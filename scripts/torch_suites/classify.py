@@ -52,7 +52,7 @@ DOCUMENTED: dict[str, tuple[str, str]] = {
     for test in ("test_ddp_python_error_logged", "test_invalid_static_graph")
 } | {
     "test_different_graph_across_ranks": ("AssertionError: 0 is not true", "_get_ddp_logging_data() has no "
-        "'has_rebuilt_buckets' field; the buckets are rebuilt when torch rebuilds them (tests/test_bucket_boundaries.py)"),
+        "'has_rebuilt_buckets' field; the buckets are rebuilt when torch rebuilds them (tests/library/test_bucket_boundaries.py)"),
     "test_skip_all_reduce_unused_parameters": ("AssertionError: Scalars are not equal!", "skip_all_reduce_unused_params: "
         "the used map is exchanged once, as torch, but a bucket no rank used is still all-reduced (its zeros: the same "
         "values, one collective more), so num_buckets_reduced is 2 where torch's is 1 (docs/torch_suites.md)"),

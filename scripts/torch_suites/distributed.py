@@ -118,7 +118,9 @@ def recording(cls: type) -> type:
             _record_missing(cls.__name__, name)
             raise
 
-    watched = _RecordingType(cls.__name__, (cls,), {"__getattr__": __getattr__})
+    meta = type(cls)  # type, or ABCMeta for a torch Joinable such as MiniDDP
+    recording_type = _RecordingType if meta is type else type(f"Recording{meta.__name__}", (_RecordingType, meta), {})
+    watched = recording_type(cls.__name__, (cls,), {"__getattr__": __getattr__})
     return patches.findable(watched, __name__, f"Recording{cls.__qualname__}")
 
 
