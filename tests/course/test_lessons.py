@@ -46,9 +46,8 @@ FLAGS = {
     "20": [["--bucket-cap-mb", "25"]],
     "21": [["--world-size", "3"]],
     "22": [["--link", "eth25"], ["--keep-after-forward"]],
-    "23": [["--failure", name] for name in (
-        "unused-parameter", "mismatched-collectives", "accumulation", "rendezvous", "reentrant-checkpoint",
-        "slow", "checkpoints", "sampler", "uneven-inputs", "sync-batchnorm")] + [["--world-size", "3"]],
+    # The default run makes all ten failures happen, each asserted; one flag picks one, here on 3 ranks.
+    "23": [["--failure", "uneven-inputs", "--world-size", "3"]],
 }
 
 

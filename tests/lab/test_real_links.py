@@ -212,7 +212,7 @@ def test_a_crashed_rank_script_exits_non_zero_with_the_rank_named(tmp_path):
         from minddp_lab.links import spawn
         if __name__ == "__main__":
             spawn(_rank1_crashes_mid_run, 2, backend="gloo", link="100mbit")
-        """ % os.path.join(REPO, "tests")
+        """ % os.path.dirname(os.path.abspath(__file__))
     ))  # fmt: skip
     done, pid = run_script([str(script)], timeout=60)
     assert done.returncode != 0
