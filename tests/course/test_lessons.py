@@ -40,7 +40,7 @@ FLAGS = {
     "15": [["--slurm-nodelist", "node[1,3-4]"], ["--mpi-without-master-addr"]],
     "16": [["--link", "none"], ["--bucket-cap-mb", "25"]],
     "17": [["--compute-scale", "50"], ["--network", "dgx-h100"], ["--algorithm", "tree"]],
-    "17b": [["--link", "laptop"], ["--link", "eth25"]],
+    "17b": [["--link", "eth25"]],  # a third link: the fast one, where buckets leave early (--link laptop: the same path)
     "18": [["--timeout-s", "1"], ["--extra-first"]],
     "19": [["--gradient-as-bucket-view"], ["--optimizer", "sgd"]],
     "20": [["--bucket-cap-mb", "25"]],
