@@ -22,13 +22,12 @@ takes ``(rank, world_size, *args)``. Results travel back pickled.
 
 from __future__ import annotations
 
-import datetime
 import os
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from minddp.launch import find_free_port
+from minddp.launch import find_free_port, init_distributed, shutdown
 from minddp.launch.processes import LocalRanks, report
 
 __all__ = ["RankError", "RankPool"]
@@ -45,19 +44,12 @@ class RankError(RuntimeError):
 def _serve(rank: int, conn: Connection, world_size: int, port: int, init_group: bool, threads: int) -> None:
     """One rank of the pool: join the group, then run what the parent sends until told to stop."""
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if init_group:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        init_distributed("gloo", rank=rank, world_size=world_size, timeout_s=60)
     report(conn, "ok")  # ready
     while True:
         try:
@@ -73,8 +65,7 @@ def _serve(rank: int, conn: Connection, world_size: int, port: int, init_group: 
             report(conn, "error", traceback.format_exc())
         else:
             report(conn, "ok", result)
-    if init_group and dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown(wait_for_peers=False)  # the parent tells each rank on its own
 
 
 class RankPool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from minddp.launch import shutdown
 from minddp_lab.rank_pool import RankError, RankPool
 
 EXERCISES_DIR = Path(__file__).resolve().parent.parent / "exercises"
@@ -84,11 +85,7 @@ def _ready(rank: int, world_size: int, path: str) -> None:
 
 def _leave_group(rank: int, world_size: int) -> None:
     """Every rank together: wait for the others, then take the process group down (no rank exits mid-collective)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown()
 
 
 def close_cleanly(pool: RankPool) -> None:

@@ -37,7 +37,6 @@ overflow where N parts of their average cannot.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +50,7 @@ from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, b
 from minddp.ddp.buckets import Bucket, BucketStorage
 from minddp.ddp.contracts import (BackwardPhase, Communication, GradientTransfer, Observer, Passenger, Policy,
                                   Readiness, Rebuild)
+from minddp.ddp.weak_hooks import after_accumulation
 
 __all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer", "EveryHookReady", "CopyGradients", "AllReduce",
            "ArrivalLog"]
@@ -163,8 +163,7 @@ class Reducer:
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
         self.first_guess_limits = first_guess_limits(self.caps, self.per_bucket_caps, options)
         self._build_buckets(None if options.learn_bucket_order else list(reversed(range(len(params)))))  # 1st guess
-        for i, p in enumerate(params):  # fires after p.grad has been accumulated
-            p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
+        after_accumulation(self._autograd_hook, params, with_index=True)  # fires after p.grad is accumulated
 
     def _build_buckets(self, order: list[int] | None) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:

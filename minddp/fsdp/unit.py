@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minddp.ddp.weak_hooks import after_accumulation
 from minddp.fsdp.collectives import PendingReduceScatter, all_gather, gloo_collectives, start_reduce_scatter
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.zero.partition import FlatUnit
@@ -101,9 +102,8 @@ class ShardedUnit:
             over_full = torch.empty(0, dtype=self.compute_dtype, device=device)
             over_full.set_(self.full.untyped_storage(), offset, original.shape, _contiguous_strides(original.shape))
             over_full.requires_grad_(requires_grad)
-            if requires_grad:
-                over_full.register_post_accumulate_grad_hook(self._gradient_arrived)
             self.full_params.append(over_full)
+        after_accumulation(self._gradient_arrived, [p for p in self.full_params if p.requires_grad])
         self.gradients_expected = sum(p.requires_grad for p in self.full_params)
         held = [length for _, length in self.spans]
         self._split_sizes = held + [piece - sum(held)]  # each parameter's span, then this piece's padding

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from typing import Iterator, Mapping
 
@@ -67,6 +68,7 @@ def init_distributed(
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    _bind_world_defaults_to_none()
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = env.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
@@ -96,18 +98,45 @@ def init_distributed(
     return info
 
 
-def shutdown() -> None:
+def _bind_world_defaults_to_none() -> None:
+    """Import ``torch.distributed.nn.functional`` while no group exists
+    (the second cause in [Note: a group must die before the interpreter])."""
+    if not dist.is_initialized():
+        import torch.distributed.nn.functional  # noqa: F401
+
+
+def shutdown(*, wait_for_peers: bool = True) -> None:
     """Leave together, then destroy the default group (the normal end of a job).
 
     The barrier matters: a rank that tears down its sockets while a peer's
     Gloo thread is still finishing the last collective can make that peer
-    abort at exit ("terminate called without an active exception"). After a
-    failure, call ``dist.destroy_process_group()`` alone (or just exit): a
+    fail. After a failure, pass ``wait_for_peers=False`` (or just exit): a
     barrier with a dead peer would wait for the whole timeout.
+
+    [Note: a group must die before the interpreter]
+    ``destroy_process_group`` drops torch's references to the group; the group
+    itself, and its Gloo threads, go when the last reference does. If that is
+    only at interpreter exit, a worker thread still letting go of the last
+    collective's tensors there cannot take the GIL, and the process aborts
+    ("terminate called without an active exception") after training
+    succeeded: rarely, and more often on a loaded machine. Two references
+    outlive the call in ordinary training code:
+
+    * Garbage in a reference cycle (a wrapper and its parts, say) holds the
+      group until the collector next runs: collected here, at once.
+    * ``torch.distributed.nn.functional`` writes its collectives as
+      ``def all_reduce(..., group=group.WORLD)``, and Python evaluates a
+      default once, at import. Imported after ``init_process_group``, as
+      happens when the first optimizer is built (``torch.optim`` imports
+      ``torch._dynamo``, which imports it), its defaults hold the group for
+      good. :func:`init_distributed` imports it before the group exists, so
+      they are ``None``: the default group at each call, as everywhere else.
     """
     if dist.is_initialized():
-        dist.barrier()
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
+        gc.collect()
 
 
 @contextlib.contextmanager
@@ -117,7 +146,6 @@ def distributed(backend: str | None = None, **kwargs) -> Iterator[LaunchInfo]:
     try:
         yield info
     except BaseException:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(wait_for_peers=False)
         raise
     shutdown()

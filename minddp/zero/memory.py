@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from minddp.ddp.parts.comm_hook import CommHook
+from minddp.ddp.weak_hooks import after_accumulation
 
 __all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes", "gradient_bytes", "GradientPeak",
            "allocation_peak"]
@@ -112,9 +113,7 @@ class GradientPeak:
     def __init__(self, module: nn.Module):
         self.peak = 0
         self._count = None
-        for p in module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_gradient)
+        after_accumulation(self._on_gradient, [p for p in module.parameters() if p.requires_grad])
 
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> "GradientPeak":
         """Count ``model``'s (and ``optimizer``'s) gradients from now on; after any comm hook is registered."""

@@ -24,7 +24,6 @@ import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 
 from minddp.launch import detect_launch, find_free_port, init_distributed, shutdown
 from minddp_lab.train.checkpoint import LAST, CheckpointError
@@ -236,8 +235,8 @@ def _run_in_this_process(args: argparse.Namespace, explicit_world: bool) -> int:
             os._exit(code)
     if code == 0:
         shutdown()  # every rank finished: leave together
-    elif dist.is_initialized():
-        dist.destroy_process_group()  # a usage error, possibly on one rank only: no barrier
+    else:
+        shutdown(wait_for_peers=False)  # a usage error, possibly on one rank only: no barrier
     return code
 
 

@@ -172,3 +172,36 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_ignore_the_global_se
         ports.add(find_free_port())
     assert all(1024 < p < 32768 for p in ports), ports
     assert len(ports) > 1, f"the global seed decided the port: {ports}"
+
+
+LEAVE = textwrap.dedent(
+    """
+    import os, sys, torch
+    from minddp.launch import find_free_port, init_distributed, shutdown
+
+    init_distributed("gloo", rank=0, world_size=1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())})
+    model = torch.nn.Linear(4, 2)
+    torch.optim.SGD(model.parameters(), lr=0.1)  # imports torch._dynamo, and through it torch.distributed.nn
+    import torch.distributed.nn.functional  # in case this torch's optimizer did not
+    model(torch.ones(3, 4)).sum().backward()
+
+    class Cycle:  # garbage the collector has not met yet, holding the group (a wrapper's parts can)
+        pass
+
+    cycle = Cycle()
+    cycle.itself, cycle.group = cycle, torch.distributed.group.WORLD
+    del cycle
+    shutdown()
+    threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    print(sorted(name for name in threads if "gloo" in name))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
+def test_shutdown_stops_the_groups_threads_before_the_interpreter_exits():
+    # A Gloo thread alive at interpreter exit can abort the process after a
+    # successful run ([Note: a group must die before the interpreter]).
+    out = subprocess.run([sys.executable, "-c", LEAVE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"Gloo threads still running after shutdown(): {out.stdout}"

@@ -10,7 +10,7 @@ function called is listed with its file.
 
 What is checked is behaviour, not size: a default step enters only the
 plain path's files (the wrapper, the reducer with its plain parts, the
-buckets, the slots' contracts); no part, observer or join code runs unless
+buckets, the slots' contracts, the hooks that hold the reducer weakly); no part, observer or join code runs unless
 asked for; an option brings its own part in.
 """
 
@@ -25,7 +25,8 @@ import minddp
 from minddp import MiniDDP
 from minddp_lab.rank_pool import RankPool
 
-PLAIN_FILES = {"minddp/ddp/wrapper.py", "minddp/ddp/reducer.py", "minddp/ddp/buckets.py", "minddp/ddp/contracts.py"}
+PLAIN_FILES = {"minddp/ddp/wrapper.py", "minddp/ddp/reducer.py", "minddp/ddp/buckets.py", "minddp/ddp/contracts.py",
+               "minddp/ddp/weak_hooks.py"}
 
 
 def _reading_path(rank, world_size, warm_up=3, **kwargs):
