@@ -218,8 +218,8 @@ def held_tensors(owner, module: nn.Module) -> dict[str, int]:
     return held
 
 
-def _growth_failures(kept: list[dict[str, int]]) -> list[str]:
-    """What the learner's object holds after each finish() must not grow from step to step."""
+def growth_failures(kept: list[dict[str, int]], clear_in: str = "finish()") -> list[str]:
+    """What the learner's object holds after each step must not grow from step to step."""
     first, last = kept[0], kept[-1]
     growing = [name for name in last if last[name] > first.get(name, 0)]
     if not growing:
@@ -227,7 +227,7 @@ def _growth_failures(kept: list[dict[str, int]]) -> list[str]:
     sizes = ", ".join(f"{name}: {first.get(name, 0):,} bytes after step 1, {last[name]:,} after step {len(kept)}"
                       for name in growing)
     return [f"the tensors your object keeps between steps grow every step ({sizes}): a step must let go of what "
-            f"it made (clear it in finish()), or memory grows until the process runs out"]
+            f"it made (clear it in {clear_in}), or memory grows until the process runs out"]
 
 
 def _watched_training(make, model=None, keep_sent: bool = False) -> tuple:
@@ -323,7 +323,7 @@ def check_06(rank: int, world_size: int, path: str) -> list[str]:
                         f"computed. The hook must launch each gradient's sum as soon as it is ready")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
-    failures = failures or _cost_failures(watch, make_model(seed=0)) + _growth_failures(kept)
+    failures = failures or _cost_failures(watch, make_model(seed=0)) + growth_failures(kept)
     failures += _accumulating_failures(exercise.AsyncAverager)
     return gather_failures(failures)
 
@@ -379,7 +379,7 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
                         "full, not when all are")
     failures += _holding_failures(watch, held)
     failures += explain(seen, world_size)
-    failures = failures or _cost_failures(watch, make_model(seed=0)) + _growth_failures(kept)
+    failures = failures or _cost_failures(watch, make_model(seed=0)) + growth_failures(kept)
     if not failures:  # in-order launching: ranks that fill buckets in different orders
         failures.append(_swapped_failure(exercise, rank))
     failures = [f for f in failures if f]

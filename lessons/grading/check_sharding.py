@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lessons._common import CLASSES, FEATURES, make_model
 from lessons.grading.bench import PER_RANK, flat_weights, gather_failures, worst
-from lessons.grading.check_ddp import never_waited
-from lessons.grading.runner import load
+from lessons.grading.check_ddp import growth_failures, held_tensors, never_waited
+from lessons.grading.runner import EXERCISE_PREFIX, load
 from lessons.grading.watch import Watch
 
 STEPS = 3
@@ -21,24 +23,31 @@ def check_19(rank: int, world_size: int, path: str) -> list[str]:
     # Plain SGD first: its step is the gradient's, scaled, so a gradient of the wrong scale shows as such
     # (AdamW divides by the gradient's own scale); then AdamW, whose state ZeRO-1 shards. Every collective
     # watched: an asynchronous one's result lands at wait(), never by luck.
-    with Watch().active() as watch:
-        failures = _train_19(exercise, rank, world_size, torch.optim.SGD, lr=0.1)[1]
-    failures = never_waited(watch) or failures
+    with Watch().active(exercise) as watch:
+        sharded, failures, kept = _train_19(exercise, rank, world_size, torch.optim.SGD, lr=0.1, watch=watch)
+    failures = (never_waited(watch) or failures or _cost_19(watch, sharded, world_size)
+                or growth_failures(kept, clear_in="step()"))
     if not failures:
-        sharded, failures = _train_19(exercise, rank, world_size, torch.optim.AdamW, lr=1e-2)
+        sharded, failures, _ = _train_19(exercise, rank, world_size, torch.optim.AdamW, lr=1e-2)
         failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)
     return gather_failures(failures)
 
 
-def _train_19(exercise, rank: int, world_size: int, optimizer_class, **defaults) -> tuple:
+def _train_19(exercise, rank: int, world_size: int, optimizer_class, watch: Watch | None = None,
+              **defaults) -> tuple:
     """STEPS steps of the learner's ShardedOptimizer against ``optimizer_class`` stepping every parameter.
 
-    Returns (the ShardedOptimizer, [what went wrong at the first step that differs]).
+    Returns (the ShardedOptimizer, [what went wrong at the first step that differs], the tensors it held
+    after each step by attribute). With a ``watch``, its step is ``GRADIENT`` from each ``step()``'s start
+    and ``PARAMETERS`` from when the inner optimizer (``self.optimizer``) steps.
     """
     mine, plain = make_model(seed=0), make_model(seed=0)
     sharded = exercise.ShardedOptimizer(mine.parameters(), optimizer_class, **defaults)
     reference = optimizer_class(plain.parameters(), **defaults)
+    if watch is not None:
+        _mark_the_inner_step(sharded, watch)
     data = torch.Generator().manual_seed(7)
+    kept = []
     for step in range(STEPS):
         x = torch.randn(world_size, PER_RANK, FEATURES, generator=data)
         y = torch.randint(0, CLASSES, (world_size, PER_RANK), generator=data)
@@ -49,13 +58,69 @@ def _train_19(exercise, rank: int, world_size: int, optimizer_class, **defaults)
             p.grad /= world_size
             q.grad = p.grad.clone()  # the plain optimizer steps the same averaged gradients, all of them
         before = flat_weights(mine)
+        if watch is not None:
+            watch.step = GRADIENT
         sharded.step()
         reference.step()
+        kept.append(held_tensors(sharded, mine))
         after, right = flat_weights(mine), flat_weights(plain)
         if worst((after - right).abs().max().item()) >= 1e-6:
             name = optimizer_class.__name__
-            return sharded, [_wrong_step(step, before, after, right, sharded.piece, rank, world_size, name)]
-    return sharded, []
+            return sharded, [_wrong_step(step, before, after, right, sharded.piece, rank, world_size, name)], kept
+    return sharded, [], kept
+
+
+# The two phases of a ZeRO-1 step, as the watch's step: getting this rank's piece of the gradient, and
+# bringing every rank's updated piece to every rank.
+GRADIENT, PARAMETERS = 0, 1
+SLACK = 1.1  # what a step may move beyond the budget (a little padding, say); a collective too many is 2x
+
+
+def _mark_the_inner_step(sharded, watch: Watch) -> None:
+    """From the moment ``self.optimizer`` steps, what the step sends is the parameters'."""
+    inner = getattr(sharded, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return
+    step = inner.step
+
+    def marked(*args, **kwargs):
+        watch.step = PARAMETERS
+        return step(*args, **kwargs)
+    inner.step = marked
+
+
+def _cost_19(watch: Watch, sharded, world_size: int) -> list[str]:
+    """Bytes each rank moves per step, by phase, against the algorithm's: the gradient needs no collective
+    (every p.grad holds the average: cut this rank's piece), or one reduce-scatter of the flat gradients;
+    the parameters, one all-gather of the pieces (or the owner's broadcast of each)."""
+    if not any(launch.step == PARAMETERS for launch in watch.launches):
+        return []  # the inner optimizer was never called: the step's results have already said what is wrong
+    line = world_size * sharded.piece * 4  # the padded flat line, float32
+    share = (world_size - 1) / world_size
+    budgets = {GRADIENT: share * line, PARAMETERS: share * line}
+    for phase, budget in budgets.items():
+        launches = [launch for launch in watch.launches if launch.step == phase]
+        moved = sum(launch.moved(world_size) for launch in launches) / STEPS
+        if moved <= SLACK * budget:
+            continue
+        names = ", ".join(sorted({f"dist.{launch.name}" for launch in launches}))
+        wider = sorted({d for launch in launches for d in launch.dtypes} - {"float32"})
+        if phase == GRADIENT:
+            why = ("an all-reduce of the gradients moves twice what a reduce-scatter moves, and sums what is "
+                   "already averaged" if any(launch.name == "all_reduce" for launch in launches) else
+                   f"your collectives send {', '.join(wider)}" if wider else "more than one reduce-scatter")
+            return [f"before self.optimizer steps, each rank moves {moved:,.0f} bytes per step over the network "
+                    f"({names}) to get its piece of the gradient, where one reduce-scatter of the flat gradients "
+                    f"moves {budget:,.0f}: {why}. Every p.grad already holds the average over the ranks: cut this "
+                    f"rank's piece from it (self.my_piece), no collective needed"]
+        why = ("an all-reduce of the whole line (zeros outside this rank's piece) moves twice what an all-gather "
+               "of the pieces moves" if any(launch.name == "all_reduce" for launch in launches) else
+               f"your collectives send {', '.join(wider)}: send the float32 shard as it is" if wider else
+               f"{moved / budget:.1f}x what one all-gather moves")
+        return [f"after self.optimizer steps, each rank moves {moved:,.0f} bytes per step over the network "
+                f"({names}) to bring the updated pieces to every rank, where one all-gather of the "
+                f"{sharded.piece:,}-element pieces moves {budget:,.0f}: {why}. All-gather each rank's piece once"]
+    return []
 
 
 def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: torch.Tensor, piece: int, rank: int,
@@ -171,54 +236,96 @@ def check_21(rank: int, world_size: int, path: str) -> list[str]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     watch = Watched(model.units)
     failures = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 + step)
-        xs, ys = torch.randn(world_size, 8, 16, generator=g), torch.randn(world_size, 8, 1, generator=g)
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(reference(xs.reshape(-1, 16)), ys.reshape(-1, 1)).backward()
-        opt.zero_grad()
-        watch.phase, watch.gathers = "forward", []
-        loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
-        watch.phase = "backward"
-        loss.backward()
-        if watch.late:
-            phase, index, held = watch.late[0]
-            failures.append(f"when unit {index} was gathered in {phase}, {held} bytes gathered earlier were still "
-                            f"held: free each unit's full parameters (free(full)) as soon as it has computed, and "
-                            f"do not keep them for backward: gather again there")
-            break
-        if watch.held():
-            failures.append(f"after backward {watch.held()} bytes of gathered parameters were still held: free "
-                            f"everything you gather")
-            break
-        not_again = [i for i in range(len(model.units)) if ("backward", i) not in watch.gathers]
-        if not_again:
-            failures.append(f"backward never called unit.gather() for unit{'s' if len(not_again) > 1 else ''} "
-                            f"{', '.join(map(str, not_again))}: computing with full parameters kept from forward "
-                            f"(saved on ctx, or a copy of them) holds every unit in full from its forward to its "
-                            f"backward. Save only the input, and gather again in backward with unit.gather()")
-            break
-        if step == 0:
-            right = _refs(model, reference, rank)
-            got = torch.cat([u.shard.grad for u in model.units])
-            want = torch.cat([grad for _, grad in right])
-            ratio = (got @ want / (want @ want)).item()
-            if abs(ratio - world_size) < 1e-3 * world_size:
-                failures.append(f"the shards' gradients are {world_size}x the single-process ones: did you divide "
-                                f"by the world size? (reduce-scatter sums)")
+    with Watch().active(*_loaded(exercise)) as collectives:
+        for step in range(STEPS):
+            failures = _step_21(model, opt, reference, ref_opt, watch, collectives, rank, world_size, step)
+            if failures:
                 break
-            if abs(ratio - 1 / world_size) < 1e-3:
-                failures.append(f"the shards' gradients are 1/{world_size} of the single-process ones: did you "
-                                f"divide by the world size twice?")
-                break
-        opt.step()
-        ref_opt.step()
-        gap = max((u.shard.detach() - w).abs().max().item() for u, (w, _) in zip(model.units, _refs(model, reference, rank)))
-        if worst(gap) > 1e-5:
-            failures.append(f"after step {step + 1} the shards differ from one process on the whole batch by up to "
-                            f"{worst(gap):.2g}")
-            break
+    failures = failures or never_waited(collectives) or _cost_21(collectives, model.units, world_size)
     return gather_failures(failures)
+
+
+def _loaded(exercise) -> list:
+    """The learner's module and the exercise files it loaded (a solution built on another one): where a stub's
+    collectives are bound to names of their own (``reduce_scatter = dist.reduce_scatter_tensor``)."""
+    return [exercise] + [value for value in vars(exercise).values()
+                         if isinstance(value, types.ModuleType) and value.__name__.startswith(EXERCISE_PREFIX)]
+
+
+def _step_21(model, opt, reference, ref_opt, watch: Watched, collectives: Watch, rank: int,
+             world_size: int, step: int) -> list[str]:
+    """One step of the learner's sharded model beside the reference: [what went wrong], or []."""
+    g = torch.Generator().manual_seed(100 + step)
+    xs, ys = torch.randn(world_size, 8, 16, generator=g), torch.randn(world_size, 8, 1, generator=g)
+    ref_opt.zero_grad()
+    nn.functional.mse_loss(reference(xs.reshape(-1, 16)), ys.reshape(-1, 1)).backward()
+    opt.zero_grad()
+    watch.phase, watch.gathers, collectives.step = "forward", [], FORWARD
+    loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
+    watch.phase, collectives.step = "backward", BACKWARD
+    loss.backward()
+    if watch.late:
+        phase, index, held = watch.late[0]
+        return [f"when unit {index} was gathered in {phase}, {held} bytes gathered earlier were still "
+                f"held: free each unit's full parameters (free(full)) as soon as it has computed, and "
+                f"do not keep them for backward: gather again there"]
+    if watch.held():
+        return [f"after backward {watch.held()} bytes of gathered parameters were still held: free "
+                f"everything you gather"]
+    not_again = [i for i in range(len(model.units)) if ("backward", i) not in watch.gathers]
+    if not_again:
+        return [f"backward never called unit.gather() for unit{'s' if len(not_again) > 1 else ''} "
+                f"{', '.join(map(str, not_again))}: computing with full parameters kept from forward "
+                f"(saved on ctx, or a copy of them) holds every unit in full from its forward to its "
+                f"backward. Save only the input, and gather again in backward with unit.gather()"]
+    if step == 0:
+        right = _refs(model, reference, rank)
+        got = torch.cat([u.shard.grad for u in model.units])
+        want = torch.cat([grad for _, grad in right])
+        ratio = (got @ want / (want @ want)).item()
+        if abs(ratio - world_size) < 1e-3 * world_size:
+            return [f"the shards' gradients are {world_size}x the single-process ones: did you divide "
+                    f"by the world size? (reduce-scatter sums)"]
+        if abs(ratio - 1 / world_size) < 1e-3:
+            return [f"the shards' gradients are 1/{world_size} of the single-process ones: did you "
+                    f"divide by the world size twice?"]
+    opt.step()
+    ref_opt.step()
+    gap = max((u.shard.detach() - w).abs().max().item()
+              for u, (w, _) in zip(model.units, _refs(model, reference, rank)))
+    if worst(gap) > 1e-5:
+        return [f"after step {step + 1} the shards differ from one process on the whole batch by up to "
+                f"{worst(gap):.2g}"]
+    return []
+
+
+# The phases of a step of exercise 21, as the collectives watch's step.
+FORWARD, BACKWARD = 0, 1
+
+
+def _cost_21(collectives: Watch, units, world_size: int) -> list[str]:
+    """Bytes each rank moves per step, by phase, against the algorithm's: in forward one all-gather per unit
+    (``unit.gather()``), in backward one more and one reduce-scatter of the unit's full gradient."""
+    line = sum(world_size * unit.piece * 4 for unit in units)  # every unit's padded flat line, float32
+    share = (world_size - 1) / world_size
+    for phase, budget, what in ((FORWARD, share * line, "one all-gather per unit"),
+                                (BACKWARD, 2 * share * line, "one all-gather and one reduce-scatter per unit")):
+        launches = [launch for launch in collectives.launches if launch.step == phase]
+        moved = sum(launch.moved(world_size) for launch in launches) / STEPS
+        if moved <= SLACK * budget:
+            continue
+        names = ", ".join(sorted({f"dist.{launch.name}" for launch in launches}))
+        wider = sorted({d for launch in launches for d in launch.dtypes} - {"float32"})
+        if phase == BACKWARD and any(launch.name == "all_reduce" for launch in launches):
+            why = ("an all-reduce of the full gradient moves twice what a reduce-scatter moves, and this rank "
+                   "keeps only its piece of the result: reduce-scatter the full gradient into this rank's piece")
+        elif wider:
+            why = f"your collectives send {', '.join(wider)}: send the float32 tensors as they are"
+        else:
+            why = f"{moved / budget:.1f}x that: gather each unit once per pass, and reduce-scatter its gradient once"
+        return [f"in {'forward' if phase == FORWARD else 'backward'}, each rank moves {moved:,.0f} bytes per step "
+                f"over the network ({names}), where {what} move {budget:,.0f}: {why}"]
+    return []
 
 
 def _piece(unit, layer: nn.Module, rank: int):

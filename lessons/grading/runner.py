@@ -39,10 +39,13 @@ class Exercise:
         return EXERCISES_DIR / self.file
 
 
+EXERCISE_PREFIX = "exercise_"  # the names load() gives the modules it imports
+
+
 def load(path: str | os.PathLike):
     """Import a learner's file by path (its name starts with a digit, so ``import`` cannot)."""
     path = Path(path)
-    name = f"exercise_{path.stem}_{abs(hash(str(path.resolve())))}"
+    name = f"{EXERCISE_PREFIX}{path.stem}_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -38,6 +38,17 @@ class Launch:
     dtypes: set = field(default_factory=set)  # of the tensors sent, as "float32"
     sent: torch.Tensor | None = None  # a copy of what was sent, flat (``Watch(keep_sent=True)``)
 
+    def moved(self, world_size: int) -> float:
+        """Bytes each rank sends for this collective in the bandwidth-optimal algorithm (a ring's): what any
+        algorithm for it must move. An all-reduce is a reduce-scatter then an all-gather, each (N-1)/N of the
+        whole tensor; an all-gather's input is one rank's piece of the whole; a pipelined broadcast forwards it."""
+        share = (world_size - 1) / world_size
+        if self.name == "all_reduce":
+            return 2 * share * self.nbytes
+        if self.name.startswith("all_gather"):
+            return share * world_size * self.nbytes
+        return share * self.nbytes  # broadcast, reduce-scatter (whose input is the whole)
+
 
 def _outputs(name: str, args: tuple) -> list[torch.Tensor]:
     """The tensors a collective writes: its first argument (a list of them for ``all_gather`` / ``reduce_scatter``'s
@@ -55,8 +66,9 @@ def _sent(name: str, args: tuple) -> list[torch.Tensor]:
 
 
 # the collectives watched: the stubs invite these
-WATCHED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-           "reduce_scatter_tensor")
+WATCHED = tuple(name for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                                  "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+                if hasattr(dist, name))  # the *_single names: exercise 21's stub takes them where torch has them
 
 
 class _Delivery:
@@ -163,8 +175,12 @@ class Watch:
         return list(self._handles)
 
     @contextlib.contextmanager
-    def active(self):
+    def active(self, *modules):
+        """Watch ``dist``'s collectives, and in each of ``modules`` the names bound to one of them (a stub's
+        ``reduce_scatter = dist.reduce_scatter_tensor`` is bound at import, before the watch starts)."""
         originals = {name: getattr(dist, name) for name in WATCHED}
+        aliases = [(module, alias, name) for module in modules for alias, value in vars(module).items()
+                   for name, original in originals.items() if value is original]
 
         def watched(name):
             original = originals[name]
@@ -200,10 +216,14 @@ class Watch:
 
         for name in WATCHED:
             setattr(dist, name, watched(name))
+        for module, alias, name in aliases:
+            setattr(module, alias, getattr(dist, name))
         torch.futures.wait_all, torch.futures.collect_all = waited_all, collected_all
         try:
             yield self
         finally:
             for name, original in originals.items():
                 setattr(dist, name, original)
+            for module, alias, name in aliases:
+                setattr(module, alias, originals[name])
             torch.futures.wait_all, torch.futures.collect_all = wait_all, collect_all
