@@ -22,6 +22,13 @@ What you will learn
     * rank 0's broadcast covers buffers at construction and again before
       every forward that follows a synchronized one (``broadcast_buffers``).
 
+    One more change has no diff worth printing: the hooks hold the reducer
+    weakly (``minddp/ddp/weak_hooks.py``). A hook lives in the parameter's
+    autograd data, in C++, where Python's garbage collector cannot look, so
+    07b's hooks, bound methods of the wrapper, keep a dropped wrapper alive,
+    and with it the model, its buckets and the process group, until the
+    process exits.
+
     Everything else torch's DDP does is a *part* beside that path, one file
     each in ``minddp/ddp/parts/``, chosen by MiniDDP's constructor only when
     asked for; the lesson lists them with the lesson that explains each. Then it
