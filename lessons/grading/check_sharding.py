@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,23 @@ GRADIENT, PARAMETERS = 0, 1
 SLACK = 1.1  # what a step may move beyond the budget (a little padding, say); a collective too many is 2x
 
 
+@dataclass
+class _PhaseCost:
+    """What one phase's collectives moved, per rank and step, and how they were called."""
+    moved: float  # bytes, by ``Launch.moved``
+    names: str  # "dist.all_gather, dist.all_reduce"
+    wider: list[str]  # dtypes sent wider than the float32 the exercises train in
+    all_reduce: bool  # one of them an all-reduce
+
+
+def _phase_cost(watch: Watch, phase: int, world_size: int) -> _PhaseCost:
+    launches = [launch for launch in watch.launches if launch.step == phase]
+    return _PhaseCost(sum(launch.moved(world_size) for launch in launches) / STEPS,
+                      ", ".join(sorted({f"dist.{launch.name}" for launch in launches})),
+                      sorted({d for launch in launches for d in launch.dtypes} - {"float32"}),
+                      any(launch.name == "all_reduce" for launch in launches))
+
+
 def _mark_the_inner_step(sharded, watch: Watch) -> None:
     """From the moment ``self.optimizer`` steps, what the step sends is the parameters'."""
     inner = getattr(sharded, "optimizer", None)
@@ -99,26 +117,23 @@ def _cost_19(watch: Watch, sharded, world_size: int) -> list[str]:
     share = (world_size - 1) / world_size
     budgets = {GRADIENT: share * line, PARAMETERS: share * line}
     for phase, budget in budgets.items():
-        launches = [launch for launch in watch.launches if launch.step == phase]
-        moved = sum(launch.moved(world_size) for launch in launches) / STEPS
-        if moved <= SLACK * budget:
+        cost = _phase_cost(watch, phase, world_size)
+        if cost.moved <= SLACK * budget:
             continue
-        names = ", ".join(sorted({f"dist.{launch.name}" for launch in launches}))
-        wider = sorted({d for launch in launches for d in launch.dtypes} - {"float32"})
         if phase == GRADIENT:
             why = ("an all-reduce of the gradients moves twice what a reduce-scatter moves, and sums what is "
-                   "already averaged" if any(launch.name == "all_reduce" for launch in launches) else
-                   f"your collectives send {', '.join(wider)}" if wider else "more than one reduce-scatter")
-            return [f"before self.optimizer steps, each rank moves {moved:,.0f} bytes per step over the network "
-                    f"({names}) to get its piece of the gradient, where one reduce-scatter of the flat gradients "
-                    f"moves {budget:,.0f}: {why}. Every p.grad already holds the average over the ranks: cut this "
-                    f"rank's piece from it (self.my_piece), no collective needed"]
+                   "already averaged" if cost.all_reduce else
+                   f"your collectives send {', '.join(cost.wider)}" if cost.wider else "more than one reduce-scatter")
+            return [f"before self.optimizer steps, each rank moves {cost.moved:,.0f} bytes per step over the "
+                    f"network ({cost.names}) to get its piece of the gradient, where one reduce-scatter of the flat "
+                    f"gradients moves {budget:,.0f}: {why}. Every p.grad already holds the average over the ranks: "
+                    f"cut this rank's piece from it (self.my_piece), no collective needed"]
         why = ("an all-reduce of the whole line (zeros outside this rank's piece) moves twice what an all-gather "
-               "of the pieces moves" if any(launch.name == "all_reduce" for launch in launches) else
-               f"your collectives send {', '.join(wider)}: send the float32 shard as it is" if wider else
-               f"{moved / budget:.1f}x what one all-gather moves")
-        return [f"after self.optimizer steps, each rank moves {moved:,.0f} bytes per step over the network "
-                f"({names}) to bring the updated pieces to every rank, where one all-gather of the "
+               "of the pieces moves" if cost.all_reduce else
+               f"your collectives send {', '.join(cost.wider)}: send the float32 shard as it is" if cost.wider else
+               f"{cost.moved / budget:.1f}x what one all-gather moves")
+        return [f"after self.optimizer steps, each rank moves {cost.moved:,.0f} bytes per step over the network "
+                f"({cost.names}) to bring the updated pieces to every rank, where one all-gather of the "
                 f"{sharded.piece:,}-element pieces moves {budget:,.0f}: {why}. All-gather each rank's piece once"]
     return []
 
@@ -310,21 +325,19 @@ def _cost_21(collectives: Watch, units, world_size: int) -> list[str]:
     share = (world_size - 1) / world_size
     for phase, budget, what in ((FORWARD, share * line, "one all-gather per unit"),
                                 (BACKWARD, 2 * share * line, "one all-gather and one reduce-scatter per unit")):
-        launches = [launch for launch in collectives.launches if launch.step == phase]
-        moved = sum(launch.moved(world_size) for launch in launches) / STEPS
-        if moved <= SLACK * budget:
+        cost = _phase_cost(collectives, phase, world_size)
+        if cost.moved <= SLACK * budget:
             continue
-        names = ", ".join(sorted({f"dist.{launch.name}" for launch in launches}))
-        wider = sorted({d for launch in launches for d in launch.dtypes} - {"float32"})
-        if phase == BACKWARD and any(launch.name == "all_reduce" for launch in launches):
+        if phase == BACKWARD and cost.all_reduce:
             why = ("an all-reduce of the full gradient moves twice what a reduce-scatter moves, and this rank "
                    "keeps only its piece of the result: reduce-scatter the full gradient into this rank's piece")
-        elif wider:
-            why = f"your collectives send {', '.join(wider)}: send the float32 tensors as they are"
+        elif cost.wider:
+            why = f"your collectives send {', '.join(cost.wider)}: send the float32 tensors as they are"
         else:
-            why = f"{moved / budget:.1f}x that: gather each unit once per pass, and reduce-scatter its gradient once"
-        return [f"in {'forward' if phase == FORWARD else 'backward'}, each rank moves {moved:,.0f} bytes per step "
-                f"over the network ({names}), where {what} move {budget:,.0f}: {why}"]
+            why = (f"{cost.moved / budget:.1f}x that: gather each unit once per pass, and reduce-scatter its "
+                   f"gradient once")
+        return [f"in {'forward' if phase == FORWARD else 'backward'}, each rank moves {cost.moved:,.0f} bytes per "
+                f"step over the network ({cost.names}), where {what} move {budget:,.0f}: {why}"]
     return []
 
 

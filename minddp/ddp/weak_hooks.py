@@ -6,11 +6,9 @@ by the tensor's autograd metadata, in C++, where Python's garbage collector
 cannot look. A hook that holds its owner (a bound method holds its object)
 closes a cycle, tensor -> hook -> owner -> tensor, that is never collected:
 drop a MiniDDP, or a model under ``fully_shard``, and its parameters, bucket
-buffers and process group stay alive until the interpreter exits. The group
-is then torn down during the interpreter's own shutdown, where a Gloo worker
-thread still finishing the last collective can no longer take the GIL, and
-the process aborts ("terminate called without an active exception") after
-training succeeded.
+buffers and process group stay alive until the interpreter exits (what that
+costs there: [Note: a group must die before the interpreter] in
+:mod:`minddp.launch.process_group`).
 
 torch's C++ ``Reducer`` removes its hooks in its destructor. Here each hook
 holds its owner weakly, and the hooks are removed once the owner is collected,
