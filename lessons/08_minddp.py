@@ -1,38 +1,21 @@
-"""Lesson 08: ``minddp.MiniDDP`` -- lesson 07b's wrapper grown up, and equal to torch's DDP.
+"""Lesson 08: ``minddp.MiniDDP`` -- lesson 07c's reducer in the library, and equal to torch's DDP.
 
 What you will learn
-    ``MiniDDP``'s plain path -- what a default ``MiniDDP(model)`` step runs --
-    is lesson 07b's ``FlatDDP`` with four changes, which this lesson prints
-    as diffs of the real code (07b's methods against minddp's):
-
-    * the hook only *counts* a gradient in its bucket; when the bucket is
-      complete, all its gradients are copied in, times 1/N, in one batched
-      call, and the complete buckets are launched strictly in order (07).
-      torch's DDP copies one gradient at a time unless given
-      ``batched_grad_copy=True`` (an argument of every torch minddp
-      supports, 2.13 to 2.15); ``lazy_bucket_allocation=True`` (torch's from
-      2.15; MiniDDP takes it on 2.13 and 2.14 too) allocates a bucket's
-      buffer only at that copy and frees it once ``.grad`` is written, so no
-      bucket is held between steps;
-    * the end-of-backward callback (07b) is queued again if a nested
-      backward pass (a reentrant activation checkpoint) ends first, and
-      waits for each bucket before writing its averages into ``.grad``;
-    * a parameter that got no gradient is an error naming it, not an assert
-      (``find_unused_parameters=True`` makes it count as zero instead);
-    * rank 0's broadcast covers buffers at construction and again before
-      every forward that follows a synchronized one (``broadcast_buffers``).
-
-    One more change has no diff worth printing: the hooks hold the reducer
-    weakly (``minddp/ddp/weak_hooks.py``). A hook lives in the parameter's
-    autograd data, in C++, where Python's garbage collector cannot look, so
-    07b's hooks, bound methods of the wrapper, keep a dropped wrapper alive,
-    and with it the model, its buckets and the process group, until the
-    process exits.
+    Lesson 07c grew 07b's ``FlatDDP`` into a reducer one small diff at a
+    time; its last step is one diff away from the library's own
+    ``minddp/ddp/core/reducer.py``, and this lesson prints that diff (run it
+    yourself: ``diff lessons/wrappers/observed_reducer.py
+    minddp/ddp/core/reducer.py``) and trains the library's reducer on the
+    same bench. ``minddp.MiniDDP`` is that reducer inside a module: rank 0's
+    start (parameters and buffers), a forward that arms the reducer and
+    brings the buffers into line, ``no_sync()``, and torch's DDP arguments.
 
     Everything else torch's DDP does is a *part* beside that path, one file
     each in ``minddp/ddp/parts/``, chosen by MiniDDP's constructor only when
-    asked for; the lesson lists them with the lesson that explains each. Then it
-    follows one gradient down the path on every rank: ``model.follow(name)``.
+    asked for, or a *policy* that acts between backwards
+    (``minddp/ddp/policies.py``: the learned bucket order); the lesson lists
+    them with the lesson that explains each. Then it follows one gradient
+    down the path on every rank: ``model.follow(name)``.
 
 What to run
     python lessons/08_minddp.py [--world-size 3] [--bucket-cap-mb 25]
@@ -43,8 +26,8 @@ What to look at
     The test bench's table for MiniDDP and torch's DDP (both exact, with
     accumulation through ``no_sync``); the diffs; the parts; the buckets
     MiniDDP built, in launch order; one gradient's stations with values and
-    times on each rank. Then read ``minddp/ddp/wrapper.py``, ``minddp/ddp/reducer.py``
-    and ``minddp/ddp/buckets.py`` top to bottom (``docs/reading_the_code.md``).
+    times on each rank. Then read ``minddp/ddp/wrapper.py`` and ``minddp/ddp/core/``
+    top to bottom (``docs/reading_the_code.md``).
 
 Try this
     Predict before you run; ``--reveal`` prints the answers.
@@ -60,7 +43,7 @@ import difflib
 import importlib
 import inspect
 import pkgutil
-import textwrap
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,28 +51,17 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp.ddp.parts
-from wrappers.flat_ddp import FlatDDP  # lesson 07b's wrapper
 from minddp import MiniDDP
-from minddp.ddp.bucket_assignment import LearnedBucketOrder
-from minddp.ddp.contracts import Observer
-from minddp.ddp.reducer import CopyGradients, Reducer
+from minddp.ddp.core.reducer import Reducer
+from minddp.ddp.core.slots import Observer
 from _common import is_exact, parse_args, print0, print_ranks, print_results, run, train_and_compare
+from wrappers.reducing_module import ReducingModule
 
-# What the plain path changed, as (07b's methods, minddp's methods).
-DIFFS = [
-    ("the hook counts; a complete bucket is filled in one call and launched in order",
-     [FlatDDP._average_grad], [Reducer._autograd_hook, Reducer.mark_ready, Reducer.bucket_ready, CopyGradients.fill_bucket]),
-    ("the end of backward: nested passes, a named error, wait and write per bucket",
-     [FlatDDP._finish_backward], [Reducer._on_pass_end, Reducer.finish_backward, CopyGradients.write_grads,
-                                  Reducer._missing_gradients_error]),
-    ("rank 0's buffers: at construction (07b) and before each forward after a synchronized one",
-     [FlatDDP.forward], [MiniDDP.forward]),
-    ("the learned order: out of the path, a policy on the reducer's arrival log",
-     [FlatDDP._finish_backward], [LearnedBucketOrder.after_backward]),
-]
+ROOT = Path(__file__).resolve().parents[1]
+LAST_STEP, CORE = ROOT / "lessons/wrappers/observed_reducer.py", ROOT / "minddp/ddp/core/reducer.py"
 
-# Every part in minddp/ddp/parts/ (and the observers in minddp/ddp/observers/), with what picks it and the lesson
-# that explains the feature. The slot is read from the class (show_the_parts).
+# Every part in minddp/ddp/parts/ (the observers in minddp/ddp/observers/, the policies in minddp/ddp/policies.py),
+# with what picks it and the lesson that explains the feature. The slot is read from the class (show_the_parts).
 PARTS = {
     "EveryHookReady": ("default (the plain path: ready at its hook)", "07b"),
     "CopyGradients": ("default (reduce_dtype sets only the buckets' dtype)", "07b, 13"),
@@ -101,40 +73,41 @@ PARTS = {
     "LentBuckets": ("ZeRO stage 2 (its pool); lazy_bucket_allocation=True", "20"),
     "CommHook": ("register_comm_hook(state, hook)", "13"),
     "BuffersInLastBucket": ('buffer_sync="with_gradients"', "10"),
+    "RidesInLastBucket": ('buffer_sync="with_gradients"', "10"),
     "ReplicaChecks": ("check_sync_every=N", "18"),
     "MiniDDPJoinHook": ("with model.join():", "18"),
     "Follow": ('model.follow("0.weight")', "08"),
     "StepObserver": ("timeline=True or trace=True", "16"),
     "ProfilerRanges": ("a torch.profiler recording", "16"),
-    "ArrivalLog": ('learn_bucket_order (first backward), plan_buckets', "07b, 17b"),
+    "ArrivalOrder": ("learn_bucket_order (first backward)", "07b"),
+    "LearnedBucketOrder": ("learn_bucket_order=True (the default)", "07b"),
+    "Policies": ("a policy attached (the learned order, ZeRO stage 2, plan_buckets)", "07b, 17b, 20"),
 }
 SLOTS = (("is_ready", "readiness"), ("fill_bucket", "gradients"), ("communicate", "communication"),
-         ("pack", "passenger"), ("before_forward", "forward"))
+         ("pack", "rides along"), ("before_forward", "forward"), ("backwards_until_final", "policy"))
 
 
-def code_lines(methods) -> list:
-    """The methods' code without docstrings and comments, as ``ast.unparse`` writes it."""
-    lines = []
-    for method in methods:
-        node = ast.parse(textwrap.dedent(inspect.getsource(method))).body[0]
-        if ast.get_docstring(node):
-            node.body = node.body[1:]
-        lines += ast.unparse(node).splitlines()
-    return lines
+def code_lines(path: Path) -> list:
+    """The file's non-blank lines after its module docstring."""
+    source = path.read_text()
+    first = ast.parse(source).body[0]
+    docstring_end = first.end_lineno if isinstance(first, ast.Expr) else 0
+    return [line for i, line in enumerate(source.splitlines(), 1) if i > docstring_end and line.strip()]
 
 
-def show_the_diffs() -> None:
-    for title, old, new in DIFFS:
-        print0(f"\n--- 07b FlatDDP -> minddp: {title}")
-        diff = difflib.unified_diff(code_lines(old), code_lines(new), "lessons/wrappers/flat_ddp.py",
-                                    "minddp/", lineterm="", n=1)
-        for line in list(diff)[2:]:
-            print0("  " + line)
+def show_the_last_diff() -> int:
+    """Lesson 07c's last step against the library's reducer, as ``diff`` shows it; the lines changed."""
+    diff = list(difflib.unified_diff(code_lines(LAST_STEP), code_lines(CORE), str(LAST_STEP.relative_to(ROOT)),
+                                     str(CORE.relative_to(ROOT)), lineterm="", n=1))
+    print0(f"\n--- lesson 07c's last step -> the library's reducer (blank lines and docstrings left out):")
+    for line in diff:
+        print0("  " + line)
+    return sum(line[:1] in "+-" for line in diff if not line.startswith(("+++", "---")))
 
 
 def slot_of(part: type) -> str:
-    if part is Observer:
-        return ""  # the base of the observers, not one
+    if part is Observer or inspect.isabstract(part):
+        return ""  # a base class, not a part
     if issubclass(part, Observer):
         return "observer"
     return next((slot for method, slot in SLOTS if hasattr(part, method)), "")
@@ -143,7 +116,8 @@ def slot_of(part: type) -> str:
 def show_the_parts() -> list:
     found = {}
     modules = [f"minddp.ddp.parts.{info.name}" for info in pkgutil.iter_modules(minddp.ddp.parts.__path__)]
-    for module in map(importlib.import_module, modules + ["minddp.ddp.observers.follow", "minddp.ddp.observers.trace", "minddp.ddp.reducer"]):
+    for module in map(importlib.import_module, modules + ["minddp.ddp.observers.follow", "minddp.ddp.observers.trace",
+                                                       "minddp.ddp.core.reducer", "minddp.ddp.policies"]):
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and slot_of(obj):
                 found[name] = (slot_of(obj), module.__name__.replace(".", "/") + ".py")
@@ -188,9 +162,11 @@ def main(rank: int, world_size: int, args) -> None:
             result, ddp = train_and_compare(f"{name}, {k} micro-batch(es)", wrap, rank, world_size, micro_batches=k)
             results.append(result)
             wrappers.append(ddp)
-    print0(f"{world_size} ranks on the test bench of lessons 04-07b:")
-    print_results(results)
-    show_the_diffs()
+    core = train_and_compare("the core's Reducer alone", lambda m: ReducingModule(m, Reducer, cap * 2**20), rank,
+                             world_size, micro_batches=2)[0]
+    print0(f"{world_size} ranks on the test bench of lessons 04-07c:")
+    print_results(results + [core])
+    changed = show_the_last_diff()
     layers = show_the_parts()
 
     ours = wrappers[0]
@@ -204,7 +180,8 @@ def main(rank: int, world_size: int, args) -> None:
     stations = follow_one_gradient(ours, rank)
     show_buffers(rank)
 
-    assert all(is_exact(r) for r in results), f"every row exact expected, got {results}"
+    assert all(is_exact(r) for r in results + [core]), f"every row exact expected, got {results + [core]}"
+    assert 0 < changed, "the library's reducer is one more step, not lesson 07c's last one"
     assert [r.all_reduces for r in results[0::2]] == [r.all_reduces for r in results[1::2]], (
         "MiniDDP's buckets are torch's: as many all-reduces in each row pair")
     assert set(layers) == set(PARTS), f"the table above must list every part: {set(layers) ^ set(PARTS)}"
@@ -223,7 +200,8 @@ def main(rank: int, world_size: int, args) -> None:
     print0("         accumulation; the learned order starts with the last layer's bias;")
     print0("         " + ("the first bucket left before the last gradient hook;" if several else
                          "one bucket, launched only with the last gradient;") + " construction fixed the buffers;")
-    print0(f"         every one of the {len(layers)} parts is listed; the followed .grad is the average of the hooks.")
+    print0(f"         every one of the {len(layers)} parts is listed; the followed .grad is the average of the hooks;")
+    print0(f"         the library's reducer is {changed} changed lines from lesson 07c's last step, and as exact.")
 
 
 def options(parser) -> None:

@@ -75,7 +75,7 @@ import torch.distributed as dist
 
 from _common import REAL, add_link_option, is_exact, is_real, parse_args, print0, print_results, run, train_and_compare
 from minddp import MiniDDP
-from minddp_lab.auto import plan_buckets
+from minddp_lab.auto import plan_buckets, planner_of
 from minddp_lab.auto.policy import SETTLING_BACKWARDS
 from minddp_lab.auto.planner import BucketChoice, choose_plan, replay
 from minddp_lab.auto.trials import MIN_MEASURED_GAIN
@@ -168,7 +168,7 @@ def main(rank: int, world_size: int, args) -> None:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, ddp_auto.bucket_names)
         assert all(b == everyone[0] for b in everyone), f"link {name}: ranks built different buckets: {everyone}"
-        planner = ddp_auto.bucket_planner
+        planner = planner_of(ddp_auto)
         decided = [(planner.choice, planner.profile() if rank == 0 else None)]  # rank 0 decides; the others rebuilt
         dist.broadcast_object_list(decided, src=0)
         rows.append((name, *decided[0]))

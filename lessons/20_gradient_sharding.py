@@ -93,7 +93,7 @@ class WireCounter:
 COUNTER = WireCounter()
 
 from minddp import MiniDDP  # noqa: E402
-from minddp.ddp.bucket_assignment import MiB  # noqa: E402
+from minddp.ddp.core.assignment import MiB  # noqa: E402
 from minddp_lab.models import GPT, GPTConfig  # noqa: E402
 from minddp.zero import ZeroRedundancyOptimizer  # noqa: E402
 from minddp.zero.memory import measured_bytes, paper_bytes  # noqa: E402

@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from minddp import MiniDDP
-from minddp_lab.auto import plan_buckets
+from minddp_lab.auto import plan_buckets, planner_of
 
 from benchlib import bound, memory, models
 from benchlib.wrappers import (AUTO, NOCOMM, bucket_sizes, cap_argument, comm_hooks, return_bucket, wire_dtype,
@@ -165,7 +165,8 @@ class Runner:
         The weights only: buffers written between a backward and the next forward would not reach the
         other ranks under ``buffer_sync="with_gradients"`` (rank 0's were sent with the gradients), which
         MiniDDP rightly warns about; BatchNorm's running statistics take no part in a training step."""
-        planner = getattr(getattr(step, "module", None), "bucket_planner", None)
+        module = getattr(step, "module", None)
+        planner = planner_of(module) if module is not None else None
         if planner is None:
             return
         while not planner.settled:
@@ -286,7 +287,7 @@ class Runner:
         dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
         out = {"block_ms": blocks, "max_param_diff": diff_t[0].item()}
         if AUTO in steps:
-            choice = steps[AUTO].module.bucket_planner.choice  # rank 0's (the one that writes the results)
+            choice = planner_of(steps[AUTO].module).choice  # rank 0's (the one that writes the results)
             out.update(max_param_diff_auto=diff_t[1].item(), auto_buckets=len(steps[AUTO].module.bucket_names),
                        auto_decision=decisions[-1] if decisions else "")
             if choice is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minddp.ddp.bucket_assignment import MiB, TensorSpec, assign_buckets
+from minddp.ddp.core.assignment import MiB, TensorSpec, assign_buckets
 from minddp.ddp.wrapper import FIRST_BUCKET_CAP_MB
 
 NOCOMM = "_nocomm"  # suffix of the overhead-mode wrappers' names

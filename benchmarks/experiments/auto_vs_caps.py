@@ -51,7 +51,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 
 from minddp import MiniDDP  # noqa: E402
-from minddp.ddp.bucket_assignment import MiB  # noqa: E402
+from minddp.ddp.core.assignment import MiB  # noqa: E402
 from minddp_lab.links import spawn  # noqa: E402
 
 from benchlib.timing import Runner  # noqa: E402

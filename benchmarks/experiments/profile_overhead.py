@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import minddp  # noqa: E402
 from minddp import MiniDDP  # noqa: E402
 from minddp.launch import spawn  # noqa: E402
-from minddp.ddp.reducer import CopyGradients, Reducer  # noqa: E402
+from minddp.ddp.core.reducer import CopyGradients, Reducer  # noqa: E402
 
 from benchlib import models  # noqa: E402
 from benchlib.timing import Runner  # noqa: E402

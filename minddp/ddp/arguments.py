@@ -26,7 +26,7 @@ Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``
 * ``init_sync``: at construction, check that every rank has the same parameters and copy rank
   0's values everywhere (default); False: the caller promises both.
 * ``batched_grad_copy`` (torch 2.15): copy a bucket's gradients in and out in one batched call.
-  MiniDDP always does (:meth:`minddp.ddp.buckets.Bucket.copy_in`); kept for torch's signature.
+  MiniDDP always does (:meth:`minddp.ddp.core.buckets.Bucket.copy_in`); kept for torch's signature.
 * ``lazy_bucket_allocation`` (torch 2.15): a bucket's buffer is allocated when its gradients
   are copied in, and freed once they are back in ``.grad``: no bucket memory between steps.
 * ``check_reduction``: deprecated in torch, a ``FutureWarning`` here too.
@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB
+from minddp.ddp.core.assignment import FIRST_BUCKET_CAP_MB
 from minddp.ddp.broadcast import BUFFER_POLICIES
 
 __all__ = ["buffer_rule", "check_arguments", "first_bucket_cap_mb", "refuse_unsupported",

@@ -24,14 +24,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from minddp.ddp.buckets import Bucket
+from minddp.ddp.core.buckets import Bucket
 
 __all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "check_comm_hook",
            "builtin_comm_hook"]
 
 
 class GradBucket:
-    """The view of a :class:`~minddp.ddp.buckets.Bucket` that a comm hook sees (torch's API)."""
+    """The view of a :class:`~minddp.ddp.core.buckets.Bucket` that a comm hook sees (torch's API)."""
 
     def __init__(self, bucket: Bucket, num_buckets: int):
         self._bucket = bucket

@@ -51,6 +51,13 @@ def module_device(params: list[torch.Tensor], device_ids: list | None = None) ->
     device = devices.pop()
     if device_ids is None:
         return device
+    if device.type == "cpu":  # torch's DDP refuses these too: a CPU module has no device to choose
+        raise ValueError(
+            f"device_ids={device_ids} given for a module on the CPU: device_ids name a GPU (one per process); "
+            "for a CPU module leave them out: MiniDDP(model). (torch's DDP says: DistributedDataParallel "
+            "device_ids and output_device arguments only work with single-device/multiple-device GPU modules "
+            "or CPU modules.)"
+        )
     wanted = [_as_device(d) for d in device_ids]
     if len(wanted) != 1 or wanted[0] != device:
         raise ValueError(

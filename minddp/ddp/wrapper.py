@@ -5,7 +5,8 @@ everywhere, rank 0's weights everywhere, a reducer with one hook per
 parameter, the parts the options pick: ``_build_reducer``) and at every
 forward (does its backward synchronize? rank 0's buffers). The path of a
 gradient from autograd's hook through the buckets to ``.grad`` is
-:class:`minddp.ddp.reducer.Reducer`: read it next, then :mod:`minddp.ddp.buckets`.
+:class:`minddp.ddp.core.reducer.Reducer`: read it next, then the rest of
+:mod:`minddp.ddp.core`.
 ``docs/reading_the_code.md`` lists the parts, with the option that picks each.
 
 References: Li et al., "PyTorch Distributed: Experiences on Accelerating Data
@@ -16,24 +17,21 @@ torch/csrc/distributed/c10d/reducer.cpp, whose behaviour these files mirror.
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Joinable
 
 from minddp.ddp.arguments import (buffer_rule, check_arguments, first_bucket_cap_mb, refuse_unsupported,
                                   warn_check_reduction_deprecated)
 from minddp.ddp.broadcast import BufferSync, broadcast_coalesced
-from minddp.ddp.bucket_assignment import LearnedBucketOrder, MiB
-from minddp.ddp.default_hooks import builtin_comm_hook, check_comm_hook
-from minddp.ddp.observers.follow import FollowedGradient, follow
-from minddp.ddp.observers.trace import ProfilerRanges, StepObserver, StepTimeline, Tracer
+from minddp.ddp.core.reducer import FIRST_BUCKET_CAP_MB, CopyGradients, ReducerOptions
+from minddp.ddp.later_options import LaterOptions
+from minddp.ddp.observers.trace import ProfilerRanges, StepObserver
 from minddp.ddp.parts.bucket_views import BucketViews
-from minddp.ddp.parts.buffers_in_bucket import BuffersInLastBucket
-from minddp.ddp.parts.comm_hook import CommHook
+from minddp.ddp.parts.buffers_in_bucket import BuffersInLastBucket, RidesInLastBucket
 from minddp.ddp.parts.gradient_cases import GradientCases, sparse_embedding_weights
 from minddp.ddp.parts.lent_buckets import BuffersPerBackward, lend_buckets
 from minddp.ddp.parts.replica_checks import ReplicaChecks
@@ -41,18 +39,13 @@ from minddp.ddp.parts.static_graph import StaticGraph
 from minddp.ddp.parts.uneven_inputs import MiniDDPJoinHook
 from minddp.ddp.parts.unused_parameters import UnusedParameters
 from minddp.ddp.placement import module_device, move_to_device, on_device, process_group_of
-from minddp.ddp.reducer import FIRST_BUCKET_CAP_MB, ArrivalLog, Reducer, ReducerOptions
+from minddp.ddp.policies import LearnedBucketOrder
 from minddp.ddp.replicas import check_same_parameters
+from minddp.ddp.torch_surface import TorchReducer, TorchSurface
 
 __all__ = ["MiniDDP", "FIRST_BUCKET_CAP_MB"]
 
-# Built again by __setstate__, never pickled: the process group, the reducer (its hooks are on these very
-# parameters) and the parts and policies around it.
-NOT_PICKLED = ("process_group", "reducer", "_observer", "bucket_planner", "_join_hook",
-               "buffer_policy", "_replica_checks", "_profiler_ranges")
-
-
-class MiniDDP(nn.Module, Joinable):
+class MiniDDP(LaterOptions, TorchSurface, nn.Module, Joinable):
     """Wrap ``module`` so that ``backward()`` leaves the average gradient over all ranks.
 
     Arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``, plus a few of
@@ -64,6 +57,12 @@ class MiniDDP(nn.Module, Joinable):
     all ranks build the same buckets and launch them strictly in bucket order.
     A torch ``Joinable``, as torch's DDP: ``with model.join():`` or torch's
     ``Join([model, ...])`` for uneven inputs.
+
+    This class is construction and the forward; what is asked of a built model
+    (a comm hook, ``join()``, the buffers' switch, ``follow``) is
+    :class:`~minddp.ddp.later_options.LaterOptions`, and what torch's DDP offers
+    beyond its documented API (pickling, logging data, private methods that
+    frameworks call) is :class:`~minddp.ddp.torch_surface.TorchSurface`.
     """
 
     def __init__(
@@ -155,8 +154,8 @@ class MiniDDP(nn.Module, Joinable):
         self._build_reducer()
 
     def _build_reducer(self) -> None:
-        """The reducer (minddp/ddp/reducer.py) with the parts this model's arguments choose, each an object of
-        its own (minddp/ddp/parts/), the policies above it, and the forward's parts."""
+        """The reducer (minddp/ddp/core/reducer.py) with the parts this model's arguments choose, each an object
+        of its own (minddp/ddp/parts/), the policies above it, and the forward's parts."""
         named = [(name, p) for name, p in self.module.named_parameters()
                  if p.requires_grad and name not in self.parameters_to_ignore]
         params, count = [p for _, p in named], len(named)
@@ -178,27 +177,27 @@ class MiniDDP(nn.Module, Joinable):
             gradients = GradientCases(count)
         elif readiness is not None:  # a gradient may be missing
             gradients = GradientCases(count)
+        # How do buffers agree before a forward? By broadcast (torch's way), average, or in the last bucket:
+        self.buffer_policy = None
+        if self.buffer_sync != "off" and self.world_size > 1 and self._module_buffers():
+            self.buffer_policy = BufferSync(self._module_buffers, self.process_group, self.buffer_sync)
+            if self.buffer_sync == "with_gradients":  # they ride with the gradients: a part around theirs
+                self.buffer_policy = BuffersInLastBucket(
+                    self._module_buffers, self.process_group, is_source=dist.get_rank(self.process_group) == 0)
+                gradients = RidesInLastBucket(gradients or CopyGradients(), self.buffer_policy)
+        self.reducer = TorchReducer(params, [name for name, _ in named], self.process_group, options,
+                                    readiness=readiness, gradients=gradients)
         # Who watches? Nobody (the plain path), or the timeline and trace:
         self._observer = None
         if self.timeline_asked or self.trace:
             self._observer = StepObserver(dist.get_rank(self.process_group), self.trace, self.device,
                                           [name for name, _ in named])
-        # How do buffers agree before a forward? By broadcast (torch's way), average, or in the last bucket:
-        self.buffer_policy = passenger = None
-        if self.buffer_sync != "off" and self.world_size > 1 and self._module_buffers():
-            self.buffer_policy = BufferSync(self._module_buffers, self.process_group, self.buffer_sync)
-            if self.buffer_sync == "with_gradients":
-                self.buffer_policy = passenger = BuffersInLastBucket(
-                    self._module_buffers, self.process_group, is_source=dist.get_rank(self.process_group) == 0)
-        self.reducer = Reducer(params, [name for name, _ in named], self.process_group, options,
-                               readiness=readiness, gradients=gradients, passenger=passenger,
-                               observers=[self._observer] if self._observer else [])
+            self.reducer.add_observer(self._observer)
         if self.lazy_bucket_allocation:
             lend_buckets(self.reducer, BuffersPerBackward())
-        # The policies above the reducer, through its interface:
+        # The policies above the reducer:
         if self.learn_bucket_order and (self.static_graph or not self.find_unused_parameters):  # torch's rule
-            LearnedBucketOrder(self.reducer, ArrivalLog())  # watches the first backward's arrivals, then rebuilds
-        self.bucket_planner = None  # minddp_lab.auto.plan_buckets(self) sets one
+            LearnedBucketOrder(self.reducer)  # watches the first backward's arrivals, then rebuilds
         # The forward's parts (join_hook adds the last):
         self._replica_checks = ReplicaChecks(self.module, self.process_group, self.check_sync_every) \
             if self.check_sync_every else None
@@ -234,8 +233,7 @@ class MiniDDP(nn.Module, Joinable):
                                                 self._join_hook.ranks_training() == self.world_size)
         if buffers_from is not None and self.buffer_policy is not None:
             self.buffer_policy.before_forward(buffers_from)
-        for observer in self.reducer.observers:
-            observer.forward_started()
+        self.reducer.observer.forward_started()
         output = self.module(*inputs, **kwargs)
         # torch reads the flag again here, at the end of the forward (Lightning's manual optimization
         # lowers it during the forward and arms the reducer itself before its backward).
@@ -283,178 +281,3 @@ class MiniDDP(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
-
-    # ---------------- options asked for after construction: each swaps or adds a part
-    def register_comm_hook(self, state: Any, hook: Callable) -> None:
-        """Replace the all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]`` (the communication
-        part :class:`~minddp.ddp.parts.comm_hook.CommHook`). torch's contract: once, before the first backward;
-        the hook does the averaging (MiniDDP no longer divides by the world size for it)."""
-        if self.reducer.communication.comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        if self.reducer.backwards_done or self.reducer.phase.in_backward:
-            raise RuntimeError("register_comm_hook must be called before the first backward")
-        check_comm_hook(hook)
-        self.reducer.set_communication(CommHook(self.reducer, state, hook))
-        self._buffers_by_broadcast()  # a hook need not be a sum: buffers go back to their broadcast
-
-    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
-        """torch's built-in hooks by name, under torch's (private) method name: ``ALLREDUCE`` or ``FP16_COMPRESS``."""
-        self.register_comm_hook(self.process_group, builtin_comm_hook(comm_hook_type))
-        self.reducer.communication.name = str(comm_hook_type)  # torch's logging data names a built-in by its type
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """``with model.join():`` lets ranks with fewer batches finish early: torch's ``Join([self])``
-        (:mod:`minddp.ddp.parts.uneven_inputs`); ``throw_on_early_termination=True``: every rank
-        raises as soon as one has run out instead."""
-        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, divide_by_initial_world_size: bool = True) -> MiniDDPJoinHook:
-        """What the model does for a ``Join`` once its rank has run out of data
-        (torch's ``Joinable`` contract); from then on a part of its forward too."""
-        self._join_hook = MiniDDPJoinHook(self, divide_by_initial_world_size)
-        self._buffers_by_broadcast()  # inside join, every synchronized forward broadcasts
-        return self._join_hook
-
-    @property
-    def join_device(self) -> torch.device:
-        """Where a ``Join``'s count lives (torch's ``Joinable`` contract)."""
-        return self.device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """The ranks a ``Join`` counts over (torch's ``Joinable`` contract)."""
-        return self.process_group
-
-    @property
-    def forward_sync_buffers(self) -> bool:
-        """Whether a synchronized forward brings the buffers into line (torch's name; ``broadcast_buffers`` too)."""
-        return self._forward_sync_buffers
-
-    @forward_sync_buffers.setter
-    def forward_sync_buffers(self, value: bool) -> None:
-        """Set on a built model, as frameworks do: it rules from the next forward on, as torch's DDP reads its
-        flag at every forward. Switched on again, the kind asked at construction comes back (``average`` stays
-        ``average``); buffers that rode in the last bucket (``with_gradients``) come by broadcast."""
-        self._forward_sync_buffers = bool(value)
-        if not value:
-            self._buffers_by_broadcast()
-            self.buffer_sync, self.buffer_policy = "off", None
-        elif self.buffer_sync == "off":
-            asked = self._buffer_sync_asked
-            self.buffer_sync = asked if asked in ("broadcast", "average") else "broadcast"
-            if self.world_size > 1 and self._module_buffers():
-                self.buffer_policy = BufferSync(self._module_buffers, self.process_group, self.buffer_sync)
-
-    broadcast_buffers = forward_sync_buffers  # torch's older name for the same flag
-
-    def _buffers_by_broadcast(self) -> None:
-        """Buffers no longer ride in the last bucket (``buffer_sync="with_gradients"``): a broadcast again."""
-        if self.reducer.passenger is not None:
-            self.reducer.set_passenger(None)
-            self.buffer_policy = BufferSync(self._module_buffers, self.process_group, "broadcast")
-
-    def follow(self, name: str) -> FollowedGradient:
-        """Follow one parameter's gradient down the path in the next synchronized backwards
-        (:mod:`minddp.ddp.observers.follow`): ``print(model.follow("0.weight").report())`` after one."""
-        return follow(self.reducer, name)
-
-    # ------------------------------------------------------------- inspection
-    @property
-    def timeline(self) -> StepTimeline:
-        """When things happened in the last synchronized backward (with ``timeline=True`` or ``trace=True``:
-        :mod:`minddp.ddp.observers.trace`)."""
-        if self._observer is None:
-            raise RuntimeError("MiniDDP records no timeline unless asked: construct MiniDDP(..., timeline=True)")
-        return self._observer.timeline
-
-    @property
-    def tracer(self) -> Tracer | None:
-        """The Chrome-trace recorder, with ``trace=True``; None otherwise."""
-        return self._observer.tracer if self._observer is not None else None
-
-    @property
-    def bucket_names(self) -> list[list[str]]:
-        """Parameter names per bucket, in launch order (for tests and lessons)."""
-        return [list(b.names) for b in self.reducer.buckets]
-
-    # ------------------------------------ torch's DDP names beyond its documented API
-    # Frameworks, libraries and torch's own tests call these on a DDP model (docs/frameworks.md lists who
-    # calls each). None is on the path of a gradient.
-    def __getstate__(self) -> dict:
-        """What ``torch.save`` and ``copy.deepcopy`` keep: the module and the settings, not the process group
-        or the reducer; :meth:`__setstate__` builds them again, as torch's DDP does. Only with the default
-        process group, the one a loading process can name."""
-        if self.process_group is not dist.group.WORLD and \
-                self.process_group != dist.distributed_c10d._get_default_group():
-            raise RuntimeError(
-                "MiniDDP can be pickled or copied only when it uses the default process group (constructed "
-                "without process_group=): a process loading it could not name the group it used")
-        state = dict(nn.Module.__getstate__(self) if hasattr(nn.Module, "__getstate__") else self.__dict__)
-        for name in NOT_PICKLED:
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        """The settings back, then the reducer and its parts built again."""
-        nn.Module.__setstate__(self, state)
-        self.process_group = dist.group.WORLD
-        self._build_reducer()
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
-        """Leave these parameters and buffers (by name) out of MiniDDP, before wrapping ``module``: not
-        broadcast, not averaged, no hook. For state a library keeps in sync itself (e.g. a sharded
-        embedding table). torch's DDP's method of the same (private) name, which such libraries call."""
-        module._ddp_params_and_buffers_to_ignore = list(names)
-
-    @property
-    def bucket_bytes_cap(self) -> int:
-        """The cap in bytes, as torch names it."""
-        return int(self.bucket_cap_mb * MiB)
-
-    @property
-    def bucket_bytes_cap_list(self) -> list[int]:
-        return [int(cap * MiB) for cap in self.bucket_cap_mb_list or ()]
-
-    @property
-    def bucket_bytes_cap_default(self) -> bool:
-        """Is the first bucket smaller than the others (no cap given)?"""
-        return self._first_bucket_cap_mb * MiB < self.bucket_bytes_cap
-
-    @property
-    def device_ids(self) -> list[int] | None:
-        """torch's attribute: ``[the GPU's index]`` when ``device_ids`` was given for a GPU module, else None."""
-        return None if self._input_device is None or self.device.type == "cpu" else [self.device.index]
-
-    def _get_ddp_logging_data(self) -> dict[str, int | str]:
-        """torch's dictionary of what the model is and did, for what MiniDDP knows, recorded when torch records
-        it (``num_buckets_reduced``: the count of the backward before the last synchronized forward; torch
-        samples it after its tenth iteration, MiniDDP records it at every one). The keys it has no value for
-        (torch's timings, ``bucket_sizes`` of its construction-time buckets, ``can_set_static_graph``, its
-        NCCL settings) are absent, as in torch before they are known, so ``.get(key)`` answers None.
-        Lightning reads it after every ``fit``."""
-        params = self.reducer.params
-        data: dict[str, int | str] = {
-            "world_size": self.world_size,
-            "rank": dist.get_rank(self.process_group),
-            "module_name": type(self.module).__name__,
-            "device_ids": ",".join(str(i) for i in self.device_ids or ()),
-            "output_device": self.device_ids[0] if self.device_ids else -1,
-            "broadcast_buffers": int(self.forward_sync_buffers),
-            "bucket_cap_bytes": self.bucket_bytes_cap,
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "backend_name": dist.get_backend(self.process_group),
-            "has_sync_bn": int(any(type(m).__name__ == "SyncBatchNorm" for m in self.module.modules())),
-            "is_multi_device_module": int(len({p.device for p in params}) > 1),
-            "num_parameter_tensors": len(params),
-            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
-            "master_addr": os.environ.get("MASTER_ADDR", "N/A"),
-            "master_port": os.environ.get("MASTER_PORT", "N/A"),
-        }
-        if self.reducer.buckets_reduced_logged is not None:  # recorded at a synchronized forward, as torch's
-            data["num_buckets_reduced"] = self.reducer.buckets_reduced_logged
-        if self.reducer.communication.comm_hook is not None:
-            data["comm_hook"] = self.reducer.communication.name
-        return data

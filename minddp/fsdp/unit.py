@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.ddp.weak_hooks import after_accumulation
+from minddp.ddp.core.weak_hooks import after_accumulation
 from minddp.fsdp.collectives import PendingReduceScatter, all_gather, gloo_collectives, start_reduce_scatter
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.zero.partition import FlatUnit

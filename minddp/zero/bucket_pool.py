@@ -4,7 +4,7 @@ MiniDDP keeps one flat buffer per bucket for the whole run: a second copy of
 every gradient (torch's DDP does the same). Stage 2 needs none of it once a
 bucket has been reduce-scattered: its average lives, 1/N of it, in the
 optimizer's shard. So stage 2 gives the reducer this storage
-(``Reducer.use_bucket_storage``, :class:`~minddp.ddp.buckets.BucketStorage`'s
+(``Reducer.use_bucket_storage``, :class:`~minddp.ddp.core.buckets.BucketStorage`'s
 hook point): a bucket takes a buffer at its first gradient (each gradient
 goes into its slot at its hook, and autograd's ``.grad`` is let go at once:
 with ``slots_at_hook``, stage 2 picks MiniDDP's bucket-views part,
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from minddp.ddp.buckets import BucketStorage
+from minddp.ddp.core.buckets import BucketStorage
 
 __all__ = ["BucketPool"]
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from minddp.ddp.parts.comm_hook import CommHook
-from minddp.ddp.weak_hooks import after_accumulation
+from minddp.ddp.core.weak_hooks import after_accumulation
 
 __all__ = ["paper_bytes", "measured_bytes", "optimizer_state_bytes", "gradient_bytes", "GradientPeak",
            "allocation_peak"]

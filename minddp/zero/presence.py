@@ -47,5 +47,5 @@ def stepped_parameters(zero, shadow: bool) -> set[int]:
 
 def _used_by(reducer) -> set[int]:
     """ids of the reducer's parameters that had a gradient on some rank in its last synchronized backward."""
-    used = reducer.used_on_some_rank()
+    used = reducer.readiness.used_on_some_rank
     return {id(p) for i, p in enumerate(reducer.params) if used is None or used[i]}

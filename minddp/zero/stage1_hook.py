@@ -35,7 +35,7 @@ def attach_allreduce(zero, ddp) -> bool:
 
 def allreduce_into_shards_hook(zero, bucket: GradBucket) -> torch.futures.Future:
     """Comm hook: average the bucket over the ranks; this rank's elements into ``zero``'s shards."""
-    buffer = bucket.buffer().mul_(1.0 / zero.ddp.reducer.ranks_averaged_over())
+    buffer = bucket.buffer().mul_(1.0 / zero.ddp.reducer.divisor)
     work = dist.all_reduce(buffer, group=zero.process_group, async_op=True) if zero.world_size > 1 else None
     params, views = bucket.parameters(), bucket.gradients()
 

@@ -15,7 +15,7 @@ communication with backward stays. Three narrow contacts with MiniDDP:
 One object, :class:`GradientSharding`, holds stage 2's state and makes
 these contacts; the optimizer makes it (``shard_gradients=True``) and
 MiniDDP's reducer knows it as a comm hook's state, a lender of buckets and
-a :class:`~minddp.ddp.contracts.Policy` told the end of each backward:
+a :class:`~minddp.ddp.policies.Policy` told the end of each backward:
 
 * a comm hook (:meth:`GradientSharding.reduce_scatter`, torch's contract) that divides
   the bucket by N, drops the ``.grad`` just copied into it, and
@@ -52,7 +52,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from minddp.ddp.contracts import Policy, Rebuild
+from minddp.ddp.policies import Policy, add_policy, backwards_until_buckets_final
 from minddp.ddp.default_hooks import GradBucket
 from minddp.ddp.parts.bucket_views import BucketViews
 from minddp.ddp.parts.gradient_cases import sparse_embedding_weights
@@ -82,10 +82,11 @@ def check_attachable(zero, ddp) -> None:
     if reducer is None or not hasattr(reducer, "set_gradients"):
         raise TypeError("shard_gradients=True needs ddp=<the MiniDDP model>: stage 2 changes how MiniDDP "
                         f"reduces its buckets (got ddp={type(ddp).__name__})")
-    if Rebuild.PLANS_TO_TIME in reducer.pending_rebuilds():
+    if backwards_until_buckets_final(reducer) is None:
         raise ValueError(
-            f"{Rebuild.PLANS_TO_TIME.value}, and ZeRO stage 2 (shard_gradients=True) partitions gradients by "
-            "those buckets: leave plan_buckets out (give MiniDDP a fixed bucket_cap_mb) to use them together")
+            "MiniDDP's buckets are still being planned (a policy such as a bucket planner rebuilds them after "
+            "steps it measures), and ZeRO stage 2 (shard_gradients=True) partitions gradients by those buckets: "
+            "leave the planner out (give MiniDDP a fixed bucket_cap_mb) to use them together")
     if ddp.process_group is not zero.process_group and \
             dist.get_process_group_ranks(ddp.process_group) != dist.get_process_group_ranks(zero.process_group):
         raise ValueError("shard_gradients=True: the optimizer and MiniDDP must use the same process group")
@@ -118,15 +119,15 @@ class GradientSharding(Policy):
         ddp.register_comm_hook(self, GradientSharding.reduce_scatter)
         if not self.provisional:
             self.use_pool()
-        self.reducer.add_policy(self)
+        add_policy(self.reducer, self)
 
     @property
     def provisional(self) -> bool:
         """Will MiniDDP rebuild its buckets at the end of this backward (its order still to learn)?"""
-        return Rebuild.ORDER_TO_LEARN in self.reducer.pending_rebuilds()
+        return bool(backwards_until_buckets_final(self.reducer))
 
-    def pending_rebuild(self) -> Rebuild:
-        return Rebuild.NONE  # stage 2 follows the buckets; it never rebuilds them
+    def backwards_until_final(self) -> int:
+        return 0  # stage 2 follows the buckets; it never rebuilds them
 
     def use_pool(self) -> None:
         """Buckets take their buffers from the pool from now on (after a step: its gradients were consumed).
@@ -155,7 +156,7 @@ class GradientSharding(Policy):
         """The comm hook (``self`` its state): average the bucket, keep this rank's piece (into the shards)."""
         zero = self.zero
         buffer, group, n = bucket.buffer(), zero.process_group, zero.world_size
-        divisor = self.reducer.ranks_averaged_over()  # the world size, or the ranks still active under join()
+        divisor = self.reducer.divisor  # the world size, or the ranks still active under join()
         if self.provisional:  # as DDP: the whole average lands in .grad
             buffer.mul_(1.0 / divisor)
             if n == 1:
@@ -230,7 +231,7 @@ class GradientSharding(Policy):
         reduce-scatters (which hold their buffers and received pieces) and the
         pool's free buffers are let go.
         """
-        used = self.reducer.used_on_some_rank()  # None: every parameter had a gradient
+        used = self.reducer.readiness.used_on_some_rank  # None: every parameter had a gradient
         self.zero._used_in_round.update(id(p) for p in self.taken
                                         if used is None or used[self.reducer_index[id(p)]])
         self.taken = []

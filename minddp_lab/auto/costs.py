@@ -36,15 +36,16 @@ import time
 import torch
 from torch import nn
 
-from minddp.ddp.buckets import Bucket
+from minddp.ddp.core.buckets import Bucket
+from minddp.ddp.core.slots import Observer
 from minddp_lab.network import bytes_sent_per_rank
-from minddp.ddp.reducer import ArrivalLog
 
 __all__ = ["BucketCostLog", "fixed_cost_us", "contention_us_per_MB", "spare_core_per_rank"]
 
 
-class BucketCostLog(ArrivalLog):
-    """The arrival log, and the CPU seconds of each bucket's fill and launch in the last backward.
+class BucketCostLog(Observer):
+    """Which gradient came when in the last backward (``log``: ``(index, perf_counter)``), and the CPU
+    seconds of each bucket's fill and launch.
 
     ``fills``: ``(bytes, seconds)`` from the hook of a bucket's last gradient to
     the bucket filled; ``launches``: seconds to launch each bucket's collective.
@@ -52,17 +53,16 @@ class BucketCostLog(ArrivalLog):
     """
 
     def __init__(self):
-        super().__init__()
+        self.log: list[tuple[int, float]] = []
         self.fills: list[tuple[int, float]] = []
         self.launches: list[float] = []
         self._arrived = self._launching = 0.0
 
     def backward_started(self) -> None:
-        super().backward_started()
-        self.fills, self.launches = [], []
+        self.log, self.fills, self.launches = [], [], []  # only this backward counts (an earlier may have failed)
 
     def gradient_ready(self, index: int, param: nn.Parameter) -> None:
-        super().gradient_ready(index, param)
+        self.log.append((index, time.perf_counter()))
         self._arrived = time.thread_time()
 
     def bucket_filled(self, bucket: Bucket, scale: float) -> None:

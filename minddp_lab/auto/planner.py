@@ -68,7 +68,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
+from minddp.ddp.core.assignment import FIRST_BUCKET_CAP_MB, MiB
 from minddp_lab.network import Link
 from minddp_lab.auto.trials import MIN_MEASURED_GAIN, Plan, Trial
 from minddp_lab.simulate.overheads import NO_OVERHEADS, Overheads

@@ -16,14 +16,15 @@ import functools
 import math
 import statistics
 import time
+import weakref
 from dataclasses import replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB
-from minddp.ddp.contracts import Policy, Rebuild
+from minddp.ddp.core.assignment import FIRST_BUCKET_CAP_MB, MiB
+from minddp.ddp.policies import Policy, add_policy, remove_policy
 from minddp.ddp.placement import global_rank
 from minddp_lab.auto.costs import BucketCostLog, contention_us_per_MB, fixed_cost_us
 from minddp_lab.auto.planner import (CANDIDATE_CAPS_MB, DEFAULT_CAP_MB, MAX_PROPOSALS, BucketChoice, choose_plan,
@@ -34,7 +35,7 @@ from minddp_lab.simulate.overheads import Overheads
 from minddp_lab.simulate.profile import ComputeProfile, Gradient
 from minddp_lab.simulate.replay import simulate_step
 
-__all__ = ["MEASURED_BACKWARDS", "SETTLING_BACKWARDS", "AutoBuckets", "plan_buckets"]
+__all__ = ["MEASURED_BACKWARDS", "SETTLING_BACKWARDS", "AutoBuckets", "plan_buckets", "planner_of"]
 
 MEASURED_BACKWARDS = 3  # synchronized backwards measured, after the first one
 # At most this many synchronized backwards before the buckets are final: the first, the measured ones, and
@@ -80,10 +81,10 @@ class AutoBuckets(Policy):
 
         self.arrivals = BucketCostLog()
         reducer.add_observer(self.arrivals)
-        reducer.add_policy(self)
+        add_policy(reducer, self)
 
-    def pending_rebuild(self) -> Rebuild:
-        return Rebuild.NONE if self.settled else Rebuild.PLANS_TO_TIME
+    def backwards_until_final(self) -> int | None:
+        return 0 if self.settled else None  # the plan is timed over the first steps: how many, it decides
 
     def after_backward(self) -> None:
         """The reducer's callback: record this backward; once enough are in, propose; then time each step."""
@@ -133,7 +134,7 @@ class AutoBuckets(Policy):
         (kept,) = self._from_rank0([(self.choice.cap_mb, self.choice.first_cap_mb) if self.choice else trials.plans[0]])
         if self._is_rank0:
             print(self.choice.describe() if self.choice else why, flush=True)
-        self.reducer.remove_policy(self)
+        remove_policy(self.reducer, self)
         self.settled = True
         if kept != (trials.schedule[-1] if trials.schedule else trials.plans[0]):  # what the last step built
             self._rebuild(kept)
@@ -224,17 +225,26 @@ def plan_buckets(ddp_model) -> AutoBuckets | None:
     backward (the planner runs collectives from the end of a backward, so every
     rank must have one). The plan it times against is the model's own cap
     (25 MiB, the first bucket 1 MiB, by default). Alone (world size 1) there is
-    nothing to plan: None. The planner is ``ddp_model.bucket_planner`` too; a
-    copy or a reloaded pickle of the model has none.
+    nothing to plan: None. :func:`planner_of` finds it again; a copy or a
+    reloaded pickle of the model has none.
     """
     reducer = getattr(ddp_model, "reducer", None)
-    if reducer is None or not hasattr(ddp_model, "bucket_planner"):
+    if reducer is None or not hasattr(reducer, "observers"):
         raise TypeError(f"plan_buckets needs a minddp.MiniDDP, got {type(ddp_model).__name__}")
-    if ddp_model.bucket_planner is not None:
+    if planner_of(ddp_model) is not None:
         raise ValueError("plan_buckets: this MiniDDP already has a bucket planner (call plan_buckets once)")
     if ddp_model.bucket_cap_mb_list is not None:
         raise ValueError("plan_buckets chooses the caps itself: build the MiniDDP without bucket_cap_mb_list")
     if reducer.world_size == 1:
         return None
-    ddp_model.bucket_planner = AutoBuckets(reducer)
-    return ddp_model.bucket_planner
+    planner = AutoBuckets(reducer)
+    _PLANNERS[ddp_model] = planner
+    return planner
+
+
+_PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # MiniDDP -> its planner
+
+
+def planner_of(ddp_model) -> AutoBuckets | None:
+    """The planner :func:`plan_buckets` gave ``ddp_model`` (it stays, settled, after the plan is kept); None."""
+    return _PLANNERS.get(ddp_model)

@@ -1,7 +1,7 @@
 """The older bucket rule the simulator's checked tables were made with: a bucket closes *before* its cap.
 
 MiniDDP and torch's DDP close a bucket *after* the tensor that reaches its
-cap (:func:`minddp.ddp.bucket_assignment.assign_buckets`: a bucket passes its
+cap (:func:`minddp.ddp.core.assignment.assign_buckets`: a bucket passes its
 cap by at most one tensor). The simulator's published comparisons
 (``docs/simulator_checked.md``) were fitted with buckets that never pass the
 cap, so :class:`~minddp_lab.simulate.replay.DDPPolicy` keeps that rule by
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from minddp.ddp.bucket_assignment import TensorSpec, size_limits
+from minddp.ddp.core.assignment import TensorSpec, size_limits
 
 __all__ = ["buckets_within_cap"]
 
@@ -21,7 +21,7 @@ __all__ = ["buckets_within_cap"]
 def buckets_within_cap(specs: Sequence[TensorSpec], cap_bytes: int,
                        first_cap_bytes: int | None = None) -> list[list[int]]:
     """Group tensor indices into buckets of one (dtype, device) each that never pass their limit
-    (:func:`~minddp.ddp.bucket_assignment.size_limits`), unless one tensor alone does: the older rule."""
+    (:func:`~minddp.ddp.core.assignment.size_limits`), unless one tensor alone does: the older rule."""
     if cap_bytes < 0:
         raise ValueError(f"bucket cap must be >= 0 bytes (0: one tensor per bucket), got {cap_bytes}")
     limits = size_limits(cap_bytes, first_cap_bytes)

@@ -4,7 +4,7 @@ Given a :class:`~minddp_lab.simulate.profile.ComputeProfile` (when each gradient
 is ready), a network (:mod:`minddp_lab.network`) and a :class:`DDPPolicy`, the
 replay walks the buckets in order, as MiniDDP and torch's DDP launch them:
 
-1. buckets come from :func:`minddp.ddp.bucket_assignment.assign_buckets` over the
+1. buckets come from :func:`minddp.ddp.core.assignment.assign_buckets` over the
    gradients in arrival order (MiniDDP rebuilds its buckets in that order
    after the first step), the first one capped at ``first_bucket_cap_mb``;
 2. a bucket is ready when its last gradient is;
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
+from minddp.ddp.core.assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, assign_buckets
 from minddp_lab.network import COLLECTIVES, Hierarchy, Link, bytes_sent_per_rank
 from minddp_lab.simulate.bucket_rule import buckets_within_cap
 from minddp_lab.simulate.nccl import collective_time

@@ -30,6 +30,7 @@ FLAGS = {
     "06": [["--wait-in-hook"], ["--link", "none"], ["--world-size", "3"]],
     "07": [["--cap", "200"], ["--link", "none"], ["--world-size", "3"], ["--registration-order"]],
     "07b": [["--keep-order"], ["--sum-not-average"]],
+    "07c": [["--world-size", "3"]],
     "08": [["--bucket-cap-mb", "25"]],
     "09": [["--forget-set-epoch"], ["--lr", "0.05"]],
     "10": [["--plain-batchnorm-only"], ["--shift", "0"], ["--torch-syncbn"]],
@@ -145,10 +146,26 @@ def test_launching_lesson_runs_under_torchrun():
 
 WRAPPERS_DIR = LESSONS_DIR / "wrappers"
 # (lesson, its wrapper's file, the class) in the order the course builds them.
-CHAIN = [("04", "hand_ddp", "HandDDP"), ("05", "hook_ddp", "HookDDP"), ("06", "async_ddp", "AsyncDDP"),
-         ("07", "bucket_ddp", "BucketDDP"), ("07b", "flat_ddp", "FlatDDP")]
+# (lesson, file, class): the wrappers of lessons 04-07b, then lesson 07c's reducers, and last the library's own
+# reducer, which lesson 08 shows. Each file is a small diff on the one before.
+ROOT = LESSONS_DIR.parent
+WRAPPERS = "lessons/wrappers"
+CHAIN = [("04", f"{WRAPPERS}/hand_ddp.py", "HandDDP"), ("05", f"{WRAPPERS}/hook_ddp.py", "HookDDP"),
+         ("06", f"{WRAPPERS}/async_ddp.py", "AsyncDDP"), ("07", f"{WRAPPERS}/bucket_ddp.py", "BucketDDP"),
+         ("07b", f"{WRAPPERS}/flat_ddp.py", "FlatDDP"),
+         ("07c", f"{WRAPPERS}/split_reducer.py", "SplitReducer"),
+         ("07c", f"{WRAPPERS}/assigned_reducer.py", "AssignedReducer"),
+         ("07c", f"{WRAPPERS}/bucketed_reducer.py", "BucketedReducer"),
+         ("07c", f"{WRAPPERS}/counted_reducer.py", "CountedReducer"),
+         ("07c", f"{WRAPPERS}/phased_reducer.py", "PhasedReducer"),
+         ("07c", f"{WRAPPERS}/nested_reducer.py", "NestedReducer"),
+         ("07c", f"{WRAPPERS}/weak_reducer.py", "WeakReducer"),
+         ("07c", f"{WRAPPERS}/slotted_reducer.py", "SlottedReducer"),
+         ("07c", f"{WRAPPERS}/observed_reducer.py", "ObservedReducer"),
+         ("08", "minddp/ddp/core/reducer.py", "Reducer")]
+CORE_REDUCER = ROOT / CHAIN[-1][1]
 # Changed lines (added + removed, blank lines and the module docstring left out) between
-# neighbouring wrappers, as measured when they were split out: 04->05 23, 05->06 21,
+# neighbouring files, as measured when the wrappers were split out: 04->05 23, 05->06 21,
 # 06->07 50, 07->07b 63. The whole lessons' diffs were 249-364 lines. The bound leaves room
 # for a line or two more, not for instrumentation or a harness moved into a wrapper.
 MAX_WRAPPER_DIFF = 75
@@ -168,32 +185,50 @@ def wrapper_diff(a: Path, b: Path) -> int:
                if not line.startswith(("+++", "---", "@@")))
 
 
-@pytest.mark.parametrize("a,b", list(zip(CHAIN, CHAIN[1:])), ids=lambda step: step[0])
+def _module_name(path: str) -> str:
+    return path.removeprefix("lessons/").removesuffix(".py").replace("/", ".")
+
+
+def _classes(path: Path) -> list[str]:
+    return [node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)]
+
+
+def test_the_chain_ends_in_the_librarys_reducer():
+    assert CHAIN[-1][1] == "minddp/ddp/core/reducer.py", "the course's last step is the library's reducer file"
+
+
+@pytest.mark.parametrize("a,b", list(zip(CHAIN, CHAIN[1:])), ids=lambda step: Path(step[1]).stem)
 def test_each_step_of_the_chain_changes_the_wrapper_by_a_small_diff(a, b):
-    changed = wrapper_diff(WRAPPERS_DIR / f"{a[1]}.py", WRAPPERS_DIR / f"{b[1]}.py")
-    assert 0 < changed <= MAX_WRAPPER_DIFF, f"wrappers/{a[1]}.py -> wrappers/{b[1]}.py: {changed} changed lines"
+    changed = wrapper_diff(ROOT / a[1], ROOT / b[1])
+    assert 0 < changed <= MAX_WRAPPER_DIFF, f"{a[1]} -> {b[1]}: {changed} changed lines"
 
 
-@pytest.mark.parametrize("step", CHAIN, ids=lambda step: step[0])
+@pytest.mark.parametrize("step", CHAIN, ids=lambda step: Path(step[1]).stem)
 def test_each_lesson_uses_its_wrapper_file_and_the_file_holds_only_the_wrapper(step):
-    n, module, cls = step
+    n, path, cls = step
     lesson = {number(p): p for p in LESSONS}[n]
     source = lesson.read_text()
-    assert f"from wrappers.{module} import {cls}" in source, f"lesson {n} must use lessons/wrappers/{module}.py"
-    assert f"class {cls}(nn.Module)" not in source, f"lesson {n} defines {cls} again instead of importing it"
+    assert f"from {_module_name(path)} import {cls}" in source, f"lesson {n} must use {path}"
+    assert f"class {cls}(" not in source, f"lesson {n} defines {cls} again instead of importing it"
     assert "train_and_compare(" in source, f"lesson {n} must run on the shared bench"
     assert "def make_model" not in source and "CrossEntropyLoss" not in source, f"lesson {n} grew its own harness"
-    tree = ast.parse((WRAPPERS_DIR / f"{module}.py").read_text())
-    classes = [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
+    tree = ast.parse((ROOT / path).read_text())
     functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
-    assert (classes, functions) == ([cls], []), f"wrappers/{module}.py holds {classes + functions}, not {cls} alone"
-    wrapper_source = (WRAPPERS_DIR / f"{module}.py").read_text()
-    assert "self.require_sync = True" in wrapper_source, f"{cls} dropped require_sync"
+    classes = _classes(ROOT / path)
+    # Beside its own class, a step may hold only what the library's reducer file holds too (its phase, its
+    # plain parts), so that the diff to the next step stays a diff of ideas.
+    assert cls in classes and set(classes) - {cls} <= set(_classes(CORE_REDUCER)) and not functions, (
+        f"{path} holds {classes + functions}, not {cls} (and the core reducer's own classes) alone")
+    wrapper_source = (ROOT / path).read_text()
+    if f"class {cls}(nn.Module)" in wrapper_source:
+        assert "self.require_sync = True" in wrapper_source, f"{cls} dropped require_sync"
+    else:
+        assert "def prepare_for_backward" in wrapper_source, f"{cls}: a reducer is armed by prepare_for_backward"
     for instrument in ("perf_counter", "print(", "_common"):
-        assert instrument not in wrapper_source, f"wrappers/{module}.py holds instrumentation: {instrument}"
+        assert instrument not in wrapper_source, f"{path} holds instrumentation: {instrument}"
 
 
 def test_the_wrapper_chain_is_listed_in_order():
-    listed = (WRAPPERS_DIR / "__init__.py").read_text()
-    positions = [listed.index(f"{module}.py") for _, module, _ in CHAIN]
+    listed = (LESSONS_DIR / "wrappers" / "__init__.py").read_text()
+    positions = [listed.index(Path(path).name) for _, path, _ in CHAIN]
     assert positions == sorted(positions), "lessons/wrappers/__init__.py lists the chain out of order"

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
 from minddp_lab.auto.costs import contention_us_per_MB, fixed_cost_us
-from minddp_lab.auto import plan_buckets
+from minddp_lab.auto import plan_buckets, planner_of
 from minddp_lab.auto.policy import MEASURED_BACKWARDS, SETTLING_BACKWARDS, AutoBuckets
 from minddp_lab.auto.planner import (CANDIDATE_CAPS_MB, LEAVE_DEFAULT_MARGIN, choose_plan, leave_default_margin,
                                        plan_policy, replay)
@@ -267,7 +267,7 @@ def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps, bucket_view=Fal
     torch.manual_seed(0)
     mini = MiniDDP(Tower(), gradient_as_bucket_view=bucket_view)
     mini.register_comm_hook(SimulatedLink(Link("sim", alpha_s, bandwidth_Bps)), simulated_allreduce_hook)
-    assert plan_buckets(mini) is mini.bucket_planner is not None
+    assert plan_buckets(mini) is planner_of(mini) is not None
     torch.manual_seed(0)
     native = TorchDDP(Tower())
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (mini, native)]
@@ -281,7 +281,7 @@ def _train_auto(rank, world_size, alpha_s, bandwidth_Bps, steps, bucket_view=Fal
         if step == 1:  # one bucket until the first backward showed the order; from the next forward, the default's
             default_buckets = len(mini.bucket_names)
     diff = max((p - q).abs().max().item() for p, q in zip(mini.parameters(), native.parameters()))
-    planner = mini.bucket_planner
+    planner = planner_of(mini)
     choice, replayed = planner.choice, None
     if choice is not None:  # rank 0 decided: the same model on what it measured must choose the same
         replayed = choose_plan(planner.profile(), choice.link, world_size, choice.costs, choice.cpu_share,
@@ -362,7 +362,7 @@ def _alone(rank, world_size):
 
     groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group, in one order
     ddp = MiniDDP(Tower(), process_group=groups[rank])  # a world of one: nothing to plan
-    return plan_buckets(ddp) is None and ddp.bucket_planner is None
+    return plan_buckets(ddp) is None and planner_of(ddp) is None
 
 
 def test_auto_misuse_is_named(ranks):

@@ -133,7 +133,7 @@ def test_the_older_rule_closes_a_bucket_before_the_cap():
     # the simulator's default (its checked tables were made with it): never past the cap, unless one tensor alone is
     import torch
 
-    from minddp.ddp.bucket_assignment import TensorSpec
+    from minddp.ddp.core.assignment import TensorSpec
     from minddp_lab.simulate.bucket_rule import buckets_within_cap
 
     def spec(numel):

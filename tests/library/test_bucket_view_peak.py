@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import minddp.ddp.buckets
+import minddp.ddp.core.buckets
 from minddp import MiniDDP
 
 
 def _most_bucket_elements_alive(rank, world_size, view, steps=0):
     alive, most = [0], [0]
-    take = minddp.ddp.buckets.BucketStorage.take
+    take = minddp.ddp.core.buckets.BucketStorage.take
 
     def counting_take(self, numel, dtype, device):
         buffer = take(self, numel, dtype, device)
@@ -36,7 +36,7 @@ def _most_bucket_elements_alive(rank, world_size, view, steps=0):
         weakref.finalize(buffer, lambda: alive.__setitem__(0, alive[0] - numel))
         return buffer
 
-    minddp.ddp.buckets.BucketStorage.take = counting_take
+    minddp.ddp.core.buckets.BucketStorage.take = counting_take
     try:
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])  # 4 x 257 KiB
@@ -51,7 +51,7 @@ def _most_bucket_elements_alive(rank, world_size, view, steps=0):
         result = (most[0], gradient_elements)
         del ddp
     finally:
-        minddp.ddp.buckets.BucketStorage.take = take
+        minddp.ddp.core.buckets.BucketStorage.take = take
     return result
 
 

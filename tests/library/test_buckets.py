@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from minddp.ddp.bucket_assignment import MiB, TensorSpec, assign_buckets
-from minddp.ddp.buckets import Bucket
+from minddp.ddp.core.assignment import MiB, TensorSpec, assign_buckets
+from minddp.ddp.core.buckets import Bucket
 
 
 def spec(numel, dtype=torch.float32, device="cpu"):
@@ -57,7 +57,7 @@ def _random_specs(seed):
 def test_assignment_equals_torchs_own(seed, limits):
     """torch's ``compute_bucket_assignment_by_size`` (the installed torch's, through its Python binding)
     is the oracle: in gradient-arrival order (a rebuild) and in registration order (the first guess)."""
-    from minddp.ddp.bucket_assignment import first_guess_buckets
+    from minddp.ddp.core.assignment import first_guess_buckets
 
     specs = _random_specs(seed)
     tensors = [torch.zeros(s.numel, dtype=s.dtype) for s in specs]
@@ -85,16 +85,16 @@ def test_rejects_a_negative_cap():
 
 def test_bucket_life_cycle_and_views():
     a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))
-    bucket = Bucket(0, [a, b], ["a", "b"])
-    assert bucket.view(a).shape == a.shape and bucket.buffer.numel() == 10
-    bucket.view(b).fill_(1.0)
+    bucket = Bucket(0, [a, b], ["a", "b"], [0, 1])
+    assert bucket.views[0].shape == a.shape and bucket.buffer.numel() == 10
+    bucket.views[1].fill_(1.0)
     assert bucket.buffer[6:].tolist() == [1.0] * 4  # views share the flat buffer
-    assert bucket.mark_ready(a) is False and bucket.unready_names() == ["b"]
+    assert bucket.mark_ready_at(0) is False and bucket.unready_names() == ["b"]
     with pytest.raises(RuntimeError, match="unready parameters"):
         bucket.launch(lambda _: None)
-    assert bucket.mark_ready(b) is True
+    assert bucket.mark_ready_at(1) is True
     with pytest.raises(RuntimeError, match="'b' produced a gradient twice"):
-        bucket.mark_ready(b)
+        bucket.mark_ready_at(1)
     fut = torch.futures.Future()
     bucket.launch(lambda bk: fut)
     fut.set_result(torch.full((10,), 2.0))  # a comm hook may hand back a new tensor

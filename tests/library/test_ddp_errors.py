@@ -49,10 +49,15 @@ def test_different_models_fail_on_every_rank_naming_the_parameter(ranks, kind, e
     assert expected in messages[0]
 
 
-def _wrong_device_ids(rank, world_size):
-    with pytest.raises(ValueError, match=r"device_ids=\[0\] but the module's parameters are on \['cpu'\]"):
-        MiniDDP(nn.Linear(2, 2), device_ids=[0])
+def _device_ids_on_a_cpu_module(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    for device_ids in ([0], [torch.device("cpu")], ["cpu"]):
+        with pytest.raises(ValueError, match="device_ids") as torch_refuses:
+            TorchDDP(nn.Linear(2, 2), device_ids=device_ids)
+        with pytest.raises(ValueError, match="leave them out") as ours:
+            MiniDDP(nn.Linear(2, 2), device_ids=device_ids)
+        assert "device_ids=[" in str(ours.value) and torch_refuses.type is ours.type
 
 
-def test_device_ids_must_match_the_module(ranks):
-    ranks(1).run(_wrong_device_ids)
+def test_device_ids_on_a_cpu_module_are_refused_as_torch_refuses_them(ranks):
+    ranks(1).run(_device_ids_on_a_cpu_module)

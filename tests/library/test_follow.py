@@ -62,4 +62,4 @@ def _unknown(rank, world_size):
 
 
 def test_follow_names_the_parameters_it_knows(ranks):
-    assert ranks(2).run(_unknown) == [["ArrivalLog"]] * 2  # the learned order's, and no Follow
+    assert ranks(2).run(_unknown) == [["ArrivalOrder", "Policies"]] * 2  # the learned order's, and no Follow

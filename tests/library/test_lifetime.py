@@ -3,7 +3,7 @@
 Gradient hooks live on the parameters, in C++ where Python's garbage
 collector cannot look; a hook that holds its wrapper keeps the whole model
 alive for good ([Note: a hook must not own its owner] in
-:mod:`minddp.ddp.weak_hooks`). The cost is not only memory: a group still
+:mod:`minddp.ddp.core.weak_hooks`). The cost is not only memory: a group still
 referenced when the interpreter exits is torn down during its shutdown, where
 a Gloo worker thread can abort the process after training succeeded.
 """

@@ -25,8 +25,8 @@ import minddp
 from minddp import MiniDDP
 from minddp_lab.rank_pool import RankPool
 
-PLAIN_FILES = {"minddp/ddp/wrapper.py", "minddp/ddp/reducer.py", "minddp/ddp/buckets.py", "minddp/ddp/contracts.py",
-               "minddp/ddp/weak_hooks.py"}
+PLAIN_FILES = {"minddp/ddp/wrapper.py", "minddp/ddp/core/reducer.py", "minddp/ddp/core/buckets.py", "minddp/ddp/core/slots.py",
+               "minddp/ddp/core/weak_hooks.py"}
 
 
 def _reading_path(rank, world_size, warm_up=3, **kwargs):
@@ -77,7 +77,7 @@ def test_a_plain_step_runs_only_the_plain_path(fresh_ranks):
     functions, files, lines = fresh_ranks.run(_reading_path)[0]
     report = _describe(functions, files, lines)
     assert set(files) <= PLAIN_FILES, report
-    assert ("minddp/ddp/reducer.py", "_autograd_hook") in functions, report  # not vacuous: the step was seen
+    assert ("minddp/ddp/core/reducer.py", "_autograd_hook") in functions, report  # not vacuous: the step was seen
 
 
 def test_with_find_unused_parameters_a_step_runs_its_parts_and_no_other(fresh_ranks):
@@ -91,7 +91,7 @@ def test_with_find_unused_parameters_a_step_runs_its_parts_and_no_other(fresh_ra
 def test_the_first_step_learns_the_bucket_order(fresh_ranks):
     functions, files, lines = fresh_ranks.run(_reading_path, warm_up=0)[0]
     report = _describe(functions, files, lines)
-    assert ("minddp/ddp/bucket_assignment.py", "after_backward") in functions, report
+    assert ("minddp/ddp/core/assignment.py", "after_backward") in functions, report
     assert not [f for f in files if f.startswith(("minddp/ddp/parts/", "minddp/ddp/observers/"))], report
 
 

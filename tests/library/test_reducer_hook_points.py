@@ -2,7 +2,7 @@
 
 Mechanism below, policy above: the learned bucket order, the lab's bucket
 planner (``minddp_lab.auto``) and ZeRO stage 2 drive the reducer only through its documented
-interface: an observer they add (``add_observer``, here an ``ArrivalLog``),
+interface: an observer they add (``add_observer``, here an ``ArrivalOrder``),
 ``add_policy`` (told at the end of each backward), ``rebuild``, and lent buckets
 (``use_bucket_storage`` and ``set_gradients``, by ``lend_buckets``). Each
 test here is a small policy of its own, and the oracle is torch's DDP on
@@ -15,10 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.ddp.buckets import BucketStorage
-from minddp.ddp.contracts import Policy, Rebuild
+from minddp.ddp.core.buckets import BucketStorage
 from minddp.ddp.parts.lent_buckets import lend_buckets
-from minddp.ddp.reducer import ArrivalLog
+from minddp.ddp.policies import ArrivalOrder, Policy, add_policy
 
 STEPS = 3
 
@@ -38,17 +37,17 @@ class OneBucketPerLayerInArrivalOrder(Policy):
 
     def __init__(self, reducer):
         self.reducer, self.backwards, self.rebuilt_with = reducer, 0, None
-        self.arrivals = ArrivalLog()
+        self.arrivals = ArrivalOrder()
         reducer.add_observer(self.arrivals)
-        reducer.add_policy(self)
+        add_policy(reducer, self)
 
-    def pending_rebuild(self):
-        return Rebuild.NONE if self.rebuilt_with else Rebuild.PLANS_TO_TIME
+    def backwards_until_final(self):
+        return 0 if self.rebuilt_with else 2 - self.backwards
 
     def after_backward(self):
         self.backwards += 1
         if self.backwards == 2:
-            order = list(dict.fromkeys(i for i, _ in self.arrivals.log))
+            order = list(dict.fromkeys(self.arrivals.indices))
             self.rebuilt_with = order
             self.reducer.rebuild(order, 0, None)
 

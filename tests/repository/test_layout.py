@@ -66,7 +66,7 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
     """The package's modules that ``name`` imports, anywhere in its source."""
     found = set()
     for target in _imported_names(path, name, modules):
-        while target and target not in modules:  # "import minddp.ddp.reducer.x" -> the module part
+        while target and target not in modules:  # "import minddp.ddp.core.reducer.x" -> the module part
             target = target.rpartition(".")[0]
         if target and target != name:
             found.add(target)
@@ -240,7 +240,7 @@ def test_the_gradient_path_knows_no_policy_above_it():
     # outside (the lab's planner too, which the library cannot import at all).
     graph = import_graph()
     above = ("minddp.zero", "minddp.fsdp")
-    path = ("minddp.ddp.reducer", "minddp.ddp.buckets", "minddp.ddp.bucket_assignment")
+    path = ("minddp.ddp.core.reducer", "minddp.ddp.core.buckets", "minddp.ddp.core.assignment")
     parts = tuple(m for m in graph if m.startswith("minddp.ddp.parts"))  # the parts beside the path, too
     assert "minddp.ddp.parts.unused_parameters" in parts
     for module in path + parts:
@@ -253,11 +253,11 @@ def test_the_plain_path_imports_no_part_feature_observer_or_policy():
     # imported a feature, and its base class two). Not vacuous: the graph
     # sees reducer.py's imports of the buckets.
     graph = import_graph()
-    allowed = {"minddp.ddp.buckets", "minddp.ddp.bucket_assignment", "minddp.ddp.contracts",  # the slots' Protocols
-               "minddp.ddp.messages",  # the words of its errors, built only when one is raised
-               "minddp.ddp.weak_hooks"}  # its hooks hold it weakly (imports nothing of minddp)
-    assert "minddp.ddp.buckets" in graph["minddp.ddp.reducer"]
-    for module in ("minddp.ddp.reducer", "minddp.ddp.buckets"):
+    allowed = {"minddp.ddp.core.buckets", "minddp.ddp.core.assignment", "minddp.ddp.core.slots",  # the slots' Protocols
+               "minddp.ddp.core.messages",  # the words of its errors, built only when one is raised
+               "minddp.ddp.core.weak_hooks"}  # its hooks hold it weakly (imports nothing of minddp)
+    assert "minddp.ddp.core.buckets" in graph["minddp.ddp.core.reducer"]
+    for module in ("minddp.ddp.core.reducer", "minddp.ddp.core.buckets"):
         wrong = sorted(_imports_transitively(graph, module) - allowed)
         assert not wrong, f"{module} imports beyond the plain path: {wrong}"
 

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minddp.ddp.contracts import Observer
+from minddp.ddp.core.slots import Observer
 
 __all__ = ["Follow", "FollowedGradient", "follow"]
 

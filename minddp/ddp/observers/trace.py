@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minddp.ddp.contracts import Observer
+from minddp.ddp.core.slots import Observer
 from minddp.ddp.placement import on_device
 
 __all__ = ["StepObserver", "StepTimeline", "Tracer", "HostClock", "DeviceClock", "ProfilerRanges", "profiler_range"]

@@ -19,8 +19,8 @@ pool's buffers take each gradient at its hook).
 
 from __future__ import annotations
 
-from minddp.ddp.buckets import Bucket
-from minddp.ddp.contracts import GradientTransfer
+from minddp.ddp.core.buckets import Bucket
+from minddp.ddp.core.slots import GradientTransfer
 from minddp.ddp.parts.gradient_cases import GradientCases
 
 __all__ = ["BucketViews"]

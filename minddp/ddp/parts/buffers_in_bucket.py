@@ -15,10 +15,12 @@ So the buffers are appended to the last bucket of backward k, which is
 all-reduced anyway, kept aside when it arrives, and written into the
 buffers at the start of forward k+1, where torch's broadcast would write
 them (``MiniDDP(buffer_sync="with_gradients")``). One object,
-:class:`BuffersInLastBucket`, is both the reducer's ``passenger`` (room
-in the last bucket, packed as it is sent, kept as it arrives) and
-``MiniDDP``'s buffer policy before a forward (delivered instead of a
-broadcast). A comm hook (not necessarily a sum) and ``join()`` put the
+:class:`BuffersInLastBucket`, is both what rides in the last bucket (room
+there, packed as it is sent, kept as it arrives) and ``MiniDDP``'s buffer
+policy before a forward (delivered instead of a broadcast). The reducer
+does not know it rides along: :class:`RidesInLastBucket` is a gradients
+part around the one the reducer had, that asks for the room and packs
+after the gradients are in, and keeps the buffers before they go out. A comm hook (not necessarily a sum) and ``join()`` put the
 broadcast back. Every rank's buffers are
 then torch's at every moment, with one exception: rank 0 changing its
 buffers between a backward and the next forward by something other than
@@ -45,15 +47,15 @@ import torch
 import torch.distributed as dist
 
 from minddp.ddp.broadcast import BufferSync
-from minddp.ddp.contracts import Passenger
+from minddp.ddp.core.slots import GradientTransfer
 
-__all__ = ["BuffersInLastBucket", "CARRIER_DTYPES"]
+__all__ = ["BuffersInLastBucket", "RidesInLastBucket", "CARRIER_DTYPES"]
 
 # Bucket dtypes that hold every int16 exactly (bf16 and fp16 do not: 8 and 11 bits of mantissa).
 CARRIER_DTYPES = (torch.float32, torch.float64)
 
 
-class BuffersInLastBucket(Passenger):
+class BuffersInLastBucket:
     """What rides in the last bucket: ``numel`` extra elements after its gradients.
 
     :meth:`pack` fills them before the bucket is sent (rank 0: its buffers'
@@ -142,6 +144,34 @@ class BuffersInLastBucket(Passenger):
             "this forward, outside the wrapped forward; the other ranks get the values sent with the "
             "gradients, not the new ones (torch's DDP would broadcast the new ones). Use "
             "buffer_sync='broadcast' if buffers are changed between steps.", stacklevel=4)
+
+
+class RidesInLastBucket(GradientTransfer):
+    """A gradients part around ``inner``: ``passenger``'s room after the last bucket's gradients (where the
+    bucket's dtype carries it exactly), packed once the gradients are in, kept once the sum has arrived."""
+
+    def __init__(self, inner: GradientTransfer, passenger: BuffersInLastBucket):
+        self.inner, self.passenger = inner, passenger
+
+    def room_after_gradients(self, bucket_index: int, bucket_count: int, dtype: torch.dtype) -> int:
+        last = bucket_index == bucket_count - 1
+        return self.passenger.numel if last and self.passenger.fits(dtype) else 0
+
+    def buckets_built(self, reducer) -> None:
+        self.inner.buckets_built(reducer)
+
+    def gradient_ready(self, bucket, position: int, param) -> None:
+        self.inner.gradient_ready(bucket, position, param)
+
+    def fill_bucket(self, bucket, scale: float) -> None:
+        self.inner.fill_bucket(bucket, scale)
+        if bucket.extra_numel:  # after: the inner part may scale the whole buffer
+            self.passenger.pack(bucket.tail)
+
+    def write_grads(self, bucket, used: list[bool] | None) -> None:
+        if bucket.extra_numel:
+            self.passenger.receive(bucket.tail)
+        self.inner.write_grads(bucket, used)
 
 
 def _layout(buffers: list[torch.Tensor]) -> list[tuple]:

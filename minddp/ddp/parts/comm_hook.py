@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from minddp.ddp.contracts import Communication
+from minddp.ddp.core.slots import Communication
 from minddp.ddp.default_hooks import GradBucket
 
 __all__ = ["CommHook"]

@@ -1,6 +1,6 @@
 """Gradients that are not a plain dense copy: missing, sparse, or already in their slot.
 
-The plain gradients part (:class:`~minddp.ddp.reducer.CopyGradients`) copies
+The plain gradients part (:class:`~minddp.ddp.core.reducer.CopyGradients`) copies
 every ``p.grad`` of a complete bucket into its slot and, at the end of
 backward, every average back. :class:`GradientCases` decides per gradient,
 and copies the rest in one batch each way as the plain part does:
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from minddp.ddp.buckets import Bucket
-from minddp.ddp.contracts import GradientTransfer
+from minddp.ddp.core.buckets import Bucket
+from minddp.ddp.core.slots import GradientTransfer
 
 __all__ = ["GradientCases", "sparse_embedding_weights"]
 

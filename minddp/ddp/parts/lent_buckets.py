@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from minddp.ddp.buckets import BucketStorage
-from minddp.ddp.contracts import GradientTransfer
+from minddp.ddp.core.buckets import BucketStorage
+from minddp.ddp.core.slots import GradientTransfer
 from minddp.ddp.default_hooks import GradBucket
 
 __all__ = ["BuffersPerBackward", "LentBuckets", "lend_buckets"]
@@ -47,6 +47,9 @@ class LentBuckets(GradientTransfer):
         self.inner, self.storage, self.on_reduced = inner, storage, on_reduced
         self._buckets: list = []
         self._offered: dict[int, bool] = {}  # this backward: bucket index -> did on_reduced take it?
+
+    def room_after_gradients(self, bucket_index: int, bucket_count: int, dtype) -> int:
+        return self.inner.room_after_gradients(bucket_index, bucket_count, dtype)
 
     def buckets_built(self, reducer) -> None:
         self._buckets, self._offered = reducer.buckets, {}

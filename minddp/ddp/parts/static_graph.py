@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from minddp.ddp.parts.unused_parameters import mark_the_rest_ready, tensors_in, used_on_any_rank
-from minddp.ddp.reducer import EveryHookReady
+from minddp.ddp.core.reducer import EveryHookReady
 
 __all__ = ["StaticGraph"]
 

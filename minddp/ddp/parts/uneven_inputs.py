@@ -30,7 +30,7 @@ then on a forward-time part of the model:
 * on a rank that ran out of data, for each step the others still take
   (:meth:`~MiniDDPJoinHook.main_hook`): the same collectives in the same
   order: the buffers' source and broadcast, every bucket's all-reduce (of
-  zeros, ``Reducer.shadow_backward``), the unused-parameter search if there
+  zeros, :func:`shadow_backward`), the unused-parameter search if there
   is one;
 * when everyone is done: the highest of the last ranks to train broadcasts
   its parameters and buffers.
@@ -46,7 +46,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 
 from minddp.ddp.broadcast import broadcast_coalesced, sync_buffers
 
-__all__ = ["MiniDDPJoinHook", "common_rank"]
+__all__ = ["MiniDDPJoinHook", "common_rank", "shadow_backward"]
 
 
 class MiniDDPJoinHook(JoinHook):
@@ -94,7 +94,7 @@ class MiniDDPJoinHook(JoinHook):
         if ddp.buffer_policy is not None:
             source = common_rank(ddp.process_group, ddp.device, is_candidate=False)
             sync_buffers(ddp._module_buffers(), ddp.process_group, ddp.buffer_sync, source)
-        ddp.reducer.shadow_backward()
+        shadow_backward(ddp.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         # Everyone is done: the last ranks to train have the newest parameters.
@@ -112,3 +112,21 @@ def common_rank(group: dist.ProcessGroup, device: torch.device, is_candidate: bo
     rank = torch.tensor([dist.get_rank(group) if is_candidate else -1], device=device)
     dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=group)
     return int(rank.item())
+
+
+def shadow_backward(reducer) -> None:
+    """A joined rank's stand-in for a backward: the same collectives as the other ranks', in the same
+    order, contributing zeros (every bucket's all-reduce, then the readiness part's own: the search for
+    unused parameters), then the end of a backward as the others see it (the policies' turn)."""
+    reducer.rebuild_if_due()  # the others rebuild at their forward: the same buckets everywhere
+    reducer.observer.backward_started()  # nothing will arrive here; the step still counts, as on the other ranks
+    for bucket in reducer.buckets:
+        bucket.acquire()
+        bucket.buffer.zero_()
+        bucket.launch_unconditionally(reducer.communication.communicate)
+        bucket.wait()
+        bucket.reset()
+        if not reducer.storage.keep_buffers:
+            bucket.release()
+    reducer.readiness.shadow_backward(reducer)
+    reducer.observer.after_backward()

@@ -31,8 +31,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-import minddp.ddp.messages as messages
-from minddp.ddp.reducer import EveryHookReady
+import minddp.ddp.core.messages as messages
+from minddp.ddp.core.reducer import EveryHookReady
 
 __all__ = ["UnusedParameters", "params_reached_from", "tensors_in", "used_on_any_rank", "mark_the_rest_ready"]
 

@@ -8,9 +8,9 @@ all-reduced as soon as its last gradient is in, while autograd goes on
 computing the gradients of earlier layers.
 
 Which parameters share a bucket is decided by
-:func:`minddp.ddp.bucket_assignment.assign_buckets`; what lives here is
+:func:`minddp.ddp.core.assignment.assign_buckets`; what lives here is
 :class:`Bucket`, the flat buffer plus its life cycle, as the reducer
-(:mod:`minddp.ddp.reducer`) drives it::
+(:mod:`minddp.ddp.core.reducer`) drives it::
 
     mark_ready_at(i) ... mark_ready_at(i)   one per parameter: a count, no copy;
                                             True for the last one
@@ -26,21 +26,57 @@ from typing import Callable
 
 import torch
 
-import minddp.ddp.messages as messages
-from minddp.ddp.bucket_assignment import BucketStorage, slot_in
+import minddp.ddp.core.messages as messages
 
-__all__ = ["Bucket", "BucketStorage"]
+__all__ = ["Bucket", "BucketStorage", "slot_in"]
 
 # Above this mean size (elements), a bucket's gradients are copied and scaled
 # one by one in a single fused pass each; below, in two batched calls.
 LARGE_GRADIENT_NUMEL = 64 * 1024
 
 
+class BucketStorage:
+    """Where bucket buffers come from: one per bucket, kept for the whole run (torch's way). ZeRO
+    stage 2 and ``lazy_bucket_allocation`` lend them instead (:mod:`minddp.ddp.parts.lent_buckets`)."""
+
+    keep_buffers = True
+    release_after_backward = False  # give a buffer back once its averages are in .grad
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        pass
+
+
+def slot_in(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s slot in ``buffer`` from ``offset``, laid out in memory like ``param`` (as torch's reducer).
+
+    A ``channels_last`` weight's ``.grad`` has the weight's strides (autograd's rule), and so must
+    its slot: a bucket view used as ``.grad`` then suits fused optimizers (which walk parameter and
+    gradient as flat memory), and a copy into the slot is a plain copy, not a permutation.
+    """
+    if _dense_and_non_overlapping(param):
+        return buffer.as_strided(param.shape, param.stride(), offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)
+
+
+def _dense_and_non_overlapping(t: torch.Tensor) -> bool:
+    """Do ``t``'s elements fill ``numel`` consecutive places, in some order of its dims?"""
+    expected = 1
+    dims = sorted(((size, stride) for size, stride in zip(t.shape, t.stride()) if size != 1), key=lambda d: d[1])
+    for size, stride in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class Bucket:
     """A flat gradient buffer for a few parameters, and its life cycle.
 
-    Each parameter's gradient has a fixed slot in ``buffer`` (``views[i]``,
-    :meth:`view`), with the parameter's own memory layout. :meth:`mark_ready_at`
+    Each parameter's gradient has a fixed slot in ``buffer`` (``views[i]``),
+    with the parameter's own memory layout. :meth:`mark_ready_at`
     only counts: the gradients are copied in by :meth:`copy_in` once the last
     one is ready. Misuse (a parameter marked twice, a launch before all are
     ready, a wait without a launch) raises ``RuntimeError``: it would mean
@@ -50,17 +86,17 @@ class Bucket:
     ``extra_numel``: room after the gradients (``tail``) for what rides along
     (:mod:`minddp.ddp.parts.buffers_in_bucket`). ``storage``: where the buffer
     comes from; the default one allocates it here, once. ``indices``: the
-    parameters' indices in the reducer's list (default: 0, 1, ...).
+    parameters' indices in the reducer's list.
     """
 
     def __init__(
-        self, index: int, params: list[torch.nn.Parameter], names: list[str], dtype: torch.dtype | None = None,
-        storage: BucketStorage | None = None, extra_numel: int = 0, indices: list[int] | None = None,
+        self, index: int, params: list[torch.nn.Parameter], names: list[str], indices: list[int],
+        dtype: torch.dtype | None = None, storage: BucketStorage | None = None, extra_numel: int = 0,
     ):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index, self.params, self.names = index, params, names
-        self.indices = list(range(len(params))) if indices is None else indices
+        self.indices = indices
         self.extra_numel = extra_numel
         self.numel = sum(p.numel() for p in params) + extra_numel
         self.dtype = dtype or params[0].dtype
@@ -71,7 +107,6 @@ class Bucket:
         # a cast first when the bucket's dtype is not the gradients' (reduce_dtype).
         self._one_by_one = self.numel - extra_numel >= LARGE_GRADIENT_NUMEL * len(params)
         self._casts = any(p.dtype != self.dtype for p in params)
-        self._position = {id(p): i for i, p in enumerate(params)}
         self._ready = [False] * len(params)
         self.pending = len(params)  # parameters not ready yet
         self.future: torch.futures.Future | None = None  # set by launch, cleared by wait
@@ -104,17 +139,9 @@ class Bucket:
         """The ``extra_numel`` elements after the gradients' slots."""
         return self.buffer[self.numel - self.extra_numel:]
 
-    def view(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """This parameter's slot in the buffer, shaped like the parameter."""
-        return self.views[self._position[id(param)]]
-
     # ----------------------------------------------------------- life cycle
-    def mark_ready(self, param: torch.nn.Parameter) -> bool:
-        """Count ``param``'s gradient as ready; True if it was the bucket's last."""
-        return self.mark_ready_at(self._position[id(param)])
-
     def mark_ready_at(self, i: int) -> bool:
-        """:meth:`mark_ready` for ``params[i]`` (the reducer knows ``i`` in advance)."""
+        """Count ``params[i]``'s gradient as ready; True if it was the bucket's last."""
         if self._ready[i]:
             raise RuntimeError(messages.gradient_twice(self.names[i]))
         self._ready[i] = True

@@ -1,8 +1,10 @@
-"""The path of a gradient, from autograd's hook to the averaged ``.grad``: lesson 07b's ``FlatDDP``, grown up.
+"""The path of a gradient, from autograd's hook to the averaged ``.grad``.
 
 ``MiniDDP`` (:mod:`minddp.ddp.wrapper`) wraps the module; this :class:`Reducer`
 averages the gradients, as torch splits ``DistributedDataParallel`` (Python)
-from its ``Reducer`` (C++). The plain path, top to bottom in this file::
+from its ``Reducer`` (C++). It is the last step of the lessons' chain of
+wrappers (``diff lessons/wrappers/weak_ddp.py minddp/ddp/core/reducer.py``).
+The plain path, top to bottom in this file::
 
     loss.backward()
       autograd accumulates p.grad
@@ -18,18 +20,16 @@ from its ``Reducer`` (C++). The plain path, top to bottom in this file::
         └─ _on_pass_end() ─> finish_backward()
               every bucket launched? (else an error naming the parameters without a gradient)
               per bucket: wait for its sum, gradients.write_grads copies it into .grad, reset
-           then each policy's after_backward (above: learned order, the lab's planner, ZeRO stage 2)
+           then observer.after_backward(): what acts between backwards (the learned order) may rebuild
 
-Where DDP's options differ, the reducer holds a *part* per slot, an object
-chosen once by ``MiniDDP``'s constructor, typed by its contract
-(:mod:`minddp.ddp.contracts`): ``readiness`` (when is a parameter ready),
+Where DDP's options differ, the reducer holds a *part* per slot, chosen once
+by ``MiniDDP``'s constructor and typed by its abstract base class
+(:mod:`minddp.ddp.core.slots`): ``readiness`` (when is a parameter ready),
 ``gradients`` (how a gradient gets into its bucket and back),
-``communication`` (how a bucket travels), ``passenger`` (what rides in the
-last bucket); the plain ones are here, the others in :mod:`minddp.ddp.parts`.
-What only watches is an ``Observer`` in ``observers`` (none: no call). Where
-a backward is, is one ``BackwardPhase``. The policies above (the learned
-bucket order, the lab's ``plan_buckets``, ZeRO stage 2) are ``Policy`` objects
-and use "the interface for policies" below, and nothing else.
+``communication`` (how a bucket travels). The plain ones are here; the others
+hang on from outside the core (:mod:`minddp.ddp.parts`). The reducer names
+each event of the path to one ``observer`` (nobody watching: an empty one).
+Where a backward is, is one ``BackwardPhase``.
 
 Why divide *before* summing: the sum of N half-precision gradients can
 overflow where N parts of their average cannot.
@@ -37,7 +37,7 @@ overflow where N parts of their average cannot.
 
 from __future__ import annotations
 
-import time
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,17 +45,46 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import minddp.ddp.messages as messages
-from minddp.ddp.bucket_assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, bucket_groups, first_guess_limits
-from minddp.ddp.buckets import Bucket, BucketStorage
-from minddp.ddp.contracts import (BackwardPhase, Communication, GradientTransfer, Observer, Passenger, Policy,
-                                  Readiness, Rebuild)
-from minddp.ddp.weak_hooks import after_accumulation
+import minddp.ddp.core.messages as messages
+from minddp.ddp.core.assignment import FIRST_BUCKET_CAP_MB, MiB, TensorSpec, bucket_groups, first_guess_limits
+from minddp.ddp.core.buckets import Bucket, BucketStorage
+from minddp.ddp.core.slots import Communication, GradientTransfer, Observer, Observers, Readiness
+from minddp.ddp.core.weak_hooks import after_accumulation
 
-__all__ = ["FIRST_BUCKET_CAP_MB", "ReducerOptions", "Reducer", "EveryHookReady", "CopyGradients", "AllReduce",
-           "ArrivalLog"]
+__all__ = ["FIRST_BUCKET_CAP_MB", "BackwardPhase", "ReducerOptions", "Reducer", "EveryHookReady", "CopyGradients",
+           "AllReduce"]
 
 _engine = torch.autograd.Variable._execution_engine
+
+
+class BackwardPhase(enum.Enum):
+    """Where the reducer is, from the end of a synchronized forward to the end of its backward.
+
+    ::
+
+        IDLE ──prepare_for_backward──> ARMED ──first hook──> REDUCING ──finish_backward──> IDLE
+                                                               │  ^
+                                       a nested pass ended,    v  │ the next hook
+                                       buckets still to come  BETWEEN_PASSES
+
+    A forward inside ``no_sync()`` (or without grad) leaves it IDLE: the
+    hooks see IDLE and let the gradients accumulate.
+    """
+
+    IDLE = "idle"  # no averaging backward armed: hooks do nothing
+    ARMED = "armed"  # a synchronized forward ended: its backward averages; no hook yet
+    REDUCING = "reducing"  # hooks fire; the end-of-pass callback is queued on autograd's engine
+    # [Note: nested passes] A reentrant activation checkpoint runs a backward
+    # pass of its own inside a node of the outer one; its hooks come first,
+    # and its end runs the queued callback. If buckets are still to come, the
+    # backward is not over: the outer pass goes on, and its next hook queues
+    # the callback again (BETWEEN_PASSES -> REDUCING), there.
+    BETWEEN_PASSES = "between passes"
+
+    @property
+    def in_backward(self) -> bool:
+        """Has this backward's first hook fired (and its end not yet come)?"""
+        return self in (BackwardPhase.REDUCING, BackwardPhase.BETWEEN_PASSES)
 
 
 @dataclass(frozen=True)
@@ -119,26 +148,12 @@ class AllReduce(Communication):
         return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
 
 
-class ArrivalLog(Observer):
-    """An observer for policies: which gradient came when in the last backward (``log``: ``(index, perf_counter)``)."""
-
-    def __init__(self):
-        self.log: list[tuple[int, float]] = []
-
-    def backward_started(self) -> None:
-        self.log = []  # only this backward's order counts (an earlier one may have failed)
-
-    def gradient_ready(self, index: int, param: nn.Parameter) -> None:
-        self.log.append((index, time.perf_counter()))
-
-
 class Reducer:
     """Averages the gradients of ``params`` over ``process_group`` during backward, through its parts."""
 
     def __init__(self, params: list[nn.Parameter], names: list[str], process_group: dist.ProcessGroup,
                  options: ReducerOptions, *, readiness: Readiness | None = None,
-                 gradients: GradientTransfer | None = None, communication: Communication | None = None,
-                 observers: tuple[Observer, ...] = (), passenger: Passenger | None = None):
+                 gradients: GradientTransfer | None = None, communication: Communication | None = None):
         self.params, self.names, self.options = params, names, options
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -146,9 +161,7 @@ class Reducer:
         self.readiness: Readiness = readiness or EveryHookReady()
         self.gradients: GradientTransfer = gradients or CopyGradients()
         self.communication: Communication = communication or AllReduce(process_group)
-        self.observers = tuple(observers)
-        self.passenger = passenger  # what rides in the last bucket (minddp.ddp.parts.buffers_in_bucket)
-        self.policies: tuple[Policy, ...] = ()  # told at the end of every synchronized backward
+        self.observer: Observer = Observers.of(())  # told every event of the path (add_observer)
         self.average_over(self.world_size)  # join() may lower it
         self.phase = BackwardPhase.IDLE
         # Set with ARMED: did that forward run inside a backward pass? [Note: forward inside backward]
@@ -167,14 +180,15 @@ class Reducer:
 
     def _build_buckets(self, order: list[int] | None) -> None:
         """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:
-        torch's first guess, before a backward has shown the order (:mod:`minddp.ddp.bucket_assignment`)."""
+        torch's first guess, before a backward has shown the order (:mod:`minddp.ddp.core.assignment`)."""
         self.layout_order = order  # what the same buckets are rebuilt from (with room, or other storage)
         self.buckets, self._plan = [], []  # a rebuild lets the old buffers go first: one set alive, as torch's
         dtypes = [self.options.reduce_dtype or p.dtype for p in self.params]  # what each gradient is reduced in
         specs = [TensorSpec(p.numel(), dtype.itemsize, dtype, self.device) for p, dtype in zip(self.params, dtypes)]
         groups = bucket_groups(specs, order, self.caps, self.per_bucket_caps, self.first_guess_limits)
-        self.buckets = [Bucket(k, [self.params[i] for i in group], [self.names[i] for i in group], dtypes[group[0]],
-                               self.storage, self._room_in(k, len(groups), dtypes[group[0]]), indices=group)
+        room = self.gradients.room_after_gradients
+        self.buckets = [Bucket(k, [self.params[i] for i in group], [self.names[i] for i in group], group,
+                               dtypes[group[0]], self.storage, room(k, len(groups), dtypes[group[0]]))
                         for k, group in enumerate(groups)]
         # The plan every hook follows, worked out once here instead of at every
         # gradient: parameter index -> (its bucket, its position there).
@@ -185,10 +199,6 @@ class Reducer:
         self._next_to_launch = 0
         self.gradients.buckets_built(self)
 
-    def _room_in(self, k: int, count: int, dtype: torch.dtype) -> int:
-        """Room after bucket ``k``'s gradients: the passenger's, in the last bucket if it fits there."""
-        return self.passenger.numel if self.passenger and k == count - 1 and self.passenger.fits(dtype) else 0
-
     # ------------------------------------------------------- at every forward
     def prepare_for_backward(self, output: Any) -> None:
         """Arm the reducer: the next backward averages. Called at the end of a synchronized forward, with
@@ -198,8 +208,7 @@ class Reducer:
         self.armed_inside_backward = torch._C._current_graph_task_id() != -1
         if self.backwards_done:  # torch's logger records the last backward's count at a synchronized forward
             self.buckets_reduced_logged = self.buckets_reduced
-        for observer in self.observers:
-            observer.forward_done()
+        self.observer.forward_done()
         self.readiness.prepare_for_backward(self, output)
 
     # ------------------------------------------------ the path of a gradient
@@ -210,12 +219,10 @@ class Reducer:
             return  # inside no_sync(): the gradient just accumulates
         if phase is not BackwardPhase.REDUCING:  # the first hook of this backward (or of a pass: _on_pass_end)
             if phase is BackwardPhase.ARMED:
-                for observer in self.observers:
-                    observer.backward_started()
+                self.observer.backward_started()
             _engine.queue_callback(self._on_pass_end)
             self.phase = BackwardPhase.REDUCING
-        for observer in self.observers:
-            observer.gradient_ready(index, param)
+        self.observer.gradient_ready(index, param)
         self.gradients.gradient_ready(*self._plan[index], param)
         if self.readiness.is_ready(self, index):
             self.mark_ready(index)
@@ -231,18 +238,16 @@ class Reducer:
         a bucket complete early waits for the ones before it, so every rank issues the same
         all-reduces in the same order."""
         self.gradients.fill_bucket(bucket, self.scale)
-        if bucket.extra_numel:  # (fill_bucket may scale the whole buffer: the passenger goes in after)
-            self.passenger.pack(bucket.tail)
-        for observer in self.observers:
-            observer.bucket_filled(bucket, self.scale)
+        self.observer.bucket_filled(bucket, self.scale)
         while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
-            complete = self.buckets[self._next_to_launch]
-            for observer in self.observers:
-                observer.bucket_launching(complete)
-            complete.launch(self.communication.communicate)
-            for observer in self.observers:
-                observer.bucket_launched(complete)
+            self.launch(self.buckets[self._next_to_launch])
             self._next_to_launch += 1
+
+    def launch(self, bucket: Bucket) -> None:
+        """Start ``bucket``'s communication (it is complete, and every bucket before it has left)."""
+        self.observer.bucket_launching(bucket)
+        bucket.launch(self.communication.communicate)
+        self.observer.bucket_launched(bucket)
 
     # ------------------------------------------------------ end of backward
     def watch_this_pass(self) -> None:
@@ -268,8 +273,8 @@ class Reducer:
         """
         if (self._next_to_launch == len(self.buckets) or self.armed_inside_backward
                 or torch._C._current_autograd_node() is None):
-            self.finish_backward()  # returned first: no frame of it holds a bucket while the policies run
-            self._tell_policies()
+            self.finish_backward()  # returned first: no frame of it holds a bucket while buckets may change
+            self.observer.after_backward()
         else:
             self.phase = BackwardPhase.BETWEEN_PASSES
 
@@ -278,33 +283,32 @@ class Reducer:
         self.phase = BackwardPhase.IDLE
         self.readiness.backward_ending(self)
         if self._next_to_launch < len(self.buckets):
-            raise self._missing_gradients_error()
-        for observer in self.observers:
-            observer.backward_ending()
+            raise self.missing_gradients_error()
+        self.observer.backward_ending()
         for bucket in self.buckets:
-            try:
-                bucket.wait()
-            except RuntimeError as error:  # a timeout: name the bucket that never came, and why
-                if not messages.is_timeout(error):
-                    raise
-                said = messages.bucket_never_arrived(self, bucket, error)
-                self.abandon_unfinished_backward()
-                raise RuntimeError(said) from error
-            for observer in self.observers:
-                observer.bucket_reduced(bucket)
-            if bucket.extra_numel:
-                self.passenger.receive(bucket.tail)
+            self._wait_for(bucket)
+            self.observer.bucket_reduced(bucket)
             self.gradients.write_grads(bucket, self.readiness.used_on_some_rank)
-            for observer in self.observers:
-                observer.grads_written(bucket)
+            self.observer.grads_written(bucket)
             bucket.reset()
         self._next_to_launch = 0
         self.backwards_done += 1
         self.buckets_reduced = len(self.buckets)
-        for observer in self.observers:
-            observer.backward_done()
+        self.observer.backward_done()
 
-    def _missing_gradients_error(self) -> RuntimeError:
+    def _wait_for(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s sum; a timeout names the bucket that never came, and why."""
+        try:
+            bucket.wait()
+        except RuntimeError as error:
+            if not messages.is_timeout(error):
+                raise
+            said = messages.bucket_never_arrived(self, bucket, error)
+            self.abandon_unfinished_backward()
+            raise RuntimeError(said) from error
+
+    def missing_gradients_error(self) -> RuntimeError:
+        """Forget the unfinished backward; the error that names the parameters that got no gradient."""
         missing = self.abandon_unfinished_backward()
         return RuntimeError(messages.missing_gradients(self, missing))
 
@@ -317,64 +321,7 @@ class Reducer:
         self.phase = BackwardPhase.IDLE
         return missing
 
-    def _tell_policies(self) -> None:
-        for policy in self.policies:  # (a tuple: a policy may remove itself meanwhile)
-            policy.after_backward()
-
-    # ------------------------------------------------ a joined rank's backward
-    def shadow_backward(self) -> None:
-        """A joined rank's stand-in for a backward (``join()``): the same collectives as the other ranks',
-        in the same order, contributing zeros (:mod:`minddp.ddp.parts.uneven_inputs`)."""
-        self.rebuild_if_due()  # the others rebuild at their forward: the same buckets everywhere
-        for observer in self.observers:
-            observer.backward_started()  # nothing will arrive here; the step still counts, as on the other ranks
-        for bucket in self.buckets:
-            bucket.acquire()
-            bucket.buffer.zero_()
-            bucket.launch_unconditionally(self.communication.communicate)
-            bucket.wait()
-            bucket.reset()
-            if not self.storage.keep_buffers:
-                bucket.release()
-        self.readiness.shadow_backward(self)
-        self._tell_policies()
-
-    # ------------------------------------- what frameworks call on torch's reducer
-    # accelerate and Lightning reach into ``ddp.reducer`` for two private methods of torch's C++ reducer
-    # (docs/frameworks.md). These answer them with the same effect, or refuse naming the call: a framework
-    # that calls one expecting work done must never get a silent nothing.
-    def _rebuild_buckets(self) -> bool:
-        """torch's ``reducer._rebuild_buckets()``: rebuild the buckets now if a rebuild is due, and say whether
-        it did (True once, after the backward that showed the order, as torch's); first, refuse if the previous
-        backward started reducing and never finished (Lightning calls it before each manual backward)."""
-        if self.phase.in_backward:
-            raise self._missing_gradients_error()
-        return self.rebuild_if_due()
-
-    def _delay_all_reduce(self) -> None:
-        """torch's ``reducer._delay_all_reduce()``, its static-graph first step: reduce every bucket at the end
-        of the first backward (Lightning calls it after a manual backward with ``static_graph=True``). MiniDDP's
-        ``static_graph`` does exactly that at the end of its first backward (:mod:`minddp.ddp.parts.static_graph`):
-        afterwards there is nothing left to reduce. Anything else is refused."""
-        if not self.options.static_graph or not self.backwards_done or self.phase.in_backward:
-            raise RuntimeError(
-                "MiniDDP's reducer._delay_all_reduce(): only after the first backward of a model constructed "
-                "with static_graph=True (whose gradients MiniDDP has then reduced already); here "
-                f"static_graph={self.options.static_graph}, {self.backwards_done} backward(s) done")
-
-    # ------------------------------------------ the interface for policies
-    def add_policy(self, policy: Policy) -> None:
-        """Tell ``policy`` the end of every synchronized backward from now on (after those added before)."""
-        if policy not in self.policies:
-            self.policies += (policy,)
-
-    def remove_policy(self, policy: Policy) -> None:
-        self.policies = tuple(p for p in self.policies if p is not policy)
-
-    def pending_rebuilds(self) -> set[Rebuild]:
-        """What the policies still plan for the buckets (empty: they are final)."""
-        return {policy.pending_rebuild() for policy in self.policies} - {Rebuild.NONE}
-
+    # ------------------------------------------ what the parts outside change
     def average_over(self, ranks: int) -> None:
         """Average over ``ranks`` ranks (the world; fewer under ``join()``): gradients are multiplied by
         ``1/ranks`` before the sum, unless the communication averages itself (a comm hook)."""
@@ -387,29 +334,35 @@ class Reducer:
         self.average_over(self.divisor)
 
     def set_gradients(self, gradients: GradientTransfer) -> None:
-        """How gradients get into their buckets and back from now on (ZeRO stage 2: lent bucket views)."""
+        """How gradients get into their buckets and back from now on (ZeRO stage 2: lent bucket views).
+        One that wants other room after the gradients (``room_after_gradients``) calls ``build_again``."""
         self.gradients = gradients
         self.gradients.buckets_built(self)
 
-    def set_passenger(self, passenger: Passenger | None) -> None:
-        """What rides in the last bucket (None: nothing): the buckets are rebuilt with its room."""
-        self.passenger = passenger
+    def use_bucket_storage(self, storage: BucketStorage) -> None:
+        """Take bucket buffers from ``storage`` from now on (one that lends them, ``keep_buffers`` False,
+        goes with a gradients part that acquires and releases them: :mod:`minddp.ddp.parts.lent_buckets`)."""
+        for bucket in self.buckets:
+            bucket.release()
+        self.storage = storage
+        self.build_again()
+
+    def build_again(self) -> None:
+        """The same buckets, built anew now: with the gradients part's room, from the storage."""
         self._build_buckets(self.layout_order)
 
     def add_observer(self, observer: Observer) -> None:
-        if observer not in self.observers:
-            self.observers += (observer,)
+        """Tell ``observer`` every event of the path from now on (after those added before)."""
+        if observer not in tuple(self.observers):
+            self.observer = Observers.of((*self.observers, observer))
 
     def remove_observer(self, observer: Observer) -> None:
-        self.observers = tuple(o for o in self.observers if o is not observer)
+        self.observer = Observers.of(tuple(o for o in self.observers if o is not observer))
 
-    def ranks_averaged_over(self) -> int:
-        """How many ranks the average is over: the world, or fewer under ``join()``."""
-        return self.divisor
-
-    def used_on_some_rank(self) -> list[bool] | None:
-        """Per parameter: had it a gradient on some rank in the last synchronized backward? None: all had."""
-        return self.readiness.used_on_some_rank
+    @property
+    def observers(self) -> tuple[Observer, ...]:
+        """Who is told the events, in order."""
+        return tuple(self.observer) if isinstance(self.observer, Observers) else ()
 
     @property
     def bucket_order(self) -> list[int]:
@@ -434,11 +387,3 @@ class Reducer:
         self.due_rebuild, self.caps = None, tuple(caps)
         self._build_buckets(order)
         return True
-
-    def use_bucket_storage(self, storage: BucketStorage) -> None:
-        """Take bucket buffers from ``storage`` from now on (one that lends them, ``keep_buffers`` False,
-        goes with a gradients part that acquires and releases them: :mod:`minddp.ddp.parts.lent_buckets`)."""
-        for bucket in self.buckets:
-            bucket.release()
-        self.storage = storage
-        self._build_buckets(self.layout_order)

@@ -1,0 +1,187 @@
+"""Lesson 07c, step 6: hooks that do not keep the reducer alive.
+
+A hook holds what it calls; a bound method holds its object; the parameter
+holds the hook, in C++ where Python's garbage collector cannot look. So a
+reducer whose hooks are its own methods is never collected, nor are its
+buckets or its process group ([Note: a hook must not own its owner] in
+``minddp/ddp/core/weak_hooks.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minddp.ddp.core.messages as messages
+from minddp.ddp.core.assignment import MiB, TensorSpec, bucket_groups, first_guess_limits
+from minddp.ddp.core.buckets import Bucket, BucketStorage
+from minddp.ddp.core.reducer import ReducerOptions
+from minddp.ddp.core.weak_hooks import after_accumulation
+
+_engine = torch.autograd.Variable._execution_engine
+
+
+class BackwardPhase(enum.Enum):
+    """Where the reducer is, from the end of a synchronized forward to the end of its backward.
+
+    ::
+
+        IDLE ──prepare_for_backward──> ARMED ──first hook──> REDUCING ──finish_backward──> IDLE
+                                                               │  ^
+                                       a nested pass ended,    v  │ the next hook
+                                       buckets still to come  BETWEEN_PASSES
+
+    A forward inside ``no_sync()`` (or without grad) leaves it IDLE: the
+    hooks see IDLE and let the gradients accumulate.
+    """
+
+    IDLE = "idle"  # no averaging backward armed: hooks do nothing
+    ARMED = "armed"  # a synchronized forward ended: its backward averages; no hook yet
+    REDUCING = "reducing"  # hooks fire; the end-of-pass callback is queued on autograd's engine
+    # [Note: nested passes] A reentrant activation checkpoint runs a backward
+    # pass of its own inside a node of the outer one; its hooks come first,
+    # and its end runs the queued callback. If buckets are still to come, the
+    # backward is not over: the outer pass goes on, and its next hook queues
+    # the callback again (BETWEEN_PASSES -> REDUCING), there.
+    BETWEEN_PASSES = "between passes"
+
+    @property
+    def in_backward(self) -> bool:
+        """Has this backward's first hook fired (and its end not yet come)?"""
+        return self in (BackwardPhase.REDUCING, BackwardPhase.BETWEEN_PASSES)
+
+
+class WeakReducer:
+    """Averages the gradients of ``params`` over ``process_group`` during backward."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], process_group: dist.ProcessGroup,
+                 options: ReducerOptions):
+        self.params, self.names, self.options = params, names, options
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.device = params[0].device
+        self.scale = 1.0 / self.world_size  # what each gradient is multiplied by before the sum
+        self.phase = BackwardPhase.IDLE
+        # Set with ARMED: did that forward run inside a backward pass? [Note: forward inside backward]
+        # A reentrant checkpoint around the whole model runs its forward without grad, then again
+        # inside the backward, where it arms this reducer: the pass it starts is the whole backward.
+        self.armed_inside_backward = False
+        self.backwards_done = 0
+        self.storage = BucketStorage()
+        self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
+        self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
+        self.first_guess_limits = first_guess_limits(self.caps, self.per_bucket_caps, options)
+        self._build_buckets(None if options.learn_bucket_order else list(reversed(range(len(params)))))  # 1st guess
+        after_accumulation(self._autograd_hook, params, with_index=True)  # fires after p.grad is accumulated
+
+    def _build_buckets(self, order: list[int] | None) -> None:
+        """Build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:
+        torch's first guess, before a backward has shown the order (:mod:`minddp.ddp.core.assignment`)."""
+        dtypes = [self.options.reduce_dtype or p.dtype for p in self.params]  # what each gradient is reduced in
+        specs = [TensorSpec(p.numel(), dtype.itemsize, dtype, self.device) for p, dtype in zip(self.params, dtypes)]
+        groups = bucket_groups(specs, order, self.caps, self.per_bucket_caps, self.first_guess_limits)
+        self.buckets = [Bucket(k, [self.params[i] for i in group], [self.names[i] for i in group], group,
+                               dtypes[group[0]], self.storage)
+                        for k, group in enumerate(groups)]
+        # The plan every hook follows, worked out once here instead of at every
+        # gradient: parameter index -> (its bucket, its position there).
+        self._plan: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in self.buckets:
+            for position, i in enumerate(bucket.indices):
+                self._plan[i] = (bucket, position)
+        self._next_to_launch = 0
+
+    # ------------------------------------------------------- at every forward
+    def prepare_for_backward(self, output: Any) -> None:
+        """Arm the reducer: the next backward averages. Called at the end of a synchronized forward, with
+        its output (where unused parameters are searched for)."""
+        if self.phase is BackwardPhase.IDLE:
+            self.phase = BackwardPhase.ARMED
+        self.armed_inside_backward = torch._C._current_graph_task_id() != -1
+
+    # ------------------------------------------------ the path of a gradient
+    def _autograd_hook(self, index: int, param: nn.Parameter) -> None:
+        """Post-accumulate hook of ``params[index]``: its ``.grad`` is final for this backward."""
+        phase = self.phase
+        if phase is BackwardPhase.IDLE:
+            return  # inside no_sync(): the gradient just accumulates
+        if phase is not BackwardPhase.REDUCING:  # the first hook of this backward (or of a pass: _on_pass_end)
+            _engine.queue_callback(self._on_pass_end)
+            self.phase = BackwardPhase.REDUCING
+        self.mark_ready(index)
+
+    def mark_ready(self, index: int) -> None:
+        """Count ``params[index]`` ready in its bucket; the copy waits until the bucket is complete."""
+        bucket, position = self._plan[index]
+        if bucket.mark_ready_at(position):
+            self.bucket_ready(bucket)
+
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """Its gradients into the bucket, then launch every complete bucket, strictly in bucket order:
+        a bucket complete early waits for the ones before it, so every rank issues the same
+        all-reduces in the same order."""
+        bucket.copy_in([p.grad for p in bucket.params], bucket.views, self.scale)
+        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
+            self.launch(self.buckets[self._next_to_launch])
+            self._next_to_launch += 1
+
+    def launch(self, bucket: Bucket) -> None:
+        """Start ``bucket``'s all-reduce (it is complete, and every bucket before it has left)."""
+        bucket.launch(lambda b: dist.all_reduce(b.buffer, group=self.process_group, async_op=True).get_future())
+
+    # ------------------------------------------------------ end of backward
+    def _on_pass_end(self) -> None:
+        """Autograd finished a pass that delivered gradients: is the backward over?
+
+        Usually yes. But see [Note: nested passes] (``BackwardPhase``): a pass
+        nested in the outer one that ends with buckets still to come leaves the
+        backward BETWEEN_PASSES. A pass that is outermost (no autograd node
+        running), or the only pass of a forward that itself ran inside a
+        backward ([Note: forward inside backward], ``__init__``), ends it.
+        """
+        if (self._next_to_launch == len(self.buckets) or self.armed_inside_backward
+                or torch._C._current_autograd_node() is None):
+            self.finish_backward()
+        else:
+            self.phase = BackwardPhase.BETWEEN_PASSES
+
+    def finish_backward(self) -> None:
+        """Every bucket launched? Then wait for each, write ``.grad``, and be ready for the next backward."""
+        self.phase = BackwardPhase.IDLE
+        if self._next_to_launch < len(self.buckets):
+            raise self.missing_gradients_error()
+        for bucket in self.buckets:
+            self._wait_for(bucket)
+            torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
+            bucket.reset()
+        self._next_to_launch = 0
+        self.backwards_done += 1
+
+    def _wait_for(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s sum; a timeout names the bucket that never came, and why."""
+        try:
+            bucket.wait()
+        except RuntimeError as error:
+            if not messages.is_timeout(error):
+                raise
+            said = messages.bucket_never_arrived(self, bucket, error)
+            self.abandon_unfinished_backward()
+            raise RuntimeError(said) from error
+
+    def missing_gradients_error(self) -> RuntimeError:
+        """Forget the unfinished backward; the error that names the parameters that got no gradient."""
+        missing = self.abandon_unfinished_backward()
+        return RuntimeError(messages.missing_gradients(self, missing))
+
+    def abandon_unfinished_backward(self) -> list[str]:
+        """Forget a backward that began and never ended; the names that got no gradient."""
+        missing = [name for b in self.buckets for name in b.unready_names()]
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_to_launch = 0
+        self.phase = BackwardPhase.IDLE
+        return missing
