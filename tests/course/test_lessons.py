@@ -230,5 +230,5 @@ def test_each_lesson_uses_its_wrapper_file_and_the_file_holds_only_the_wrapper(s
 
 def test_the_wrapper_chain_is_listed_in_order():
     listed = (LESSONS_DIR / "wrappers" / "__init__.py").read_text()
-    positions = [listed.index(Path(path).name) for _, path, _ in CHAIN]
+    positions = [listed.index(path.removeprefix(f"{WRAPPERS}/")) for _, path, _ in CHAIN]
     assert positions == sorted(positions), "lessons/wrappers/__init__.py lists the chain out of order"

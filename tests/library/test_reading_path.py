@@ -91,7 +91,7 @@ def test_with_find_unused_parameters_a_step_runs_its_parts_and_no_other(fresh_ra
 def test_the_first_step_learns_the_bucket_order(fresh_ranks):
     functions, files, lines = fresh_ranks.run(_reading_path, warm_up=0)[0]
     report = _describe(functions, files, lines)
-    assert ("minddp/ddp/core/assignment.py", "after_backward") in functions, report
+    assert ("minddp/ddp/policies.py", "after_backward") in functions, report
     assert not [f for f in files if f.startswith(("minddp/ddp/parts/", "minddp/ddp/observers/"))], report
 
 

@@ -248,18 +248,16 @@ def test_the_gradient_path_knows_no_policy_above_it():
         assert not wrong, f"{module} depends on the policies above it: {wrong}"
 
 
-def test_the_plain_path_imports_no_part_feature_observer_or_policy():
-    # The reducer holds its parts; it never imports one (reducer.py
-    # imported a feature, and its base class two). Not vacuous: the graph
-    # sees reducer.py's imports of the buckets.
+def test_the_core_imports_nothing_of_minddp_outside_it():
+    # A learner reads minddp/ddp/core/ alone: its modules import torch and each other, nothing else of
+    # minddp (no part, observer, policy, nor the wrapper). Not vacuous: the reducer imports the buckets.
     graph = import_graph()
-    allowed = {"minddp.ddp.core.buckets", "minddp.ddp.core.assignment", "minddp.ddp.core.slots",  # the slots' Protocols
-               "minddp.ddp.core.messages",  # the words of its errors, built only when one is raised
-               "minddp.ddp.core.weak_hooks"}  # its hooks hold it weakly (imports nothing of minddp)
-    assert "minddp.ddp.core.buckets" in graph["minddp.ddp.core.reducer"]
-    for module in ("minddp.ddp.core.reducer", "minddp.ddp.core.buckets"):
-        wrong = sorted(_imports_transitively(graph, module) - allowed)
-        assert not wrong, f"{module} imports beyond the plain path: {wrong}"
+    core = sorted(m for m in graph if m.startswith("minddp.ddp.core"))
+    assert "minddp.ddp.core.buckets" in graph["minddp.ddp.core.reducer"], core
+    for module in core:
+        wrong = sorted(m for m in _imports_transitively(graph, module)
+                       if m != "minddp" and not m.startswith("minddp.ddp.core"))
+        assert not wrong, f"{module} imports beyond the core: {wrong}"
 
 
 def test_no_class_is_changed_at_run_time_outside_fsdp():
@@ -279,16 +277,17 @@ def test_no_class_is_changed_at_run_time_outside_fsdp():
     assert not found, f"__class__ assigned at run time: {found}"
 
 
-CORE = ("minddp.ddp", "minddp.ddp.observers")
+CORE = ("minddp.ddp", "minddp.ddp.core", "minddp.ddp.observers")
 
 
 def layer_of(module: str) -> str:
-    """The layer a module belongs to, for the package graph: the DDP core splits in
-    three (what a step runs, the parts, and the wrapper that picks them)."""
+    """The layer a module belongs to, for the package graph: the DDP package splits in
+    five (the core a plain step runs, what the wrapper stands on, the parts, the observers,
+    and the wrapper that picks them, with its methods beyond the plain path)."""
     parts = module.split(".") + ["", ""]
     if parts[1] == "ddp":
-        return {"parts": "ddp.parts", "observers": "ddp.observers", "wrapper": "ddp.wrapper",
-                "": "ddp.wrapper"}.get(parts[2], "ddp")
+        return {"core": "ddp.core", "parts": "ddp.parts", "observers": "ddp.observers", "wrapper": "ddp.wrapper",
+                "later_options": "ddp.wrapper", "torch_surface": "ddp.wrapper", "": "ddp.wrapper"}.get(parts[2], "ddp")
     return parts[1] or "minddp"
 
 
@@ -304,11 +303,12 @@ def layer_graph() -> dict[str, set[str]]:
 # What each layer of the core may import (besides itself): dependencies point one
 # way, from the wrapper that chooses down to the mechanism it chooses among.
 MAY_IMPORT = {
-    "ddp": set(),  # the reducer, buckets, and what the wrapper stands on (placement, broadcast, join, hooks)
-    "ddp.parts": {"ddp"},
-    "ddp.observers": {"ddp"},
+    "ddp.core": set(),  # the reducer, its slots, the buckets: torch alone
+    "ddp": {"ddp.core"},  # what the wrapper stands on (placement, broadcast, comm hooks, the policies)
+    "ddp.parts": {"ddp", "ddp.core"},
+    "ddp.observers": {"ddp", "ddp.core"},
     "launch": set(),  # spawn(..., rank_setup=...): a real link's namespace is the lab's (minddp_lab.links)
-    "ddp.wrapper": {"ddp", "ddp.parts", "ddp.observers"},
+    "ddp.wrapper": {"ddp", "ddp.core", "ddp.parts", "ddp.observers"},
 }
 
 
