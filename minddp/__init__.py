@@ -8,7 +8,6 @@ beyond that path is a part in ``minddp/ddp/parts/``, one file each, picked
 by MiniDDP's constructor (``docs/reading_the_code.md`` lists them).
 """
 
-from minddp import _moved
 from minddp.ddp.wrapper import MiniDDP
 from minddp.launch import distributed, init_distributed, spawn
 from minddp.sampler import DistributedSampler
@@ -16,5 +15,3 @@ from minddp.sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DistributedSampler", "MiniDDP", "SyncBatchNorm", "distributed", "init_distributed", "spawn"]
 __version__ = "0.1.0"
-
-_moved.install()  # import minddp.simulate and the other names that went to the lab: an error naming where

@@ -36,7 +36,8 @@ def chosen_package(standalone: str, unified: str, package: str | None) -> str:
         return imported[0]
     installed = [name for name in choices if importlib.util.find_spec(name.split(".")[0]) is not None]
     if not installed:
-        raise ModuleNotFoundError(f"neither {standalone!r} nor {unified!r} is installed: pip install minddp[frameworks]")
+        raise ModuleNotFoundError(f"neither {standalone!r} nor {unified!r} is installed: from a clone of minddp, "
+                                  "pip install -e '.[frameworks]'")
     return installed[0]
 
 

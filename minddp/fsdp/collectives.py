@@ -32,15 +32,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from minddp.collectives_compat import all_gather_single as all_gather
+from minddp.collectives_compat import reduce_scatter_single as _reduce_scatter
 from minddp.zero import pairwise
 
 __all__ = ["PendingReduceScatter", "all_gather", "gloo_collectives", "start_reduce_scatter"]
-
-# torch 2.14 renamed these (the old names warn); keep working on both. Bound
-# at import, so a wrapper installed before (lesson 22's simulated link) is
-# the one called.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _TORCHS_OWN = {getattr(distributed_c10d, name, None) for name in ("reduce_scatter_single", "reduce_scatter_tensor")}
 
 

@@ -88,7 +88,6 @@ def spawn(
     backend: str | None = None,
     start_method: str = "spawn",
     rank_setup: Callable[[int], None] | None = None,
-    link: str | None = None,
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes,
     each inside an initialised process group on a free port.
@@ -105,12 +104,8 @@ def spawn(
     process group is made (picklable, like ``fn``).
 
     Real shaped links between the ranks (network namespaces, a rate) are the
-    lab's: ``minddp_lab.links.spawn(fn, world_size, *args, link="1gbit")``;
-    ``link=`` here names it.
+    lab's: ``minddp_lab.links.spawn(fn, world_size, *args, link="1gbit")``.
     """
-    if link is not None and link != "loopback":
-        raise ValueError(f"spawn(link={link!r}): real shaped links moved to the lab; call "
-                         f"minddp_lab.links.spawn(fn, world_size, *args, link={link!r})")
     spawn_args = (fn, world_size, find_free_port(), backend, args, rank_setup)
     ranks = LocalRanks(world_size, _spawn_rank, spawn_args, method=start_method)
     try:

@@ -2,7 +2,8 @@
 
 Read in this order: :mod:`minddp.zero.partition` (who owns which elements of
 a flat buffer) -> :mod:`minddp.zero.shards` (a rank's elements, end to end,
-and the maps back to the parameters) -> :mod:`minddp.zero.presence` (which
+and the maps back to the parameters) -> :mod:`minddp.zero.sharded_gradients`
+(a round's averaged gradients in the shards) -> :mod:`minddp.zero.presence` (which
 parameters a step moves) -> :mod:`minddp.zero.optimizer`
 (``ZeroRedundancyOptimizer``: stage 1) -> :mod:`minddp.zero.stage2` (gradient
 sharding: MiniDDP reduce-scatters its buckets) -> :mod:`minddp.zero.collectives`

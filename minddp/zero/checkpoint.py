@@ -196,4 +196,4 @@ def load_sharded(zero, directory: str) -> None:
         for index, found in shard["pieces"].items():
             pieces.setdefault(index, []).extend(found)
         scalars.update(shard["scalars"])
-    zero._load((pieces, scalars), shards[0]["param_groups"])
+    zero.load_state_pieces((pieces, scalars), shards[0]["param_groups"])

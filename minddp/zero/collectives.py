@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from minddp.collectives_compat import all_gather_single, reduce_scatter_single
 from minddp.zero.pairwise import all_gather as all_gather_pairwise
 from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise
 from minddp.zero.pairwise import runs_pairwise
@@ -34,10 +35,6 @@ from minddp.zero.shards import Shard, ShardLayout
 __all__ = ["CHUNK_BYTES", "WorkFuture", "completed", "all_gather_params", "reduce_scatter_grads", "gather_to"]
 
 CHUNK_BYTES = 16 * 1024 * 1024
-
-# torch 2.14 renamed these (the old names warn); keep working on both.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _chunks(piece: int, element_size: int):
@@ -56,7 +53,7 @@ def all_gather_params(layout: ShardLayout, shard_tensor: Callable[[Shard], torch
             if n > 1 and runs_pairwise(group, mine.device):
                 all_gather_pairwise(gathered, mine[lo:hi].contiguous(), group).wait()
             elif n > 1:
-                _all_gather(gathered, mine[lo:hi].contiguous(), group=group)
+                all_gather_single(gathered, mine[lo:hi].contiguous(), group=group)
             else:
                 gathered.copy_(mine[lo:hi])
             for rank in range(n):
@@ -82,7 +79,7 @@ def reduce_scatter_grads(layout: ShardLayout, source: Callable[[torch.Tensor], t
             if n > 1 and runs_pairwise(group, send.device):
                 reduce_scatter_pairwise(send, hi - lo, group, out=piece[lo:hi]).wait()
             elif n > 1:
-                _reduce_scatter(piece[lo:hi], send, group=group)
+                reduce_scatter_single(piece[lo:hi], send, group=group)
             else:
                 piece[lo:hi] = send
         layout.take_piece(index, piece, shard_tensor, accumulate)

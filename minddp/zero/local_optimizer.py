@@ -70,7 +70,7 @@ def rebuild_local_optimizer(zero) -> tuple[ShardLayout, Optimizer]:
     groups = [{**{k: v for k, v in group.items() if k != "params"},
                "params": [v for s in layout.shards_of_group(i) for v in s.views]}
               for i, group in enumerate(zero.param_groups)]
-    optim = zero.optimizer_class(groups, **zero._optim_defaults)
+    optim = zero.optimizer_class(groups, **zero.optim_defaults)
     copy_hyperparameters(optim.param_groups, zero.param_groups)  # the class's defaults, seen by the caller
     for shard in layout.shards:
         for seg, view in zip(shard.segments, shard.views):

@@ -83,7 +83,8 @@ from minddp.zero.clipping import clip_shards_by_global_norm_
 from minddp.zero.collectives import all_gather_params, gather_to, reduce_scatter_grads
 from minddp.zero.local_optimizer import copy_hyperparameters, rebuild_local_optimizer
 from minddp.zero.partition import PARTITIONS
-from minddp.zero.presence import stepped_parameters
+from minddp.zero.presence import outside_wrapper, stepped_parameters
+from minddp.zero.sharded_gradients import ShardedGradients
 from minddp.zero.shards import Shard, ShardLayout
 from minddp.zero.stage1_hook import attach_allreduce
 from minddp.zero.stage2 import GradientSharding, check_attachable, check_buckets_unchanged
@@ -124,20 +125,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if sparse:
             raise ValueError(f"ZeroRedundancyOptimizer shards dense parameters only; parameters {sparse} "
                              "(in parameter-group order) are sparse")
-        self.optimizer_class, self._optim_defaults = optimizer_class, defaults
+        self.optimizer_class, self.optim_defaults = optimizer_class, defaults  # the local optimizer's
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.average_gradients = (self.ddp is None) if average is None else bool(average)
-        self._grads_in_shards = False  # set once this round's averaged gradients are in the shards
         self._pending_load: dict | None = None  # a loaded state, kept until stage 2's layout is final
         self._all_state: dict | None = None  # the consolidated state, on the rank it was sent to
         if self.shard_gradients:
             check_attachable(self, self.ddp)
         self._gradients_from_hook = False  # stage 1 on MiniDDP: its buckets' all-reduce fills the shards
-        self._round_from_hook = False  # this round's gradients came through a comm hook (not from .grad)
-        self._used_in_round: set[int] = set()  # stage 2: ids of the parameters the reducer saw a gradient for
-        self._written_units: set[int] = set()  # stage 2: units whose piece is in the shards this round
+        self.grads = ShardedGradients()  # this round's averaged gradients in the shards, however they came
         self._clipped = self._last_clip = None  # clip_grad_norm_'s arguments this step, and last step
         self.optim: Optimizer | None = None
         self.layout: ShardLayout | None = None
@@ -159,6 +157,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """(Re)build the layout and the local optimizer (:mod:`minddp.zero.local_optimizer`), keeping
         the state of every segment that stays."""
         self.layout, self.optim = rebuild_local_optimizer(self)
+        self.grads.layout = self.layout
+
+    @property
+    def partition_is_fixed(self) -> bool:
+        """Would a new partition lose something: optimizer state (other than a loaded one not yet
+        stepped, which is re-applied) or this round's gradients in the shards?"""
+        return bool(self.optim.state and self._pending_load is None) or self.grads.in_shards
+
+    def repartition(self) -> None:
+        """Partition again, on what the units are now (stage 2: MiniDDP rebuilt its buckets before the
+        first step), and re-apply a loaded state not yet stepped. Only while not :attr:`partition_is_fixed`."""
+        self._repartition()
+        if self._pending_load is not None:
+            self.load_state_pieces(*self._pending_load)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (on every rank, as torch): its parameters are partitioned and join the shards.
@@ -171,48 +183,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._repartition()
 
     # ------------------------------------------------------------ gradients
-    def _shard_grad(self, shard: Shard) -> torch.Tensor:
-        if shard.master.grad is None:
-            shard.master.grad = torch.zeros_like(shard.master)
-        return shard.master.grad
-
     def _collect_gradients(self, shadow: bool = False) -> None:
         """This round's averaged gradients into the shards, unless already there (stage 2, clipping)."""
         if self.shard_gradients:  # the first backward was all-reduced: partition the final buckets now
             self.ddp.reducer.rebuild_if_due()  # (MiniDDP would rebuild them at its next forward)
             check_buckets_unchanged(self)
-        if self._grads_in_shards:
-            if self._round_from_hook:  # what the wrapper does not reduce (frozen when it was built): .grad
-                for p in self._outside_wrapper():
+        if self.grads.in_shards:
+            if self.grads.from_hook:  # what the wrapper does not reduce (frozen when it was built): .grad
+                for p in outside_wrapper(self):
                     if p.grad is not None:
-                        self.layout.fill_param(p, p.grad, self._shard_grad)
+                        self.grads.fill_param(p, p.grad)
             return
         # A joined rank has no gradient of its own; with average_gradients=False a wrapper we were not
         # given averaged them into .grad, and we step with what is there, as torch's ZeRO does.
         source: Callable = (lambda p: None) if shadow and self.average_gradients else (lambda p: p.grad)
         if self.average_gradients:
-            reduce_scatter_grads(self.layout, source, self._shard_grad, self.process_group, self.world_size)
+            reduce_scatter_grads(self.layout, source, Shard.gradient, self.process_group, self.world_size)
         else:
-            self.layout.fill(self._shard_grad, source)
-        self._grads_in_shards = True
-
-    def _outside_wrapper(self) -> list[torch.Tensor]:
-        """Parameters the wrapper's buckets do not hold: their ``.grad`` is read at ``step`` (not averaged)."""
-        inside = {id(p) for b in self.ddp.reducer.buckets for p in b.params}
-        return [p for p in self.layout.params if id(p) not in inside]
-
-    def _receive_piece(self, unit_index: int, piece: torch.Tensor) -> None:
-        """Stage 2: a bucket's reduce-scattered piece, into the shards (summed over backwards)."""
-        self._begin_gradient_round()
-        self.layout.take_piece(unit_index, piece, self._shard_grad, accumulate=True)
-
-    def _begin_gradient_round(self) -> None:
-        """A bucket's gradients arrive: the first of a round zeroes every shard gradient (the other buckets' parts)."""
-        if not self._grads_in_shards:
-            for shard in self.layout.shards:
-                self._shard_grad(shard).zero_()
-            self._grads_in_shards = True
-            self._round_from_hook = True
+            self.layout.fill(Shard.gradient, source)
+        self.grads.in_shards = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model.
@@ -223,7 +212,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         self._collect_gradients()
         self._clipped = (max_norm, norm_type)
-        grads = [self._shard_grad(s) for s in self.layout.shards]
+        grads = [s.gradient() for s in self.layout.shards]
         return clip_shards_by_global_norm_(grads, max_norm, norm_type, self.process_group)
 
     # ----------------------------------------------------------------- step
@@ -254,7 +243,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         else:
             loss = self.optim.step(closure=self._closure_for_shards(closure), **kwargs)
         copy_hyperparameters(self.optim.param_groups, self.param_groups)
-        self._end_gradient_round()
+        self.grads.end_round()
         self._pending_load = None
         if self.gradient_sharding is not None:
             self.gradient_sharding.use_pool()
@@ -268,21 +257,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for shard in self.layout.shards:
             shard.attach_gradients(stepped)
 
-    def _end_gradient_round(self) -> None:
-        """A step consumed the shards' gradients: the next backward allocates them again (1/N of the grads)."""
-        self._grads_in_shards = self._round_from_hook = False
-        self._used_in_round = set()
-        self._written_units = set()
-        for shard in self.layout.shards:
-            shard.detach_gradients()
-
     def _closure_for_shards(self, closure: Callable[[], float]) -> Callable[[], float]:
         def evaluate():
             with torch.no_grad():  # this rank's updated elements into the parameters the closure reads
                 for shard in self.layout.shards:
                     for seg, view in zip(shard.segments, shard.views):
                         seg.param.data.view(-1)[seg.param_start: seg.param_start + seg.length].copy_(view)
-            self._end_gradient_round()  # the closure's backward is a fresh round
+            self.grads.end_round()  # the closure's backward is a fresh round
             with torch.enable_grad():
                 loss = closure()
             self._gradients_into_views(shadow=False)
@@ -291,7 +272,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._grads_in_shards = False
+        self.grads.in_shards = False
 
     # ------------------------------------------------------------ checkpoints
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -309,9 +290,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated (torch-format) state: each rank keeps its part, for any world size."""
-        self._load(pieces_of_full(state_dict), state_dict["param_groups"])
+        self.load_state_pieces(pieces_of_full(state_dict), state_dict["param_groups"])
 
-    def _load(self, pieces, param_groups: list[dict]) -> None:
+    def load_state_pieces(self, pieces, param_groups: list[dict]) -> None:
+        """Load a state given as pieces (:mod:`minddp.zero.checkpoint`: of a consolidated state, or of
+        sharded files): each rank keeps the elements it owns."""
         load_pieces(self, pieces, param_groups)
         if self.shard_gradients:  # re-applied if MiniDDP rebuilds its buckets before the first step
             self._pending_load = (pieces, param_groups)

@@ -25,17 +25,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["stepped_parameters"]
+__all__ = ["outside_wrapper", "stepped_parameters"]
 
 
 def stepped_parameters(zero, shadow: bool) -> set[int]:
     """ids of ``zero``'s parameters to step this round (``shadow``: a joined rank's stand-in step)."""
-    if zero._round_from_hook:
+    if zero.grads.from_hook:
         reducer = zero.ddp.reducer
         # Stage 2 drops .grad bucket by bucket, noting what was used (summed over backwards); a joined
         # rank's shadow backward writes nothing, and the reducer's last record is the others' answer.
-        stepped = set(zero._used_in_round) if zero.shard_gradients and not shadow else _used_by(reducer)
-        return stepped | {id(p) for p in zero._outside_wrapper() if p.grad is not None}
+        stepped = set(zero.grads.used) if zero.shard_gradients and not shadow else _used_by(reducer)
+        return stepped | {id(p) for p in outside_wrapper(zero) if p.grad is not None}
     params = zero.layout.params
     has = [p.grad is not None and not (shadow and zero.average_gradients) for p in params]
     if zero.average_gradients and zero.world_size > 1:
@@ -43,6 +43,12 @@ def stepped_parameters(zero, shadow: bool) -> set[int]:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=zero.process_group)
         has = [bool(f) for f in flags.tolist()]
     return {id(p) for p, h in zip(params, has) if h}
+
+
+def outside_wrapper(zero) -> list[torch.Tensor]:
+    """``zero``'s parameters the wrapper's buckets do not hold: their ``.grad`` is read at ``step`` (not averaged)."""
+    inside = {id(p) for b in zero.ddp.reducer.buckets for p in b.params}
+    return [p for p in zero.layout.params if id(p) not in inside]
 
 
 def _used_by(reducer) -> set[int]:

@@ -51,6 +51,12 @@ class Shard:
         self.master = master
         self.views = [master[offset: offset + seg.length] for seg, offset in zip(self.segments, self.offsets)]
 
+    def gradient(self) -> torch.Tensor:
+        """``master.grad``, this shard's averaged gradient: zeros made at its first use."""
+        if self.master.grad is None:
+            self.master.grad = torch.zeros_like(self.master)
+        return self.master.grad
+
     def attach_gradients(self, stepped: set[int]) -> None:
         """Each view's ``.grad``: its part of ``master.grad``, or None if its parameter is not stepped."""
         grad = self.master.grad

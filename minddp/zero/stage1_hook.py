@@ -40,8 +40,8 @@ def allreduce_into_shards_hook(zero, bucket: GradBucket) -> torch.futures.Future
     params, views = bucket.parameters(), bucket.gradients()
 
     def arrived() -> None:
-        zero._begin_gradient_round()
+        zero.grads.begin_round()
         for p, view in zip(params, views):  # the bucket holds .grad's sum: a copy, not an addition
-            zero.layout.fill_param(p, view, zero._shard_grad)
+            zero.grads.fill_param(p, view)
 
     return WorkFuture(work, buffer, arrived)

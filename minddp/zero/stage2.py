@@ -58,7 +58,8 @@ from minddp.ddp.parts.bucket_views import BucketViews
 from minddp.ddp.parts.gradient_cases import sparse_embedding_weights
 from minddp.ddp.parts.lent_buckets import lend_buckets
 from minddp.zero.bucket_pool import BucketPool
-from minddp.zero.collectives import WorkFuture, _reduce_scatter, completed
+from minddp.collectives_compat import reduce_scatter_single
+from minddp.zero.collectives import WorkFuture, completed
 from minddp.zero.pairwise import reduce_scatter as reduce_scatter_pairwise
 from minddp.zero.pairwise import runs_pairwise
 from minddp.zero.partition import FlatUnit
@@ -176,15 +177,15 @@ class GradientSharding(Policy):
         for p, slot in zip(bucket.parameters(), bucket.gradients()):
             if p.grad is not slot:  # copied into the bucket: not needed any more (a slot goes with its buffer)
                 p.grad = None
-        zero._begin_gradient_round()
+        zero.grads.begin_round()
         direct = _shard_slice(zero, index)  # received straight into the shard gradient, when it can be
-        zero._written_units.add(index)
+        zero.grads.written_units.add(index)
         piece = direct if direct is not None else torch.empty(unit.piece, dtype=buffer.dtype, device=buffer.device)
         work = _start_reduce_scatter(send, piece, group)
 
         def arrived() -> None:
             if direct is None:
-                zero._receive_piece(index, piece)
+                zero.grads.receive_piece(index, piece)
             self.scattered.add(index)
 
         future = WorkFuture(work, buffer, arrived)
@@ -232,8 +233,8 @@ class GradientSharding(Policy):
         pool's free buffers are let go.
         """
         used = self.reducer.readiness.used_on_some_rank  # None: every parameter had a gradient
-        self.zero._used_in_round.update(id(p) for p in self.taken
-                                        if used is None or used[self.reducer_index[id(p)]])
+        self.zero.grads.used.update(id(p) for p in self.taken
+                                    if used is None or used[self.reducer_index[id(p)]])
         self.taken = []
         self.in_flight.clear()
         self.bucket_pool.let_go()
@@ -254,7 +255,7 @@ def _start_reduce_scatter(send: torch.Tensor, piece: torch.Tensor, group: dist.P
         return None
     if runs_pairwise(group, send.device):
         return reduce_scatter_pairwise(send, piece.numel(), group, out=piece)
-    return _reduce_scatter(piece, send, group=group, async_op=True)
+    return reduce_scatter_single(piece, send, group=group, async_op=True)
 
 
 def _shard_slice(zero, index: int) -> torch.Tensor | None:
@@ -263,7 +264,7 @@ def _shard_slice(zero, index: int) -> torch.Tensor | None:
     this round is there yet (a second backward before the step adds to it: through a temporary)."""
     segments = zero.layout.unit_segments[index]
     unit = zero.layout.units[index]
-    if index in zero._written_units or not segments:
+    if index in zero.grads.written_units or not segments:
         return None
     shard, start = segments[0][1], segments[0][2]
     at = start
@@ -273,7 +274,7 @@ def _shard_slice(zero, index: int) -> torch.Tensor | None:
         at += seg.length
     if at - start != unit.piece:
         return None
-    return zero._shard_grad(shard)[start:at]
+    return shard.gradient()[start:at]
 
 
 def check_buckets_unchanged(zero) -> None:
@@ -286,10 +287,8 @@ def check_buckets_unchanged(zero) -> None:
     now = [[id(p) for p in b.params] for b in zero.ddp.reducer.buckets]
     if now == [[id(p) for p in u.params] for u in zero.layout.units[:len(now)]]:
         return
-    if (zero.optim.state and zero._pending_load is None) or zero._grads_in_shards:  # a loaded state is re-applied
+    if zero.partition_is_fixed:
         raise RuntimeError("ZeroRedundancyOptimizer(shard_gradients=True): MiniDDP's buckets changed after the "
                            "partition was fixed on them (the first synchronized backward must come before the "
                            "first step)")
-    zero._repartition()
-    if zero._pending_load is not None:
-        zero._load(*zero._pending_load)
+    zero.repartition()

@@ -6,7 +6,7 @@ code, so the test is fast on CPU and still goes through Dynamo and AOT
 autograd). MiniDDP's hooks are on the parameters' gradient accumulators,
 which run outside the compiled graph, so communication still happens; what
 compiling changes (the graph breaks at MiniDDP's collectives, and the
-compiled backward hands all gradients over at its end) is in the README.
+compiled backward hands all gradients over at its end) is in docs/limits.md.
 """
 
 import pytest

@@ -13,7 +13,7 @@ import pytest
 
 from minddp.launch import find_free_port  # below the ephemeral range, where Gloo's own connections cannot take it
 
-accelerate = pytest.importorskip("accelerate", reason="accelerate not installed: pip install minddp[frameworks]")
+accelerate = pytest.importorskip("accelerate", reason="accelerate not installed: pip install -e \".[frameworks]\" from a clone")
 
 SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
 RUN = Path(__file__).parent / "frameworks" / "accelerate_run.py"

@@ -15,7 +15,7 @@ from torch import nn
 
 from minddp.launch import find_free_port  # below the ephemeral range, where Gloo's own connections cannot take it
 
-pytest.importorskip("lightning_fabric", reason="Lightning not installed: pip install minddp[frameworks]")
+pytest.importorskip("lightning_fabric", reason="Lightning not installed: pip install -e \".[frameworks]\" from a clone")
 
 RUN = Path(__file__).parent / "frameworks" / "fabric_run.py"
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("pytorch_lightning", reason="Lightning not installed: pip install minddp[frameworks]")
+pytest.importorskip("pytorch_lightning", reason="Lightning not installed: pip install -e \".[frameworks]\" from a clone")
 
 RUN = Path(__file__).parent / "frameworks" / "lightning_run.py"
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import torch
 
 from minddp.launch import find_free_port  # below the ephemeral range, where Gloo's own connections cannot take it
 
-pytest.importorskip("transformers", reason="transformers not installed: pip install minddp[frameworks]")
+pytest.importorskip("transformers", reason="transformers not installed: pip install -e \".[frameworks]\" from a clone")
 
 RUN = Path(__file__).parent / "frameworks" / "transformers_run.py"
 ROOT = Path(__file__).resolve().parents[2]

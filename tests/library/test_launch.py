@@ -127,13 +127,6 @@ def test_spawn_runs_each_ranks_setup_in_its_process_before_the_group(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "set-up-0", "set-up-1"]
 
 
-def test_spawn_names_the_labs_spawn_for_a_real_link():
-    from minddp import spawn
-
-    with pytest.raises(ValueError, match=r"minddp_lab\.links\.spawn"):
-        spawn(_collect, 2, "unused", backend="gloo", link="1gbit")
-
-
 def test_the_labs_spawn_without_a_link_is_the_librarys(tmp_path):
     from minddp_lab.links import spawn
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minddp import MiniDDP
-from minddp.comm_hooks import fp16_compress_hook
+from minddp.ddp.default_hooks import fp16_compress_hook
 from minddp.fsdp import fully_shard
 from minddp.zero import ZeroRedundancyOptimizer
 from models_for_tests import build, global_batch

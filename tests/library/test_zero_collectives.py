@@ -15,6 +15,7 @@ from torch import nn
 from minddp.zero import ZeroRedundancyOptimizer
 from minddp.zero.collectives import all_gather_params, reduce_scatter_grads
 from minddp.zero.memory import allocation_peak
+from minddp.zero.shards import Shard
 
 WIDTH = 512
 SLACK = 64 * 1024  # bookkeeping, far below a copy of the 2 MiB sent
@@ -27,9 +28,9 @@ def _transients(rank, world_size):
     model(torch.randn(4, WIDTH)).square().mean().backward()
     layout, group = opt.layout, opt.process_group
     for shard in layout.shards:
-        opt._shard_grad(shard)  # allocated before the measure: only temporaries count
+        shard.gradient()  # allocated before the measure: only temporaries count
     scatter_peak, scatter_kept = allocation_peak(
-        lambda: reduce_scatter_grads(layout, lambda p: p.grad, opt._shard_grad, group, world_size))
+        lambda: reduce_scatter_grads(layout, lambda p: p.grad, Shard.gradient, group, world_size))
     gather_peak, gather_kept = allocation_peak(
         lambda: all_gather_params(layout, lambda s: s.master, lambda p: p.data, group))
     sent = max(world_size * unit.piece for unit in layout.units) * 4

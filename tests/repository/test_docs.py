@@ -15,7 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 LESSONS_README = ROOT / "lessons" / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [README, LESSONS_README, *sorted((ROOT / "lessons").glob("*/README.md")), *DOCS]
+# Every README of the course and the benchmarks (the exercises', their solutions', the experiments'), and docs/.
+READMES = sorted(p for folder in ("lessons", "benchmarks") for p in (ROOT / folder).rglob("README.md"))
+PAGES = [README, *READMES, *DOCS]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 LOOK_BACK = 40  # lines before a table where the command that made it may stand (same section)
 COMMAND = re.compile(r"`(?:python3?|bash|PYTHONPATH=|minddp-train|pytest|sbatch|mpirun|torchrun|NPROC=|NNODES=|NP=)[^`]*`|```(?:bash|sh)")
@@ -111,19 +113,39 @@ def test_every_file_in_docs_is_shown_by_a_page():
     assert not unnamed, "files in docs/ that no page names (delete them, or show them where they belong): " + ", ".join(unnamed)
 
 
+# A lesson's number: two digits, and a letter for a lesson added after it (07b, 07c, ... come between 07 and 08).
+LESSON_NUMBER = r"\d+[a-z]?"
+
+
 def lesson_numbers() -> set[str]:
     return {p.name.split("_")[0] for p in (ROOT / "lessons").glob("[0-9]*_*.py")}
 
 
-def numbers_in(cell: str) -> set[str]:
-    """The lessons a cell names: '01-08' is 01 to 08 with 07b; '16-18, 17b' is 16, 17, 17b, 18."""
+def lesson_order(number: str) -> tuple[int, str]:
+    """Where a lesson comes: '07' < '07b' < '07c' < '08'."""
+    match = re.fullmatch(r"(\d+)([a-z]?)", number)
+    if not match:
+        raise ValueError(f"{number!r} is not a lesson number (two digits, then at most one letter: 07, 07b)")
+    return int(match.group(1)), match.group(2)
+
+
+def numbers_in(cell: str, lessons: set[str] | None = None) -> set[str]:
+    """The lessons a cell names: '01-08' is 01 to 08 with 07b (not 08b, after 08); '16-18, 17b' is 16, 17, 17b, 18."""
+    lessons = lesson_numbers() if lessons is None else lessons
     found = set()
-    for low, high, single in re.findall(r"(\d+)-(\d+)|(\d+b?)", cell):
+    for low, high, single in re.findall(rf"(\d+)-(\d+)|\b({LESSON_NUMBER})\b", cell):
         if single:
             found.add(single)
         else:
-            found |= {n for n in lesson_numbers() if int(low) <= int(n.rstrip("b")) <= int(high)}
+            found |= {n for n in lessons if lesson_order(low) <= lesson_order(n) <= lesson_order(high)}
     return found
+
+
+def test_a_lesson_number_takes_any_letter():
+    lessons = {"06", "07", "07b", "07c", "08", "08b", "09"}
+    assert numbers_in("01-08", lessons) == {"06", "07", "07b", "07c", "08"}
+    assert numbers_in("09 (with 07c, 08b)", lessons) == {"09", "07c", "08b"}
+    assert sorted(lessons, key=lesson_order) == ["06", "07", "07b", "07c", "08", "08b", "09"]
 
 
 @pytest.mark.parametrize("page", [README, LESSONS_README], ids=["README", "lessons/README"])
@@ -134,7 +156,7 @@ def test_the_learning_path_covers_every_lesson_once(page):
     for row in rows:
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
         seen += sorted(numbers_in(next(c for c in cells if re.match(r"\d\d", c))))
-    assert sorted(seen) == sorted(lesson_numbers()), (
+    assert sorted(seen, key=lesson_order) == sorted(lesson_numbers(), key=lesson_order), (
         f"{page.name}'s learning path lists lessons {sorted(seen)}; lessons/ holds {sorted(lesson_numbers())}")
 
 
@@ -207,9 +229,9 @@ def test_the_simulated_link_lessons_are_the_ones_that_use_it():
     using = sorted(p.name.split("_")[0] for p in (ROOT / "lessons").glob("[0-9]*_*.py")
                    if re.search(r"simulated_link|make_link", p.read_text()))
     text = " ".join(LESSONS_README.read_text().split())
-    m = re.search(r"lessons ([0-9b, and]+?) send their collectives through a \W*simulated link", text)
+    m = re.search(r"lessons ([0-9a-z, ]+?) send their collectives through a \W*simulated link", text)
     assert m, "lessons/README.md names the lessons that use the simulated link"
-    named = sorted(re.findall(r"\d+b?", m.group(1)))
+    named = sorted(re.findall(rf"\b{LESSON_NUMBER}\b", m.group(1)))
     assert named == using, f"lessons/README.md says lessons {named} use the simulated link; the code says {using}"
 
 

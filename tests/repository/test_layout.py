@@ -9,7 +9,6 @@ even where a function-local import hides it from Python at import time.
 """
 
 import ast
-import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -19,20 +18,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = REPO / "minddp"
 LAB_DIR = REPO / "minddp_lab"
-# Names that left the library for the lab: importing one raises, naming where it went (the library
-# cannot import the lab to stand in for it).
-MOVED = {
-    "minddp.simulate": "minddp_lab.simulate",
-    "minddp.net": "minddp_lab.network",
-    "minddp.train": "minddp_lab.train",
-    "minddp.models": "minddp_lab.models",
-    "minddp.data": "minddp_lab.data",
-    "minddp.launch.rank_pool": "minddp_lab.rank_pool",
-    "minddp.observe.trace_view": "minddp_lab.trace_view",
-    "minddp.observe": "minddp.ddp.observers",  # moved within the library, under the DDP core
-}
-# Older names of modules still in the library: the very same module under both names.
-ALIASES = {"minddp.comm_hooks": "minddp.ddp.default_hooks", "minddp.replicas": "minddp.ddp.replicas"}
 # What a module of minddp.frameworks may import beyond torch: its framework.
 FRAMEWORKS = {"minddp.frameworks.accelerate": {"accelerate"},
               "minddp.frameworks.lightning": {"lightning", "pytorch_lightning", "lightning_fabric"}}
@@ -179,39 +164,10 @@ def test_import_minddp_loads_no_simulator_link_or_planner():
 
 
 def test_every_library_module_imports_without_the_lab():
-    # Every module of the library but the moved names' stubs and the frameworks' doors (they import their framework).
-    skip = (*MOVED, *ALIASES, "minddp.frameworks.")
-    modules = sorted(m for m in _library_modules() if not m.startswith(skip))
+    # Every module of the library but the frameworks' doors (they import their framework).
+    modules = sorted(m for m in _library_modules() if not m.startswith("minddp.frameworks."))
     assert "minddp.ddp.wrapper" in modules and "minddp.launch.spawning" in modules
     assert _loaded_after(f"import importlib\nfor m in {modules!r}: importlib.import_module(m)") == []
-
-
-@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
-def test_a_moved_name_says_where_it_went(old, new):
-    with pytest.raises(ImportError) as error:
-        importlib.import_module(old)
-    assert new in str(error.value)
-    importlib.import_module(new)  # and the new name is there
-
-
-def test_a_module_below_a_moved_package_says_where_it_went():
-    with pytest.raises(ImportError, match="minddp_lab.links"):
-        importlib.import_module("minddp.net.links")
-
-
-@pytest.mark.parametrize("old, new", sorted(ALIASES.items()))
-def test_an_older_name_is_the_same_module(old, new):
-    assert importlib.import_module(old) is importlib.import_module(new)
-
-
-def test_older_names_import_as_users_wrote_them():
-    from minddp import comm_hooks
-    from minddp.ddp.default_hooks import allreduce_hook
-    from minddp.ddp.replicas import check_replicas_in_sync as new
-    from minddp.replicas import check_replicas_in_sync
-
-    assert comm_hooks.allreduce_hook is allreduce_hook
-    assert check_replicas_in_sync is new
 
 
 def test_the_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path):
