@@ -81,8 +81,8 @@ class LaterOptions:
         elif self.buffer_sync == "off":
             asked = self._buffer_sync_asked
             self.buffer_sync = asked if asked in ("broadcast", "average") else "broadcast"
-            if self.world_size > 1 and self._module_buffers():
-                self.buffer_policy = BufferSync(self._module_buffers, self.process_group, self.buffer_sync)
+            if self.world_size > 1 and self.module_buffers():
+                self.buffer_policy = BufferSync(self.module_buffers, self.process_group, self.buffer_sync)
 
     broadcast_buffers = forward_sync_buffers  # torch's older name for the same flag
 
@@ -92,7 +92,7 @@ class LaterOptions:
         if isinstance(riding, RidesInLastBucket):
             self.reducer.set_gradients(riding.inner)
             self.reducer.build_again()  # without the room
-            self.buffer_policy = BufferSync(self._module_buffers, self.process_group, "broadcast")
+            self.buffer_policy = BufferSync(self.module_buffers, self.process_group, "broadcast")
 
     def follow(self, name: str) -> FollowedGradient:
         """Follow one parameter's gradient down the path in the next synchronized backwards

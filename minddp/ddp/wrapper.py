@@ -146,7 +146,7 @@ class MiniDDP(LaterOptions, TorchSurface, nn.Module, Joinable):
         if init_sync:
             with on_device(self.device):
                 check_same_parameters(module, self.process_group, self.parameters_to_ignore)
-                states = self._module_parameters() + (self._module_buffers() if init_sync_buffers else [])
+                states = self.module_parameters() + (self.module_buffers() if init_sync_buffers else [])
                 broadcast_coalesced(states, self.process_group)
 
         # 2. The reducer and its parts (no collective: a copy or a reloaded
@@ -179,11 +179,11 @@ class MiniDDP(LaterOptions, TorchSurface, nn.Module, Joinable):
             gradients = GradientCases(count)
         # How do buffers agree before a forward? By broadcast (torch's way), average, or in the last bucket:
         self.buffer_policy = None
-        if self.buffer_sync != "off" and self.world_size > 1 and self._module_buffers():
-            self.buffer_policy = BufferSync(self._module_buffers, self.process_group, self.buffer_sync)
+        if self.buffer_sync != "off" and self.world_size > 1 and self.module_buffers():
+            self.buffer_policy = BufferSync(self.module_buffers, self.process_group, self.buffer_sync)
             if self.buffer_sync == "with_gradients":  # they ride with the gradients: a part around theirs
                 self.buffer_policy = BuffersInLastBucket(
-                    self._module_buffers, self.process_group, is_source=dist.get_rank(self.process_group) == 0)
+                    self.module_buffers, self.process_group, is_source=dist.get_rank(self.process_group) == 0)
                 gradients = RidesInLastBucket(gradients or CopyGradients(), self.buffer_policy)
         self.reducer = TorchReducer(params, [name for name, _ in named], self.process_group, options,
                                     readiness=readiness, gradients=gradients)
@@ -244,7 +244,7 @@ class MiniDDP(LaterOptions, TorchSurface, nn.Module, Joinable):
             self.reducer.prepare_for_backward(output)
         return output
 
-    def _module_buffers(self) -> list[torch.Tensor]:
+    def module_buffers(self) -> list[torch.Tensor]:
         """The module's buffers as they are *now*: read again at every use, as torch's DDP does, since
         a forward may re-assign one (``self.mean = 0.9 * self.mean + ...``) and ``model.double()``
         replaces them all; a list taken at construction would broadcast tensors nobody uses."""
@@ -252,7 +252,7 @@ class MiniDDP(LaterOptions, TorchSurface, nn.Module, Joinable):
             return list(self.module.buffers())
         return [b for name, b in self.module.named_buffers() if name not in self.parameters_to_ignore]
 
-    def _module_parameters(self) -> list[nn.Parameter]:
+    def module_parameters(self) -> list[nn.Parameter]:
         """Every parameter MiniDDP keeps equal on all ranks (trainable or not; not those left to the user)."""
         return [p for name, p in self.module.named_parameters() if name not in self.parameters_to_ignore]
 

@@ -32,22 +32,6 @@ from torch.nn.parallel import DistributedDataParallel
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = REPO / "minddp"
 
-# TEMPORARY: these files are being moved into minddp/ddp/core/ and are edited there, not here; their
-# reaches into other modules' privates are fixed with that move, and this exemption goes with it.
-EXEMPT = frozenset({
-    "minddp/ddp/reducer.py",
-    "minddp/ddp/wrapper.py",
-    "minddp/ddp/contracts.py",
-    "minddp/ddp/buckets.py",
-    "minddp/ddp/bucket_assignment.py",
-    "minddp/ddp/weak_hooks.py",
-})
-# TEMPORARY, with the exemption above: reaches into those files' privates, fixed in the same move by a public
-# name there (wrapper.py: module_buffers(), module_parameters()).
-INTO_EXEMPT = frozenset({
-    ("minddp/ddp/parts/uneven_inputs.py", "_module_buffers"),
-    ("minddp/ddp/parts/uneven_inputs.py", "_module_parameters"),
-})
 # torch's private names that MiniDDP defines under torch's name, and the torch class whose name each is.
 TORCHS_NAMES = {
     "_get_ddp_logging_data": DistributedDataParallel,
@@ -137,17 +121,9 @@ def library_sources() -> dict[str, str]:
 
 
 def test_no_library_module_uses_another_modules_privates():
-    found = [r for r in reaches(library_sources())
-             if r.path not in EXEMPT and (r.path, r.what.rpartition(".")[2]) not in INTO_EXEMPT]
+    found = reaches(library_sources())
     assert not found, "private names used outside the module that defines them (make them public there, " \
                       "or give the owner a public method):\n" + "\n".join(map(str, found))
-
-
-def test_the_exemptions_are_not_stale():
-    # A file that has moved is checked where it is now: drop its exemption (and INTO_EXEMPT's once fixed).
-    assert all((REPO / path).is_file() for path in EXEMPT), sorted(p for p in EXEMPT if not (REPO / p).is_file())
-    still = {(r.path, r.what.rpartition(".")[2]) for r in reaches(library_sources())}
-    assert INTO_EXEMPT <= still, f"no longer found, drop from INTO_EXEMPT: {sorted(INTO_EXEMPT - still)}"
 
 
 def test_torchs_names_are_torchs():

@@ -93,15 +93,15 @@ class MiniDDPJoinHook(JoinHook):
         ddp = self.ddp
         if ddp.buffer_policy is not None:
             source = common_rank(ddp.process_group, ddp.device, is_candidate=False)
-            sync_buffers(ddp._module_buffers(), ddp.process_group, ddp.buffer_sync, source)
+            sync_buffers(ddp.module_buffers(), ddp.process_group, ddp.buffer_sync, source)
         shadow_backward(ddp.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         # Everyone is done: the last ranks to train have the newest parameters.
         ddp = self.ddp
         source = common_rank(ddp.process_group, ddp.device, is_candidate=is_last_joiner)
-        buffers = ddp._module_buffers() if ddp.buffer_sync != "off" else []  # torch: forward_sync_buffers
-        broadcast_coalesced(ddp._module_parameters() + buffers, ddp.process_group, source)
+        buffers = ddp.module_buffers() if ddp.buffer_sync != "off" else []  # torch: forward_sync_buffers
+        broadcast_coalesced(ddp.module_parameters() + buffers, ddp.process_group, source)
         ddp.reducer.average_over(ddp.world_size)
         self._work = self._active = None
 
