@@ -1,11 +1,11 @@
 """minddp: a readable DistributedDataParallel, built from scratch.
 
-Read in this order: ``minddp/ddp/wrapper.py`` (the wrapper: construction, forward,
-no_sync) -> ``minddp/ddp/core/reducer.py`` (the plain path of a gradient: hook,
-bucket, in-order all-reduce, end-of-backward wait, .grad) ->
-``minddp/ddp/core/buckets.py`` (flat buckets and their life cycle). Every option
-beyond that path is a part in ``minddp/ddp/parts/``, one file each, picked
-by MiniDDP's constructor (``docs/reading_the_code.md`` lists them).
+Read in this order: ``minddp/ddp/core/`` (the plain path of a gradient: hook,
+bucket, in-order all-reduce, end-of-backward wait, .grad; it imports nothing
+else of minddp) -> ``minddp/ddp/wrapper.py`` (the wrapper: construction,
+forward, no_sync). Every option beyond that path is a part in
+``minddp/ddp/parts/``, one file each, picked by MiniDDP's constructor
+(``docs/reading_the_code.md`` lists them).
 """
 
 from minddp.ddp.wrapper import MiniDDP
