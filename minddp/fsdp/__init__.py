@@ -61,9 +61,9 @@ functions::
 
 from minddp.fsdp.checkpoint import load_sharded, save_sharded
 from minddp.fsdp.clip import clip_grad_norm_
-from minddp.fsdp.fully_shard import FSDPModule, fully_shard, is_sharded
+from minddp.fsdp.fully_shard import FSDPModule, UnshardHandle, fully_shard, is_sharded
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.fsdp.state_dict import full_state_dict, load_full_state_dict
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict", "fully_shard", "is_sharded",
+__all__ = ["FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict", "fully_shard", "is_sharded",
            "load_full_state_dict", "load_sharded", "save_sharded"]

@@ -8,7 +8,8 @@ outputs, and a hook on each full parameter's gradient accumulation; it
 decides the rest:
 
 * ``before_forward(unit)``: gather the unit (the prefetch may have started
-  it), and start gathering the unit that came next last time;
+  it), and start gathering the unit that came next last time (or the
+  units ``set_modules_to_forward_prefetch`` named);
 * ``after_forward(unit, output)``: free the unit (unless its backward comes
   first: the root, the outermost unit, and the last unit of the forward),
   and ask to be told when a gradient reaches the output
@@ -125,7 +126,9 @@ class Schedule:
         self._depth += 1
         unit.wait_gathered()
         if torch.is_grad_enabled():
-            self._prefetch(self._forward_order.next_to_prefetch(unit))
+            following = self._forward_order.next_to_prefetch(unit)
+            for other in unit.forward_prefetch if unit.forward_prefetch is not None else [following]:
+                self._prefetch(other)
 
     def after_forward(self, unit: ShardedUnit, output) -> object:
         if _in_backward():
@@ -151,7 +154,9 @@ class Schedule:
     def before_backward(self, unit: ShardedUnit) -> None:
         self._watch_this_pass()
         unit.wait_gathered()
-        self._prefetch(self._backward_order.next_to_prefetch(unit))
+        following = self._backward_order.next_to_prefetch(unit)
+        for other in unit.backward_prefetch if unit.backward_prefetch is not None else [following]:
+            self._prefetch(other)
         # Its gradients straight into its send buffer. Not the root's: they
         # come around the other units' (a final norm first, an embedding
         # last), and its buffer would stay through the whole backward.
