@@ -126,9 +126,7 @@ class Schedule:
         self._depth += 1
         unit.wait_gathered()
         if torch.is_grad_enabled():
-            following = self._forward_order.next_to_prefetch(unit)
-            for other in unit.forward_prefetch if unit.forward_prefetch is not None else [following]:
-                self._prefetch(other)
+            self._prefetch(self._forward_order.next_to_prefetch(unit), unit.forward_prefetch)
 
     def after_forward(self, unit: ShardedUnit, output) -> object:
         if _in_backward():
@@ -154,9 +152,7 @@ class Schedule:
     def before_backward(self, unit: ShardedUnit) -> None:
         self._watch_this_pass()
         unit.wait_gathered()
-        following = self._backward_order.next_to_prefetch(unit)
-        for other in unit.backward_prefetch if unit.backward_prefetch is not None else [following]:
-            self._prefetch(other)
+        self._prefetch(self._backward_order.next_to_prefetch(unit), unit.backward_prefetch)
         # Its gradients straight into its send buffer. Not the root's: they
         # come around the other units' (a final norm first, an embedding
         # last), and its buffer would stay through the whole backward.
@@ -208,9 +204,14 @@ class Schedule:
             if earlier is not unit:
                 earlier.finish_reduce_scatter()
 
-    def _prefetch(self, unit: ShardedUnit | None) -> None:
-        if unit is not None and self.prefetch:
-            unit.start_gather()
+    def _prefetch(self, following: ShardedUnit | None, named: list[ShardedUnit] | None) -> None:
+        """Start gathering the units named by ``set_modules_to_*_prefetch`` if any (always), else the
+        one that came next last time (while prefetching is on)."""
+        if named is not None:
+            for unit in named:
+                unit.start_gather()
+        elif following is not None and self.prefetch:
+            following.start_gather()
 
     def _watch_this_pass(self) -> None:
         # A reentrant activation checkpoint runs a nested backward pass; ask

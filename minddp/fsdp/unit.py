@@ -208,10 +208,10 @@ class ShardedUnit:
         if all(v.data_ptr() == mine.data_ptr() and v.device == mine.device for v, mine in zip(values, self.locals)):
             return  # converted in place (``model.to`` its own device and dtype): nothing to do
         real = [v.device for v in values if v.device.type != "meta"]
+        stale = list(self.shard_params)
         with torch.no_grad():
             if self.is_meta and real:
                 self._build(real[0])
-            stale = [p for p in self.shard_params]
             for value, mine, g, name in zip(values, self.locals, self.geometry, self.names):
                 if value.device.type == "meta" and not self.is_meta:
                     raise RuntimeError(
