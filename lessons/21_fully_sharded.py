@@ -24,8 +24,11 @@ What you will learn
     A ``Ledger`` notes the bytes of every gathered tensor while it lives, so
     part 1 prints the memory of one step as it goes: shards all the time,
     one unit in full on top. Part 2 runs ``minddp.fsdp.fully_shard`` (torch
-    FSDP2's API: each block, then the root) on the same model and data: the
-    same parameters, and both equal to one process on the whole batch.
+    FSDP2's API and recipe: build on the meta device, shard each block then
+    the root, ``to_empty`` to materialize, then initialize) on the same model
+    and data, and prints what a parameter has become: a DTensor of the full
+    shape, ``Shard(0)``, this rank's rows in ``to_local()``. The same
+    parameters, and both equal to one process on the whole batch.
 
 What to run
     python lessons/21_fully_sharded.py [--world-size 3] [--depth 8] [--width 512]
@@ -199,13 +202,24 @@ def main(rank: int, world_size: int, args) -> None:
                 f"max |HandFSDP - one process| = {hand_diff:.1e}")
     assert hand_diff < 1e-5, f"HandFSDP trains as one process on the whole batch (float32 rounding), off by {hand_diff}"
 
-    # Part 2: the package, torch FSDP2's API.
+    # Part 2: the package, torch FSDP2's API and recipe: meta -> shard -> materialize -> initialize.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     from minddp.fsdp import full_state_dict, fully_shard
 
-    layers = make_layers(args.width, args.depth)
+    with torch.device("meta"):
+        layers = make_layers(args.width, args.depth)  # shapes only: no rank ever holds the whole model
     for block in layers[:-1]:
         fully_shard(block)
     fully_shard(layers)  # the root: the head, and whatever no block owns
+    layers.to_empty(device="cpu")  # each rank allocates its shard (uninitialized)
+    # Initialize: here the same start as part 1 (FSDP2's example calls layers.reset_parameters(), nn.init on
+    # the shards); torch's own helper takes the full tensors and keeps each rank's rows.
+    set_model_state_dict(layers, make_layers(args.width, args.depth).state_dict(),
+                         options=StateDictOptions(full_state_dict=True))
+    weight = layers[0][0].weight
+    print0(f"\npart 2: layers[0][0].weight is a {type(weight).__name__}, placements {weight.placements}, "
+           f"shape {tuple(weight.shape)}; this rank holds to_local() {tuple(weight.to_local().shape)}")
     opt = torch.optim.SGD(layers.parameters(), lr=LR, momentum=0.9)
     for step in range(STEPS):
         x, y = batch(step, rank, args.width)
@@ -215,7 +229,7 @@ def main(rank: int, world_size: int, args) -> None:
     weights = full_state_dict(layers)
     package = torch.cat([weights[name].reshape(-1) for name, _ in reference.named_parameters()])
     diff = (package - gathered).abs().max().item()
-    print0(f"\npart 2: minddp.fsdp.fully_shard on each block, then the root: max |minddp.fsdp - HandFSDP| = {diff:.1e}")
+    print0(f"part 2: minddp.fsdp.fully_shard on each block, then the root: max |minddp.fsdp - HandFSDP| = {diff:.1e}")
     assert diff < 1e-5, f"minddp.fsdp and HandFSDP do the same arithmetic, up to float32 summation order: {diff}"
     print0(f"checked: in forward one unit at a time is held in full, in backward its gradient beside it; the peak is "
            f"{(peak + shards + state) / ddp:.0%} of DDP's;")

@@ -10,17 +10,28 @@ One import swaps torch's for ours::
     optimizer = torch.optim.AdamW(model.parameters())   # built after: it steps the shards
     loss = model(x, y); loss.backward(); optimizer.step()   # shard .grad: averaged, fp32
 
-What differs from FSDP2: a rank's parameters are plain fp32 tensors, each a
-piece of its flattened parameter (1-D, possibly empty), views into one flat
-shard per unit, not DTensors; so any torch optimizer steps them at plain
-tensor cost (an optimizer whose update depends on a tensor's shape, such as
-Adafactor or Muon, would see 1-D pieces). :func:`clip_grad_norm_` replaces
-``torch.nn.utils.clip_grad_norm_`` (which would see this rank's pieces only).
-Each unit starts from rank 0's values (one scatter per unit, as MiniDDP
-starts from rank 0's weights; FSDP2 trusts every rank to have initialized
-alike). Buffers and parameters outside every unit are neither sharded nor
-synchronized (each rank keeps its own, as with FSDP2). Move the model to its
-device before ``fully_shard``.
+As FSDP2: a rank's parameters are DTensors sharded on dim 0 (``Shard(0)``)
+over the unit's DeviceMesh, of the full logical shape; their local rows are
+views into one flat shard per unit, which the all-gather sends as it is. So
+``nn.init``, shape-aware optimizers, ``torch.nn.utils.clip_grad_norm_``,
+``p.full_tensor()`` and ``torch.distributed.checkpoint``'s state-dict helpers
+work on them, and FSDP2's recipe runs::
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")      # each rank allocates its shard
+    model.reset_parameters()          # nn.init on the DTensors
+
+:func:`clip_grad_norm_` is the same global norm in one all-reduce, and also
+takes parameters outside every unit. A model built with values (not on
+meta) starts each unit from rank 0's values (one scatter per unit, as
+MiniDDP starts from rank 0's weights; FSDP2 trusts every rank to have
+initialized alike). Buffers and parameters outside every unit are neither
+sharded nor synchronized (each rank keeps its own, as with FSDP2). Move or
+convert the model before ``fully_shard`` (``.to``/``.half`` after it raise).
 
 Read in this order: :mod:`~minddp.fsdp.policy` (dtypes) ->
 :mod:`~minddp.fsdp.unit` (one unit's flat shard, gathered and freed, its
@@ -61,9 +72,9 @@ functions::
 
 from minddp.fsdp.checkpoint import load_sharded, save_sharded
 from minddp.fsdp.clip import clip_grad_norm_
-from minddp.fsdp.fully_shard import FSDPModule, fully_shard, is_sharded
+from minddp.fsdp.fully_shard import FSDPModule, UnshardHandle, fully_shard, is_sharded
 from minddp.fsdp.policy import MixedPrecisionPolicy
 from minddp.fsdp.state_dict import full_state_dict, load_full_state_dict
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict", "fully_shard", "is_sharded",
+__all__ = ["FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict", "fully_shard", "is_sharded",
            "load_full_state_dict", "load_sharded", "save_sharded"]

@@ -22,6 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from minddp.fsdp.fully_shard import units_of
 
@@ -29,8 +30,17 @@ __all__ = ["save_sharded", "load_sharded"]
 
 
 def _spans(model: nn.Module) -> dict[int, tuple[int, int]]:
-    """``id(shard parameter) -> (first element held, how many)`` for every unit in ``model``."""
+    """``id(shard parameter) -> (first element held, how many)`` for every unit in ``model``.
+
+    A rank holds rows of each parameter (``Shard(0)``): in the flattened
+    parameter, one run of elements."""
     return {id(p): span for unit in units_of(model) for p, span in zip(unit.shard_params, unit.spans)}
+
+
+def _flat_local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a shard parameter (or of optimizer state shaped like it), flattened, copied."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.detach().reshape(-1).clone()
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: str) -> None:
@@ -39,11 +49,12 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, dire
     pieces, replicated, states = {}, {}, {}
     for name, p in model.named_parameters():
         if id(p) in spans:
-            pieces[name] = {"first": spans[id(p)][0], "values": p.detach().clone()}
+            pieces[name] = {"first": spans[id(p)][0], "values": _flat_local(p)}
         else:
             replicated[name] = p.detach().clone()
         if optimizer is not None and p in optimizer.state:
-            states[name] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in optimizer.state[p].items()}
+            states[name] = {k: (_flat_local(v) if isinstance(v, DTensor) else v.clone() if torch.is_tensor(v) else v)
+                            for k, v in optimizer.state[p].items()}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     os.makedirs(directory, exist_ok=True)
@@ -62,11 +73,11 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, dire
         for name, p in model.named_parameters():
             if id(p) in spans:
                 first, length = spans[id(p)]
-                p.copy_(_assemble(files, name, first, length, lambda f: f["pieces"][name]["values"]))
+                p.to_local().view(-1).copy_(_assemble(files, name, first, length, lambda f: f["pieces"][name]["values"]))
             else:
                 p.copy_(mine["replicated"][name])
             if optimizer is not None:
-                state = _state_for(files, name, spans.get(id(p)))
+                state = _state_for(files, name, spans.get(id(p)), p)
                 if state:
                     optimizer.state[p] = state
         for name, b in model.named_buffers():
@@ -94,15 +105,19 @@ def _assemble(files: list[dict], name: str, first: int, length: int, values_of) 
     return out
 
 
-def _state_for(files: list[dict], name: str, span: tuple[int, int] | None) -> dict:
-    """The optimizer state of parameter ``name`` for this rank's elements (None: nobody stepped it)."""
+def _state_for(files: list[dict], name: str, span: tuple[int, int] | None, param: torch.Tensor) -> dict:
+    """The optimizer state of parameter ``name`` for this rank's elements (None: nobody stepped it),
+    a DTensor like ``param`` where the state is shaped like the shard."""
     having = [f for f in files if name in f["optimizer_state"]]
     if not having:
         return {}
     state = {}
     for key, value in having[0]["optimizer_state"][name].items():
         if span is not None and torch.is_tensor(value) and value.dim() == 1:  # shaped like the shard
-            state[key] = _assemble(having, name, *span, lambda f: f["optimizer_state"][name][key])
+            flat = _assemble(having, name, *span, lambda f: f["optimizer_state"][name][key])
+            local = param.to_local()
+            state[key] = DTensor.from_local(flat.view(local.shape), param.device_mesh, param.placements,
+                                            run_check=False, shape=param.shape, stride=param.stride())
         else:
             state[key] = value.clone() if torch.is_tensor(value) else value
     return state

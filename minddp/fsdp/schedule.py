@@ -8,7 +8,8 @@ outputs, and a hook on each full parameter's gradient accumulation; it
 decides the rest:
 
 * ``before_forward(unit)``: gather the unit (the prefetch may have started
-  it), and start gathering the unit that came next last time;
+  it), and start gathering the unit that came next last time (or the
+  units ``set_modules_to_forward_prefetch`` named);
 * ``after_forward(unit, output)``: free the unit (unless its backward comes
   first: the root, the outermost unit, and the last unit of the forward),
   and ask to be told when a gradient reaches the output
@@ -125,7 +126,7 @@ class Schedule:
         self._depth += 1
         unit.wait_gathered()
         if torch.is_grad_enabled():
-            self._prefetch(self._forward_order.next_to_prefetch(unit))
+            self._prefetch(self._forward_order.next_to_prefetch(unit), unit.forward_prefetch)
 
     def after_forward(self, unit: ShardedUnit, output) -> object:
         if _in_backward():
@@ -151,7 +152,7 @@ class Schedule:
     def before_backward(self, unit: ShardedUnit) -> None:
         self._watch_this_pass()
         unit.wait_gathered()
-        self._prefetch(self._backward_order.next_to_prefetch(unit))
+        self._prefetch(self._backward_order.next_to_prefetch(unit), unit.backward_prefetch)
         # Its gradients straight into its send buffer. Not the root's: they
         # come around the other units' (a final norm first, an embedding
         # last), and its buffer would stay through the whole backward.
@@ -203,9 +204,14 @@ class Schedule:
             if earlier is not unit:
                 earlier.finish_reduce_scatter()
 
-    def _prefetch(self, unit: ShardedUnit | None) -> None:
-        if unit is not None and self.prefetch:
-            unit.start_gather()
+    def _prefetch(self, following: ShardedUnit | None, named: list[ShardedUnit] | None) -> None:
+        """Start gathering the units named by ``set_modules_to_*_prefetch`` if any (always), else the
+        one that came next last time (while prefetching is on)."""
+        if named is not None:
+            for unit in named:
+                unit.start_gather()
+        elif following is not None and self.prefetch:
+            following.start_gather()
 
     def _watch_this_pass(self) -> None:
         # A reentrant activation checkpoint runs a nested backward pass; ask

@@ -1,8 +1,11 @@
 """Full state dicts: every parameter whole, by its original name, as an unsharded model has them.
 
-:func:`full_state_dict` all-gathers each unit's shard in its master dtype
-(fp32, whatever the compute dtype) and cuts the flat result back into
-parameters. Units are visited in module order, the same on every rank, so
+torch's own helpers work too (the parameters are DTensors):
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(model,
+options=StateDictOptions(full_state_dict=True))`` gathers each parameter
+with ``full_tensor()``. :func:`full_state_dict` is the same answer in one
+all-gather per unit: each unit's shard in its master dtype (fp32, whatever
+the compute dtype), cut back into parameters. Units are visited in module order, the same on every rank, so
 the all-gathers pair up. What ``load_state_dict`` of an unsharded copy of the
 model accepts, this returns; :func:`load_full_state_dict` goes the other way.
 """
@@ -14,30 +17,16 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.fsdp.fully_shard import units_of
-from minddp.fsdp.collectives import all_gather
 from minddp.fsdp.unit import ShardedUnit
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_parameters"]
-
-
-def _gather_unit(unit: ShardedUnit) -> list[torch.Tensor]:
-    """The unit's full parameters in the master dtype (new tensors, shaped as the originals)."""
-    if unit.layout is None:
-        return []
-    flat = torch.empty(unit.world_size * unit.layout.piece, dtype=unit.master_dtype, device=unit.shard.device)
-    if unit.world_size > 1:
-        all_gather(flat, unit.shard.detach(), group=unit.group)
-    else:
-        flat.copy_(unit.shard.detach())
-    return [flat[offset: offset + full.numel()].view(full.shape).clone()
-            for full, offset in zip(unit.full_params, unit.layout.offsets)]
 
 
 def full_parameters(model: nn.Module) -> dict[int, torch.Tensor]:
     """``id(shard parameter) -> full tensor`` for every unit in ``model`` (a collective)."""
     found: dict[int, torch.Tensor] = {}
     for unit in units_of(model):
-        for shard_param, full in zip(unit.shard_params, _gather_unit(unit)):
+        for shard_param, full in zip(unit.shard_params, unit.gather_master()):
             found[id(shard_param)] = full
     return found
 
@@ -70,6 +59,6 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
             if id(value) in shard_of:
                 unit, index = shard_of[id(value)]
                 first, length = unit.spans[index]
-                value.copy_(state[name].reshape(-1)[first: first + length])
+                unit.locals[index].view(-1).copy_(state[name].reshape(-1)[first: first + length])
             else:
                 value.copy_(state[name])

@@ -35,18 +35,26 @@ def _shards(rank, world_size):
     reference = gpt()
     model = gpt()
     returned = shard_gpt(model)
-    named = {n: (tuple(p.shape), p.dtype, p.numel()) for n, p in model.named_parameters()}
+    from torch.distributed.tensor import DTensor, Shard
+
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
+    named = {n: (tuple(p.to_local().shape), p.dtype, p.to_local().numel(), tuple(p.shape))
+             for n, p in model.named_parameters()}
     full = {n: p.numel() for n, p in reference.named_parameters()}
-    return returned is model, isinstance(model, FSDPModule), named, full
+    shapes = {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    return returned is model, isinstance(model, FSDPModule), named, (full, shapes)
 
 
 def test_names_stay_and_each_holds_this_ranks_piece(ranks):
     results = ranks(3).run(_shards, timeout_s=60)
     for same, is_fsdp, named, full in results:
         assert same and is_fsdp
-        assert list(named) == list(full)
-        assert all(len(shape) == 1 and dtype == torch.float32 for shape, dtype, _ in named.values())
-    for name, numel in results[0][3].items():
+        assert list(named) == list(full[0])
+        # Shard(0) as FSDP2: full logical shape, each rank some rows (torch.chunk's), all of its columns
+        for name, (local, dtype, _, logical) in named.items():
+            assert logical == full[1][name] and dtype == torch.float32
+            assert local[1:] == logical[1:]
+    for name, numel in results[0][3][0].items():
         assert sum(r[2][name][2] for r in results) == numel, name
 
 
@@ -148,13 +156,18 @@ def test_every_rank_starts_from_rank0s_weights(ranks):
 
 
 def _live_tensor_bytes() -> int:
-    """Bytes of every distinct storage held by a live (gc-visible) tensor."""
+    """Bytes of every distinct storage held by a live (gc-visible) tensor.
+
+    A DTensor is a wrapper with no storage of its own: its local tensor is counted."""
     import gc
+
+    from torch.distributed.tensor import DTensor
 
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_sparse:
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.device.type == "cpu" \
+                and not obj.is_sparse:
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
