@@ -9,6 +9,7 @@ by MiniDDP's constructor (``docs/reading_the_code.md`` lists them).
 """
 
 from minddp import _moved
+from minddp.ddp.compiled import compile  # torch.compile, cut at MiniDDP's buckets (minddp/ddp/compiled.py)
 from minddp.ddp.wrapper import MiniDDP
 from minddp.launch import distributed, init_distributed, spawn
 from minddp.sampler import DistributedSampler

@@ -28,6 +28,7 @@ from minddp.ddp.arguments import (buffer_rule, check_arguments, first_bucket_cap
                                   warn_check_reduction_deprecated)
 from minddp.ddp.broadcast import BufferSync, broadcast_coalesced
 from minddp.ddp.bucket_assignment import LearnedBucketOrder, MiB
+from minddp.ddp.compiled import register_reducer
 from minddp.ddp.default_hooks import builtin_comm_hook, check_comm_hook
 from minddp.ddp.observers.follow import FollowedGradient, follow
 from minddp.ddp.observers.trace import ProfilerRanges, StepObserver, StepTimeline, Tracer
@@ -193,6 +194,7 @@ class MiniDDP(nn.Module, Joinable):
         self.reducer = Reducer(params, [name for name, _ in named], self.process_group, options,
                                readiness=readiness, gradients=gradients, passenger=passenger,
                                observers=[self._observer] if self._observer else [])
+        register_reducer(self.reducer)  # so that minddp.compile's graphs find it by its parameters
         if self.lazy_bucket_allocation:
             lend_buckets(self.reducer, BuffersPerBackward())
         # The policies above the reducer, through its interface:
