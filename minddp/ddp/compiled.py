@@ -157,12 +157,13 @@ class BucketCut:
         if reducer is None:  # no MiniDDP parameter in this graph (a loss, say): nothing to cut for
             return self.backend(gm, example_inputs)
         plan = plan_cut(gm, example_inputs, reducer)
+        held = frozenset(i for i, p in enumerate(reducer.params) if any(p is t for t in example_inputs))
         if isinstance(plan, str):
             self._say_once(plan)
-            PiecesAsBuckets.of(reducer).refused()
+            PiecesAsBuckets.of(reducer).record(held, None)
             return self.backend(gm, example_inputs)
         self.cuts.append(plan)
-        PiecesAsBuckets.of(reducer).record(plan.pieces)
+        PiecesAsBuckets.of(reducer).record(held, plan.pieces)
         if len(plan.pieces) == 1:
             return self.backend(gm, example_inputs)
         return self._compile_pieces(gm, example_inputs, plan)
@@ -224,7 +225,7 @@ class PiecesAsBuckets(Policy):
 
     def __init__(self, reducer):
         self.reducer = reducer
-        self.pieces_by_graph: dict[frozenset[int], list[list[int]]] = {}
+        self.pieces_by_graph: dict[frozenset[int], list[list[int]] | None] = {}
         self.changed = False  # a graph was (re)compiled since the buckets were last made the pieces
         self.arrivals = _Arrivals()
         reducer.add_observer(self.arrivals)
@@ -237,12 +238,12 @@ class PiecesAsBuckets(Policy):
                 return policy
         return cls(reducer)
 
-    def record(self, pieces: list[list[int]]) -> None:
-        self.pieces_by_graph[frozenset(i for piece in pieces for i in piece)] = pieces
-        self.changed = True
-
-    def refused(self) -> None:
-        self.changed = True  # nothing to record; the buckets keep the caps where this graph's gradients come
+    def record(self, held: frozenset[int], pieces: list[list[int]] | None) -> None:
+        """A graph holding parameters ``held`` was compiled: cut into ``pieces``, or whole (None: its
+        parameters are bucketed by the caps). A recompilation that cuts as before changes nothing."""
+        if held not in self.pieces_by_graph or self.pieces_by_graph[held] != pieces:
+            self.pieces_by_graph[held] = pieces
+            self.changed = True
 
     def pending_rebuild(self) -> Rebuild:
         return Rebuild.NONE
@@ -256,7 +257,8 @@ class PiecesAsBuckets(Policy):
     def groups(self) -> list[list[int]]:
         """The buckets this backward's arrivals and the pieces call for, in launch order."""
         reducer = self.reducer
-        piece_holding = {i: piece for pieces in self.pieces_by_graph.values() for piece in pieces for i in piece}
+        piece_holding = {i: piece for pieces in self.pieces_by_graph.values() if pieces
+                         for piece in pieces for i in piece}
         arrived = list(dict.fromkeys(self.arrivals.order))
         order = arrived + [i for i in reversed(range(len(reducer.params))) if i not in set(arrived)]
         groups: list[list[int]] = []
