@@ -92,7 +92,8 @@ def _train(rank, world_size, model_name, order, backend, peer):
     eager = MiniDDP(make(rank), bucket_cap_mb=CAP_MB)
     models = {"compiled": compiled, "eager": eager}
     if peer == "torch_ddp_compiled":  # torch's default cap: a cap under 1 MiB fails in its DDPOptimizer
-        models[peer] = torch.compile(TorchDDP(make(rank)), backend=backend)
+        # (compiled inside: torch.compile(TorchDDP(m)) stops at a graph break in DDP's forward and runs eagerly)
+        models[peer] = TorchDDP(torch.compile(make(rank), backend=backend))
     counters = {name: LaunchFraction() for name in ("compiled", "eager")}
     mini.reducer.add_observer(counters["compiled"])
     eager.reducer.add_observer(counters["eager"])
@@ -126,7 +127,7 @@ def _graph_count(model_name):
 
 @functools.cache
 def _run(pool, model_name, order, backend, peer=None):
-    return pool.run(_train, model_name, order, backend, peer, timeout_s=600)
+    return pool.run(_train, model_name, order, backend, peer, timeout_s=840)
 
 
 CONFIGS = [("mlp", "compile(MiniDDP(model))", "aot_eager"), ("mlp", "MiniDDP(compile(model))", "aot_eager"),
@@ -144,6 +145,7 @@ def _last(result):
     return result[0]["steps"][-1]
 
 
+@pytest.mark.timeout(900)  # the first test of a configuration compiles it
 @pytest.mark.parametrize("trained", CONFIGS, indirect=True)
 def test_compiled_backward_has_one_node_per_bucket(trained):
     last = _last(trained)
@@ -151,6 +153,7 @@ def test_compiled_backward_has_one_node_per_bucket(trained):
     assert last["reports"]["compiled"].compiled_nodes == len(last["buckets"])
 
 
+@pytest.mark.timeout(900)  # the first test of a configuration compiles it
 @pytest.mark.parametrize("trained", CONFIGS, indirect=True)
 def test_launch_fraction_equals_eager_minddp(trained):
     for rank_result in trained:
@@ -159,6 +162,7 @@ def test_launch_fraction_equals_eager_minddp(trained):
         assert reports["compiled"].fraction == reports["eager"].fraction
 
 
+@pytest.mark.timeout(900)  # the first test of a configuration compiles it
 @pytest.mark.parametrize("trained", CONFIGS, indirect=True)
 def test_buckets_are_the_pieces(trained):
     for rank_result in trained:
@@ -166,6 +170,7 @@ def test_buckets_are_the_pieces(trained):
     assert not trained[0]["said"]  # nothing refused
 
 
+@pytest.mark.timeout(900)  # the first test of a configuration compiles it
 @pytest.mark.parametrize("trained", [c for c in CONFIGS if c[0] == "mlp"], indirect=True)
 def test_parameters_equal_torch_ddp_compiled_after_every_step(trained):
     for rank_result in trained:
@@ -176,6 +181,7 @@ def test_parameters_equal_torch_ddp_compiled_after_every_step(trained):
         assert torch.equal(a, b)  # the replicas stay identical
 
 
+@pytest.mark.timeout(900)  # the first test of a configuration compiles it
 @pytest.mark.parametrize("trained", [("two_graphs", "compile(MiniDDP(model))", "aot_eager")], indirect=True)
 def test_across_a_graph_break_parameters_equal_eager(trained):
     for record in trained[0]["steps"]:
@@ -186,6 +192,7 @@ def test_across_a_graph_break_parameters_equal_eager(trained):
 UNSUPPORTED = [("checkpointed", "higher-order"), ("mixed_dtypes", "dtypes")]
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("model_name, reason", UNSUPPORTED)
 def test_what_cannot_be_cut_trains_without_overlap_and_says_so_once(ranks, model_name, reason):
     result = _run(ranks(2), model_name, "compile(MiniDDP(model))", "aot_eager")
@@ -197,6 +204,7 @@ def test_what_cannot_be_cut_trains_without_overlap_and_says_so_once(ranks, model
         assert rank_result["steps"][-1]["reports"]["compiled"].fraction == 0.0  # today's: no overlap
 
 
+@pytest.mark.timeout(600)
 def test_minddp_compile_is_the_cut(ranks):
     """``minddp.compile`` is ``torch.compile`` with the cut: on a single graph, the backward has a node per bucket."""
     nodes, buckets = ranks(2).run(_minddp_compile_nodes, timeout_s=300)[0]

@@ -85,8 +85,9 @@ class LaunchFraction(Observer):
     def bucket_launching(self, bucket) -> None:
         self.log.append(sum(p.numel() * p.element_size() for p in bucket.params))
 
-    def torch_ddp_hook(self, process_group, bucket: torch.distributed.GradBucket) -> torch.futures.Future:
-        """A comm hook for torch's DDP (``ddp.register_comm_hook(None, fraction.torch_ddp_hook)``)."""
+    def torch_ddp_hook(self, process_group, bucket):  # (no annotations: torch checks them against its own types)
+        """A comm hook for torch's DDP (``ddp.register_comm_hook(None, fraction.torch_ddp_hook)``): a bucket's
+        ``dist.GradBucket`` logged, then all-reduced as torch's default does; a future of the average."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         self.log.append(bucket.buffer().numel() * bucket.buffer().element_size())
