@@ -45,8 +45,18 @@ WAYS = ["MiniDDP eager", "MiniDDP compiled whole", "MiniDDP compiled, cut", "tor
 
 
 def _model(layers: int, width: int) -> nn.Module:
+    """The MLP, behind a forward compiled afresh for each way.
+
+    [Note: one compiled cache per way]
+    Dynamo keeps compiled code on the forward's code object, and its guards do not look at
+    ``optimize_ddp``: two models of one class share a cache, and the second way compiled would
+    run the first one's graphs. ``exec`` makes a new code object each time."""
     torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+    namespace: dict = {}
+    exec("def forward(self, x):\n    return self.layers(x)\n", namespace)
+    model = type("MLP", (nn.Module,), {"forward": namespace["forward"]})()
+    model.layers = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+    return model
 
 
 def _build(way: str, layers: int, width: int, backend: str):
