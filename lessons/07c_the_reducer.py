@@ -18,8 +18,9 @@ What you will learn
     5. ``nested_reducer.py``: nested passes (a reentrant checkpoint), errors that name the parameter;
     6. ``weak_reducer.py``: hooks that do not keep the reducer alive;
     7. ``slotted_reducer.py``: a part per slot (readiness, gradients, communication);
-    8. ``observed_reducer.py``: every event of the path told to one observer;
-    9. ``minddp/ddp/core/reducer.py``: buckets that can be rebuilt, and the setters the parts outside use.
+    8. ``observed_reducer.py``: every event of the path told to one observer; buckets rebuilt in another order;
+    9. ``minddp/ddp/core/reducer.py``: buckets given whole, built again for another part, and the setters
+       the parts outside use.
 
     ``diff lessons/wrappers/phased_reducer.py lessons/wrappers/nested_reducer.py``
     shows one step; every step trains exactly like one process on the whole batch.

@@ -8,6 +8,7 @@ forward, no_sync). Every option beyond that path is a part in
 (``docs/reading_the_code.md`` lists them).
 """
 
+from minddp.ddp.compiled import compile  # torch.compile, cut at MiniDDP's buckets (minddp/ddp/compiled.py)
 from minddp.ddp.wrapper import MiniDDP
 from minddp.launch import distributed, init_distributed, spawn
 from minddp.sampler import DistributedSampler

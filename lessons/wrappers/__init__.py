@@ -18,8 +18,8 @@ mistaken variants and the notes they take for timelines)::
         nested_reducer.py    NestedReducer    nested passes; errors that name the parameter
         weak_reducer.py      WeakReducer      hooks that do not keep the reducer alive
         slotted_reducer.py   SlottedReducer   a part per slot: readiness, gradients, communication
-        observed_reducer.py  ObservedReducer  every event of the path told to one observer
-    08  minddp/ddp/core/reducer.py  Reducer   the library's: buckets rebuilt, the setters parts use
+        observed_reducer.py  ObservedReducer  every event told to one observer; buckets rebuilt
+    08  minddp/ddp/core/reducer.py  Reducer   the library's: buckets given whole, the setters parts use
 
     diff lessons/wrappers/hook_ddp.py lessons/wrappers/async_ddp.py
     diff lessons/wrappers/observed_reducer.py minddp/ddp/core/reducer.py

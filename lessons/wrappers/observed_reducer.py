@@ -1,11 +1,12 @@
-"""Lesson 07c, step 8: every event of the path told to one observer.
+"""Lesson 07c, step 8: every event of the path told to one observer, and buckets rebuilt in another order.
 
 ``observer`` hears each step (a gradient ready, a bucket filled, launched,
 reduced, written; the backward over) and does nothing by default: what only
 watches (a timeline, a followed gradient) and what acts between backwards
-(the learned bucket order) are observers, outside the reducer. The next and
-last step is the library's ``minddp/ddp/core/reducer.py``: buckets rebuilt
-for another order or another part, and the setters the parts outside use.
+(the learned bucket order, which calls ``rebuild`` at the end of the first
+backward) are observers, outside the reducer. The next and last step is the
+library's ``minddp/ddp/core/reducer.py``: buckets given whole, built again
+for another part, and the setters the parts outside use.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class ObservedReducer:
         self.armed_inside_backward = False
         self.backwards_done = 0
         self.buckets_reduced, self.buckets_reduced_logged = 0, None  # last backward's; as of the last forward
+        self.due_rebuild: tuple[list[int], int, int | None] | None = None  # (order, caps) at the next forward
         self.storage = BucketStorage()
         self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
@@ -135,7 +137,7 @@ class ObservedReducer:
         after_accumulation(self._autograd_hook, params, with_index=True)  # fires after p.grad is accumulated
 
     def _build_buckets(self, order: list[int] | None) -> None:
-        """Build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:
+        """(Re)build the buckets for parameter indices in expected-arrival ``order``, by ``caps``; ``None``:
         torch's first guess, before a backward has shown the order (:mod:`minddp.ddp.core.assignment`)."""
         dtypes = [self.options.reduce_dtype or p.dtype for p in self.params]  # what each gradient is reduced in
         specs = [TensorSpec(p.numel(), dtype.itemsize, dtype, self.device) for p, dtype in zip(self.params, dtypes)]
@@ -287,3 +289,22 @@ class ObservedReducer:
     def bucket_order(self) -> list[int]:
         """Parameter indices in the order the buckets hold them."""
         return [i for bucket in self.buckets for i in bucket.indices]
+
+    def rebuild(self, order: list[int], cap_bytes: int, first_cap_bytes: int | None) -> None:
+        """Bucket the parameters anew, indices in expected-arrival ``order``, with these caps, at the next
+        synchronized forward (:meth:`rebuild_if_due`), as torch does: by then ``zero_grad()`` has let go
+        of the last backward's ``.grad``, which with bucket views are slots of the old buckets, so the old
+        and the new are not alive together. The same arguments on every rank (the caller broadcasts its
+        decision): buckets keep the ranks' collectives matched."""
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
+        self.due_rebuild = (order, cap_bytes, first_cap_bytes)
+
+    def rebuild_if_due(self) -> bool:
+        """Rebuild now if a rebuild is due (torch's ``reducer._rebuild_buckets()``); whether it did."""
+        if self.due_rebuild is None:
+            return False
+        order, *caps = self.due_rebuild
+        self.due_rebuild, self.caps = None, tuple(caps)
+        self._build_buckets(order)
+        return True

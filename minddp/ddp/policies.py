@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from minddp.ddp.core.slots import Observer
 
-__all__ = ["Policy", "Policies", "add_policy", "remove_policy", "backwards_until_buckets_final", "ArrivalOrder",
+__all__ = ["Policy", "Policies", "add_policy", "remove_policy", "policies_of", "backwards_until_buckets_final", "ArrivalOrder",
            "LearnedBucketOrder"]
 
 
@@ -56,6 +56,12 @@ class Policies(Observer):
 
 def _policies_of(reducer) -> Policies | None:
     return next((o for o in reducer.observers if isinstance(o, Policies)), None)
+
+
+def policies_of(reducer) -> tuple[Policy, ...]:
+    """The policies attached to ``reducer``, in the order they were added."""
+    policies = _policies_of(reducer)
+    return policies.policies if policies else ()
 
 
 def add_policy(reducer, policy: Policy) -> None:

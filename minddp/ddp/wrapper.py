@@ -30,6 +30,7 @@ from minddp.ddp.broadcast import BufferSync, broadcast_coalesced
 from minddp.ddp.core.reducer import FIRST_BUCKET_CAP_MB, CopyGradients, ReducerOptions
 from minddp.ddp.later_options import LaterOptions
 from minddp.ddp.observers.trace import ProfilerRanges, StepObserver
+from minddp.ddp.compiled import register_reducer
 from minddp.ddp.parts.bucket_views import BucketViews
 from minddp.ddp.parts.buffers_in_bucket import BuffersInLastBucket, RidesInLastBucket
 from minddp.ddp.parts.gradient_cases import GradientCases, sparse_embedding_weights
@@ -187,6 +188,7 @@ class MiniDDP(LaterOptions, TorchSurface, nn.Module, Joinable):
                 gradients = RidesInLastBucket(gradients or CopyGradients(), self.buffer_policy)
         self.reducer = TorchReducer(params, [name for name, _ in named], self.process_group, options,
                                     readiness=readiness, gradients=gradients)
+        register_reducer(self.reducer)  # so that minddp.compile's graphs find it by its parameters
         # Who watches? Nobody (the plain path), or the timeline and trace:
         self._observer = None
         if self.timeline_asked or self.trace:

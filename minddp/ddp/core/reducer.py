@@ -171,6 +171,7 @@ class Reducer:
         self.backwards_done = 0
         self.buckets_reduced, self.buckets_reduced_logged = 0, None  # last backward's; as of the last forward
         self.due_rebuild: tuple[list[int], int, int | None] | None = None  # (order, caps) at the next forward
+        self.fixed_groups: list[list[int]] | None = None  # buckets given whole (rebuild_groups), not by caps
         self.storage = BucketStorage()
         self.caps = (int(options.bucket_cap_mb * MiB), int(options.first_bucket_cap_mb * MiB))
         self.per_bucket_caps = [int(cap * MiB) for cap in options.bucket_caps_mb or ()]  # [] unless given
@@ -185,7 +186,8 @@ class Reducer:
         self.buckets, self._plan = [], []  # a rebuild lets the old buffers go first: one set alive, as torch's
         dtypes = [self.options.reduce_dtype or p.dtype for p in self.params]  # what each gradient is reduced in
         specs = [TensorSpec(p.numel(), dtype.itemsize, dtype, self.device) for p, dtype in zip(self.params, dtypes)]
-        groups = bucket_groups(specs, order, self.caps, self.per_bucket_caps, self.first_guess_limits)
+        groups = self.fixed_groups or bucket_groups(specs, order, self.caps, self.per_bucket_caps,
+                                                    self.first_guess_limits)
         room = self.gradients.room_after_gradients
         self.buckets = [Bucket(k, [self.params[i] for i in group], [self.names[i] for i in group], group,
                                dtypes[group[0]], self.storage, room(k, len(groups), dtypes[group[0]]))
@@ -377,7 +379,14 @@ class Reducer:
         decision): buckets keep the ranks' collectives matched."""
         if sorted(order) != list(range(len(self.params))):
             raise ValueError(f"Reducer.rebuild needs every parameter index once, got {order}")
-        self.due_rebuild = (order, cap_bytes, first_cap_bytes)
+        self.due_rebuild, self.fixed_groups = (order, cap_bytes, first_cap_bytes), None
+
+    def rebuild_groups(self, groups: list[list[int]]) -> None:
+        """As :meth:`rebuild`, with the buckets given whole: ``groups``, the parameter indices of each bucket in
+        launch order, one dtype each (:mod:`minddp.ddp.compiled`: one bucket per compiled piece). A later
+        ``rebuild`` by caps replaces them."""
+        self.rebuild([i for group in groups for i in group], *self.caps)
+        self.fixed_groups = [list(group) for group in groups]
 
     def rebuild_if_due(self) -> bool:
         """Rebuild now if a rebuild is due (torch's ``reducer._rebuild_buckets()``); whether it did."""
