@@ -30,10 +30,9 @@ import contextlib
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from minddp.fsdp import FSDPModule, full_state_dict, fully_shard, load_full_state_dict
+from minddp.fsdp import FSDPModule, clip_grad_norm_, full_state_dict, fully_shard, load_full_state_dict
 
 __all__ = ["shard_model", "is_fully_sharded", "model_state_dict", "whole_copy", "no_gradient_sync",
            "FullyShardedSGD"]
@@ -88,16 +87,7 @@ class FullyShardedSGD(torch.optim.SGD):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every shard's gradient so that the norm over all ranks is at most ``max_norm`` (a collective)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32)
-        for g in grads:
-            squares += g.detach().float().pow(2).sum()
-        dist.all_reduce(squares)
-        norm = squares.sqrt()
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(scale.to(g.dtype))
-        return norm
+        return clip_grad_norm_(self.model, max_norm)
 
     def consolidated_state_dict(self) -> dict[str, Any]:
         """torch's SGD format over the whole parameters, momentum gathered (a collective: every rank)."""
