@@ -21,7 +21,7 @@ from torch import nn
 
 from lessons._common import CLASSES, make_model
 from lessons.grading.diagnose import explain_gradients, what_each_holds
-from lessons.grading.ledger import own
+from lessons.grading.ledger import caller, own
 
 PER_RANK, STEPS, LR = 8, 3, 0.1
 # The grader's own: a grader may watch dist.all_reduce for the learner's calls, and must not count its own.
@@ -75,6 +75,9 @@ def ops_named(ops: set):
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
         ops.add(getattr(op, "name", str(op).split(".")[-1]))
+        where, own = caller()
+        if where and not own and not any(o.startswith("AT ") for o in ops):
+            ops.add(f"AT {where}")  # where the learner's first all-reduce is
         if kwargs.get("async_op"):
             ops.add("ASYNC")
         return inner(tensor, op, *args, **kwargs)

@@ -50,7 +50,7 @@ def watched_messages(used: set, sent: list):
         dist.isend = c10d.isend = isend
 
 
-SHAPES = [(12,), (7,), (4, 5), (2,)]
+SHAPES = [(12,), (7,), (4, 5), (2,), (1,)]  # divisible by 3 or not, 2-D, fewer numbers than ranks, one number
 CASES = [(shape, torch.float32) for shape in SHAPES] + [((7,), torch.float16)]  # a ring works for any dtype
 
 
@@ -188,18 +188,30 @@ SHIFT = 1e4
 def check_10(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
     failures = _check_10(exercise, rank, world_size, shift=0.0)
-    if not failures:
-        failures = _check_10(exercise, rank, world_size, shift=SHIFT)
+    # The docstring's other promises: any (n, C) batch -- one sample on a rank, a non-contiguous view,
+    # float64 -- in x's dtype, and x left as it was.
+    for case in ({"shift": SHIFT}, {"shift": 0.0, "first": 1}, {"shift": 0.0, "transposed": True},
+                 {"shift": 0.0, "dtype": torch.float64}):
+        failures = failures or _check_10(exercise, rank, world_size, **case)
     return gather_failures(failures)
 
 
-def _check_10(exercise, rank: int, world_size: int, shift: float) -> list[str]:
-    """The statistics of every rank's batch together (sizes 2, 5, 8...), each rank's shifted by 3 r, plus ``shift``."""
+def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2, transposed: bool = False,
+              dtype: torch.dtype = torch.float32) -> list[str]:
+    """The statistics of every rank's batch together (sizes ``first``, + 3, + 6...), each rank's shifted by 3 r,
+    plus ``shift``; ``transposed``: x is a non-contiguous view."""
     channels = 4
-    batches = [torch.randn(2 + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r + shift
-               for r in range(world_size)]  # every rank makes every rank's batch, for the reference
-    x = batches[rank]
-    mean, var = exercise.global_mean_and_var(x.clone())
+    batches = [(torch.randn(first + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r
+                + shift).to(dtype) for r in range(world_size)]  # every rank makes every rank's batch, for the reference
+    x = batches[rank].t().contiguous().t() if transposed else batches[rank].clone()
+    before = x.clone()
+    mean, var = exercise.global_mean_and_var(x)
+    case = (f"for a batch of {len(x)} sample{'s' if len(x) > 1 else ''} on rank 0" if first != 2 else
+            "for a non-contiguous batch (a transposed view)" if transposed else
+            f"for a {str(dtype).removeprefix('torch.')} batch" if dtype != torch.float32 else "")
+    if not torch.equal(x, before):
+        return [f"your function changed its input x{' ' + case if case else ''}: the caller's batch must be left "
+                f"as it was (compute on a copy, or out of place)"]
     if isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor) and (mean.dtype, var.dtype) != (x.dtype,) * 2:
         return [f"for a {str(x.dtype).removeprefix('torch.')} batch you returned "
                 f"{str(mean.dtype).removeprefix('torch.')} and {str(var.dtype).removeprefix('torch.')} statistics: "
@@ -218,6 +230,12 @@ def _check_10(exercise, rank: int, world_size: int, shift: float) -> list[str]:
     whole = torch.cat(batches)
     right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)
     failures = []
+    if case and isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor) and \
+            mean.shape == var.shape == (channels,) and not (close(mean, right_mean) and close(var, right_var)):
+        off = max((mean.double() - right_mean.double()).abs().max().item(),
+                  (var.double() - right_var.double()).abs().max().item())
+        return [f"{case} the statistics are off by up to {off:.3g} from the whole batch's (right for float32 "
+                f"batches of 2 or more samples)"]
     if not (isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)) or mean.shape != (channels,) or var.shape != (channels,):
         failures.append(f"return two tensors of shape ({channels},): one mean and one variance per channel")
     elif close(mean, x.mean(dim=0)) and not close(mean, right_mean):

@@ -14,7 +14,6 @@ import contextlib
 import copy
 import gc
 import os
-import sys
 import time
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 
 from lessons._common import FEATURES, make_model
 from lessons.grading.ledger import Finding, caller
-from lessons.grading.memory import reachable_tensors, storage_bytes
+from lessons.grading.memory import globals_of, reachable_tensors, storage_bytes
 from lessons.grading.models import Mixed
 from lessons.grading.bench import STEPS, explain, gather_failures, train_vs_one_process, worst
 from lessons.grading.runner import load, raised_text
@@ -344,7 +343,7 @@ def _watched_training(make, model=None, keep_sent: bool = False) -> tuple:
             gc.collect()  # what is left is what the learner's objects still refer to
             held.append(sorted(h.step for h in watch.handles()))
             kept.append(held_tensors(wrapper, module))
-            reached = reachable_tensors(wrapper, modules=[sys.modules[type(wrapper).__module__]])
+            reached = reachable_tensors(wrapper, modules=globals_of(wrapper))
             kept[-1]["all your object reaches"] = storage_bytes(
                 reached, excluded=[t for p in module.parameters() for t in (p, p.grad)])
         wrapper.finish = finish_then_count

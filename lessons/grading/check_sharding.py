@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import types
 from dataclasses import dataclass
 
@@ -14,7 +13,7 @@ from lessons._common import CLASSES, FEATURES, make_model
 from lessons.grading.bench import PER_RANK, agree, flat_weights, gather_failures, worst
 from lessons.grading.check_ddp import growth_failures, held_tensors, never_waited
 from lessons.grading.ledger import own
-from lessons.grading.memory import reachable_tensors, storage_bytes
+from lessons.grading.memory import globals_of, reachable_tensors, storage_bytes
 from lessons.grading.runner import EXERCISE_PREFIX, load
 from lessons.grading.watch import Watch
 
@@ -387,9 +386,11 @@ def _full_copies(model, reference, saved: list, loss: torch.Tensor) -> str:
     ours |= {f.untyped_storage().data_ptr() for f in fulls}
     wholes = [(i, p.detach()) for i, layer in enumerate(reference) for p in layer.parameters() if p.numel() > 1]
     found, seen = {}, set()
-    kept = reachable_tensors(model, loss, modules=[sys.modules[type(model).__module__]])
+    kept = reachable_tensors(model, loss, modules=globals_of(model))
     for where, tensors in (("saved for backward", saved), ("kept by your objects", kept)):
         for t in tensors:
+            if t.device.type == "meta":
+                continue
             storage = t.untyped_storage()
             if storage.data_ptr() in ours or storage.nbytes() == 0 or t.dtype != torch.float32 or \
                     (storage.data_ptr(), t.storage_offset(), t.numel()) in seen:

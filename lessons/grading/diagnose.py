@@ -91,7 +91,7 @@ def describe(kind: str, p: int, ops: set[str]) -> str:
                 f"not their average: sum them (ReduceOp.SUM, the default) and divide by {p}")
     if kind == "zero":
         return "zero: the gradient was cleared or never written back"
-    wrong_ops = sorted(ops - {"SUM", "ASYNC", "AVG", "BROADCAST"})
+    wrong_ops = sorted(o for o in ops - {"SUM", "ASYNC", "AVG", "BROADCAST"} if not o.startswith("AT "))
     if wrong_ops:
         return (f"none of the usual mistakes' values, and you called dist.all_reduce with "
                 f"op=ReduceOp.{', ReduceOp.'.join(wrong_ops)}: the average is ReduceOp.SUM divided by {p}")
@@ -101,6 +101,8 @@ def describe(kind: str, p: int, ops: set[str]) -> str:
 def explain_gradients(held: dict[str, str], p: int, ops: set[str], step: int, error: float) -> str:
     """One sentence for the first wrong step: which parameters hold what, which are right."""
     when = f"on step {step + 1} (the steps before were right) " if step else ""
+    site = next((o.removeprefix("AT ") for o in ops if o.startswith("AT ")), "")
+    site = f" (all-reduced at {site})" if site else ""
     wrong = {}
     for name, kind in held.items():
         if kind != "mean":
@@ -110,8 +112,8 @@ def explain_gradients(held: dict[str, str], p: int, ops: set[str], step: int, er
         return f"gradients {when}differ from one process on the whole batch by up to {error:.2g}"
     if len(wrong) == 1 and not right:
         kind = next(iter(wrong))
-        return f"gradients {when}are {describe(kind, p, ops)}"
+        return f"gradients{site} {when}are {describe(kind, p, ops)}"
     parts = [f"the gradients of {', '.join(names)} are {describe(kind, p, ops)}" for kind, names in wrong.items()]
     if right:
         parts.append(f"those of {', '.join(right)} are right")
-    return f"{when}{'; '.join(parts)}".strip()
+    return f"{when}{'; '.join(parts)}{site}".strip()

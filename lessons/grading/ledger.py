@@ -182,12 +182,12 @@ def disagreement(calls: dict[int, Call], seq: int) -> str:
             sent = ", ".join(f"{ranks_text(ranks)} {' + '.join(f'{n:,}' for n in calls[ranks[0]].numel)}"
                              for ranks in groups.values())
             return (f"the ranks called dist.{name} ({places.pop()}) with tensors of different sizes ({sent} "
-                    f"numbers): dist.{name} needs the same shape on every rank (Gloo fails with 'Connection reset "
-                    f"by peer' otherwise). Make every rank's tensor the same size (pad the shorter ones, or "
+                    f"numbers): dist.{name} needs the same shape on every rank (given different ones, Gloo "
+                    f"loses the connection). Make every rank's tensor the same size (pad the shorter ones, or "
                     f"exchange the sizes first)")
         if len(sizes) > 1:
             return (f"the ranks called dist.{name} with tensors of different sizes ({parts}): dist.{name} needs "
-                    f"the same shape on every rank (Gloo fails with 'Connection reset by peer' otherwise). Make "
+                    f"the same shape on every rank (given different ones, Gloo loses the connection). Make "
                     f"every rank's piece the same size (pad the last one, or cut with tensor_split of a padded "
                     f"tensor)")
         return (f"the ranks called dist.{name} differently ({parts}): every rank must pass the same arguments "

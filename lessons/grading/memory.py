@@ -25,11 +25,11 @@ _STOP = (type, types.ModuleType, str, bytes, int, float, bool, type(None), types
 
 
 def reachable_tensors(*roots, modules=(), limit: int = 200_000) -> list[torch.Tensor]:
-    """Every tensor reachable from ``roots`` (and from the globals of ``modules``): attributes, containers,
+    """Every tensor reachable from ``roots`` (and from ``modules``: modules, or their globals' dicts): attributes, containers,
     closures, autograd nodes and their ctx; a tensor's ``.grad`` too. Modules other than ``modules`` are not
     entered; neither are classes."""
     seen, found = set(), []
-    stack = list(roots) + [vars(m) for m in modules]
+    stack = list(roots) + [m if isinstance(m, dict) else vars(m) for m in modules]
     while stack and len(seen) < limit:
         obj = stack.pop()
         if id(obj) in seen or isinstance(obj, _STOP):
@@ -50,6 +50,16 @@ def reachable_tensors(*roots, modules=(), limit: int = 200_000) -> list[torch.Te
             stack.extend(fn for fn, _ in obj.next_functions if fn is not None)
         stack.extend(gc.get_referents(obj))
     return found
+
+
+def globals_of(obj) -> list:
+    """The module globals of the code of ``obj``'s class (a learner's file is loaded by path, under no name in
+    ``sys.modules``): what its methods' ``__globals__`` are."""
+    for value in vars(type(obj)).values():
+        function = getattr(value, "__func__", value)
+        if isinstance(function, types.FunctionType):
+            return [function.__globals__]
+    return []
 
 
 def _filled(cell) -> bool:
