@@ -175,6 +175,10 @@ def _wrong_chunks(everyone: list, n: int, rank: int, p: int) -> str:
             f"finished chunk to every rank")
 
 
+def _right(returned, right_mean: torch.Tensor, right_var: torch.Tensor) -> bool:
+    return returned is not None and close(returned[0], right_mean) and close(returned[1], right_var)
+
+
 def close(mine: torch.Tensor, right: torch.Tensor) -> bool:
     """Equal within float32 rounding; statistics computed in float64 (say) are as right as float32 ones."""
     return mine.shape == right.shape and torch.allclose(mine.to(right.dtype), right, rtol=1e-4, atol=1e-4)
@@ -187,13 +191,15 @@ SHIFT = 1e4
 
 def check_10(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    failures = _check_10(exercise, rank, world_size, shift=0.0)
+    failures = gather_failures(_check_10(exercise, rank, world_size, shift=0.0))
     # The docstring's other promises: any (n, C) batch -- one sample on a rank, a non-contiguous view,
-    # float64 -- in x's dtype, and x left as it was.
+    # float64 -- in x's dtype, and x left as it was. Every rank goes on to the next case together.
     for case in ({"shift": SHIFT}, {"shift": 0.0, "first": 1}, {"shift": 0.0, "transposed": True},
                  {"shift": 0.0, "dtype": torch.float64}):
-        failures = failures or _check_10(exercise, rank, world_size, **case)
-    return gather_failures(failures)
+        if failures:
+            break
+        failures = gather_failures(_check_10(exercise, rank, world_size, **case))
+    return failures
 
 
 def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2, transposed: bool = False,
@@ -206,6 +212,9 @@ def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2
     x = batches[rank].t().contiguous().t() if transposed else batches[rank].clone()
     before = x.clone()
     mean, var = exercise.global_mean_and_var(x)
+    tensors = isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (mean, var) if tensors else None)  # every rank, whatever it returned
     case = (f"for a batch of {len(x)} sample{'s' if len(x) > 1 else ''} on rank 0" if first != 2 else
             "for a non-contiguous batch (a transposed view)" if transposed else
             f"for a {str(dtype).removeprefix('torch.')} batch" if dtype != torch.float32 else "")
@@ -238,6 +247,11 @@ def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2
                 f"batches of 2 or more samples)"]
     if not (isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)) or mean.shape != (channels,) or var.shape != (channels,):
         failures.append(f"return two tensors of shape ({channels},): one mean and one variance per channel")
+    elif _right(everyone[0], right_mean, right_var) and not all(_right(e, right_mean, right_var) for e in everyone):
+        others = [r for r, e in enumerate(everyone) if not _right(e, right_mean, right_var)]
+        failures.append(f"only rank 0 returned the whole batch's statistics (rank{'s' if len(others) > 1 else ''} "
+                        f"{', '.join(map(str, others))} did not): every rank must return them. dist.reduce leaves "
+                        f"the result on its dst alone: all_reduce instead, or broadcast the result from rank 0")
     elif close(mean, x.mean(dim=0)) and not close(mean, right_mean):
         failures.append("your statistics are this rank's own batch's: they must be the whole batch's, every rank's "
                         "samples together (gather each rank's count, mean and M2)")
@@ -247,6 +261,10 @@ def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2
             failures.append("your mean is the average of the ranks' means: right only when every rank has as many "
                             "samples; here they have " + ", ".join(str(len(b)) for b in batches)
                             + ": weight each rank's mean by its count")
+        elif close(mean, whole.sum(dim=0) / (len(x) * world_size)):
+            failures.append(f"your mean divides the sum by this rank's count times the number of ranks, as if every "
+                            f"rank had as many samples; here they have "
+                            + ", ".join(str(len(b)) for b in batches) + ": sum the ranks' counts")
         else:
             failures.append(f"the mean is off by up to {(mean - right_mean).abs().max():.3g} from the whole batch's")
     elif not close(var, right_var):
@@ -259,10 +277,16 @@ def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2
         elif close(var, local_vars.mean(dim=0)) or close(var, (counts * local_vars).sum(dim=0) / n):
             failures.append("your variance averages the ranks' variances: that misses the spread between the ranks' "
                             "means. Add, for each rank, its count times (its mean - the global mean) squared")
+        elif len(whole) > len(batches) and close(var, (sum(b.var(dim=0) * len(b) for b in batches) + sum(
+                len(b) * (b.mean(dim=0) - right_mean) ** 2 for b in batches)) / n):
+            failures.append("each rank's M2 (sum of squared deviations) was computed from the unbiased variance "
+                            "(torch.var divides by n - 1 unless correction=0): M2 is the plain sum of (x - mean)^2, "
+                            "or the biased variance times n")
         else:
             failures.append(f"the variance is off by up to {(var - right_var).abs().max():.3g} from the whole batch's")
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, (mean, var))
-    if not failures and not all(torch.equal(m, mean) and torch.equal(v, var) for m, v in everyone):
+    if failures and len({repr(e) for e in everyone}) > 1:
+        failures[0] += " (and the ranks returned different statistics: every rank must return the same ones)"
+    if not failures and not all(e is not None and torch.equal(e[0], mean) and torch.equal(e[1], var)
+                                for e in everyone):
         failures.append("the ranks returned different statistics: every rank must normalize with the same ones")
     return failures

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import types
 from dataclasses import dataclass
 
@@ -28,6 +29,11 @@ def check_19(rank: int, world_size: int, path: str) -> list[str]:
     # watched: an asynchronous one's result lands at wait(), never by luck.
     with Watch().active(exercise) as watch:
         sharded, failures, kept = _train_19(exercise, rank, world_size, torch.optim.SGD, lr=0.1, watch=watch)
+    narrower = sorted({d for launch in watch.launches for d in launch.dtypes} - {"float32"})
+    if failures and narrower:
+        failures = [f"your collectives sent {', '.join(narrower)} tensors of float32 parameters or gradients: "
+                    f"the numbers come back rounded, so the parameters are not plain SGD's (bit for bit, as the "
+                    f"docstring says). Send the float32 pieces as they are"]
     failures = (never_waited(watch) or failures or _cost_19(watch, sharded, world_size)
                 or growth_failures(kept, clear_in="step()"))
     if not failures:
@@ -72,7 +78,14 @@ def _train_19(exercise, rank: int, world_size: int, optimizer_class, watch: Watc
         kept[-1][REACHED] = storage_bytes(reachable_tensors(sharded, modules=[exercise]), excluded=model_tensors)
         name = optimizer_class.__name__
         if worst((after - right).abs().max().item()) >= 1e-6:
+            if step and optimizer_class is torch.optim.SGD and \
+                    worst(float(not torch.allclose(after - before, right - before + last_move, atol=1e-6))) == 0:
+                return sharded, [f"step {step + 1} moved the parameters by this step's SGD step plus step "
+                                 f"{step}'s (step 1 was right): the shard's gradient kept the last step's. Set "
+                                 f"self.shard.grad to this step's piece (=, not +=): zero_grad clears only the "
+                                 f"parameters' gradients"], kept
             return sharded, [_wrong_step(step, before, after, right, sharded.piece, rank, world_size, name)], kept
+        last_move = after - before
         if worst(float(not torch.equal(after, right))):
             return sharded, [_not_bit_for_bit(step, after, right, name)], kept
         if not agree(after):
@@ -355,6 +368,14 @@ def _step_21(model, opt, reference, ref_opt, watch: Watched, collectives: Watch,
                 f"{', '.join(map(str, not_again))}: computing with full parameters kept from forward "
                 f"(saved on ctx, or a copy of them) holds every unit in full from its forward to its "
                 f"backward. Save only the input, and gather again in backward with unit.gather()"]
+    empty = [i for i, u in enumerate(model.units) if u.shard.grad is None or not u.shard.grad.abs().sum()]
+    if step == 0 and empty and worst(float(len(empty))) > 0:
+        return [f"after backward the shard{'s' if len(empty) > 1 else ''} of unit{'s' if len(empty) > 1 else ''} "
+                f"{', '.join(map(str, empty))} had no gradient (None or zeros): each unit's backward must return "
+                f"the gradient for its input x too (the first of its outputs), or the units before it get none"]
+    if step == 0 and world_size > 1 and worst(float(_local_only(model, reference, xs[rank], ys[rank], rank))):
+        return ["the shards' gradients are this rank's own batch's, never averaged over the ranks: reduce-scatter "
+                "the full gradient (every rank's sum of this rank's piece), then divide by the world size"]
     if step == 0 and world_size > 1:  # on one rank the sum is the average
         right = _refs(model, reference, rank)
         got = torch.cat([u.shard.grad for u in model.units])
@@ -439,6 +460,16 @@ def _cost_21(collectives: Watch, units, world_size: int) -> list[str]:
         return [f"in {'forward' if phase == FORWARD else 'backward'}, each rank moves {cost.moved:,.0f} bytes per "
                 f"step over the network ({cost.names}), where {what} move {budget:,.0f}: {why}"]
     return []
+
+
+def _local_only(model, reference, x, y, rank: int) -> bool:
+    """Whether the shards hold this rank's piece of its own batch's gradient (the loss on x alone)."""
+    mine = copy.deepcopy(reference)
+    mine.zero_grad()
+    nn.functional.mse_loss(mine(x), y).backward()
+    want = torch.cat([grad for _, grad in _refs(model, mine, rank)])
+    got = torch.cat([u.shard.grad for u in model.units])
+    return got.shape == want.shape and torch.allclose(got, want, atol=1e-6, rtol=1e-4)
 
 
 def _piece(unit, layer: nn.Module, rank: int):

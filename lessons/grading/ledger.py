@@ -411,6 +411,7 @@ class Watchdog:
             blocked = sorted(r for r, s in seen.items() if s[1][0] == "p2p")
             if time.time() - since < self.still_s or book.rank != blocked[0]:
                 continue
+            raised = [(r, state[1]) for r, (_, state) in sorted(seen.items()) if state[0] == "done" and state[1]]
             parts = []
             for r, (_, state) in sorted(seen.items()):
                 if state[0] == "p2p":
@@ -419,8 +420,12 @@ class Watchdog:
                     parts.append(f"rank {r} waited in {state[2].said()}")
                 else:
                     parts.append(f"rank {r} {state[1] or 'had finished'}")
-            book.store.set(f"{book.prefix}/verdict", pickle.dumps(
-                f"no rank could go on (for {time.time() - since + 0.25:.0f} s, all blocked): {'; '.join(parts)}"))
+            text = f"no rank could go on (for {time.time() - since + 0.25:.0f} s, all blocked): {'; '.join(parts)}"
+            if raised:  # what one rank's code raised comes first; the others were left waiting for it
+                waiting = [p for p in parts if "waited" in p]
+                text = (f"on rank {raised[0][0]}, {raised[0][1]}, and the other ranks were left waiting for it"
+                        f"{' (' + '; '.join(waiting) + ')' if waiting else ''}")
+            book.store.set(f"{book.prefix}/verdict", pickle.dumps(text))
             os._exit(3)
 
 

@@ -123,7 +123,7 @@ def _guarded(rank: int, pool_size: int, check: Callable, path: str, k: int, port
         return None
     learner = os.path.abspath(path)
     book = ledger.Ledger(ledger.client(port), prefix, rank, k, learner=learner, patience_s=patience_s)
-    with sizes.world_of(k), book.active(), ledger.Watchdog(book, still_s=2.0 * patience()):
+    with sizes.world_of(k), book.active(), ledger.Watchdog(book, still_s=2.0 + 0.25 * patience()):
         try:
             outcome = ("failures", check(rank, k, path))
         except NotImplementedError:
@@ -152,9 +152,19 @@ def raised_text(error: BaseException, learner: str) -> tuple[str, bool]:
     return f"your code raised {type(error).__name__} at {where}: {why}{_hint(error, frame.line or '')}", not comm
 
 
+def _source(error: BaseException) -> str:
+    """The text of the file the learner's frame that raised is in."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not os.path.abspath(f.filename).startswith((ledger.GRADING_DIR, ledger.TORCH_DIR))]
+    try:
+        return Path(frames[-1].filename).read_text() if frames else ""
+    except OSError:
+        return ""
+
+
 def _hint(error: BaseException, line: str) -> str:
     """A known cause, only where the line and the error show it."""
-    if isinstance(error, IndexError) and ".chunk(" in line:
+    if isinstance(error, IndexError) and (".chunk(" in line or ".chunk(" in _source(error)):
         return (". torch.chunk(t, n) gives fewer than n pieces when t is short (chunk(3) of 2 numbers gives 2): "
                 "tensor_split(n) always gives n")
     if "rank" in str(error).lower() and ("invalid" in str(error).lower() or "out of range" in str(error).lower()):
