@@ -332,6 +332,9 @@ class Ledger:
             where, _ = caller(self.learner)
             peer = args[0] if args else kwargs.get("dst", kwargs.get("src"))
             what = f"dist.{name} {'to' if name.endswith('send') else 'from'} rank {peer} ({where})"
+            if isinstance(peer, int) and not 0 <= peer < self.world_size:  # Gloo may crash on it, not raise
+                raise Finding(f"{what}: there are {self.world_size} ranks here, 0 to {self.world_size - 1}. Is a "
+                              f"number of ranks written into your code? Use dist.get_world_size()")
             self.note(("p2p", f"waited in {what}"))
             _local.depth = 1
             try:

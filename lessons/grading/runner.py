@@ -123,13 +123,14 @@ def _guarded(rank: int, pool_size: int, check: Callable, path: str, k: int, port
         return None
     learner = os.path.abspath(path)
     book = ledger.Ledger(ledger.client(port), prefix, rank, k, learner=learner, patience_s=patience_s)
-    with sizes.world_of(k), book.active(), ledger.Watchdog(book, still_s=2.0 + 0.25 * patience()):
+    with sizes.world_of(k), book.active(), ledger.Watchdog(book, still_s=3.0 + 0.5 * patience()):
         try:
             outcome = ("failures", check(rank, k, path))
         except NotImplementedError:
             outcome = ("failures", [NOT_WRITTEN_MIDWAY])
         except ledger.Finding as finding:
-            outcome = ("finding", str(finding))
+            book.done(str(finding))  # the ranks left waiting for this one are told why
+            return ("finding", str(finding))
         except Exception as error:  # noqa: BLE001 -- told in words, and to the other ranks at once
             text, learners = raised_text(error, learner)
             book.done(text)
