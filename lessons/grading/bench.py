@@ -21,10 +21,11 @@ from torch import nn
 
 from lessons._common import CLASSES, make_model
 from lessons.grading.diagnose import explain_gradients, what_each_holds
+from lessons.grading.ledger import caller, own
 
 PER_RANK, STEPS, LR = 8, 3, 0.1
-# Bound once: a grader may watch dist.all_reduce for the learner's calls, and must not count its own.
-_all_reduce = dist.all_reduce
+# The grader's own: a grader may watch dist.all_reduce for the learner's calls, and must not count its own.
+_all_reduce = own.all_reduce
 
 
 @dataclass
@@ -70,15 +71,26 @@ def ops_named(ops: set):
     """Note, in ``ops``, the ReduceOp of every dist.all_reduce the learner calls (SUM when none is named)."""
     inner = dist.all_reduce
 
+    broadcast = dist.broadcast
+
     def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
         ops.add(getattr(op, "name", str(op).split(".")[-1]))
+        where, own = caller()
+        if where and not own and not any(o.startswith("AT ") for o in ops):
+            ops.add(f"AT {where}")  # where the learner's first all-reduce is
+        if kwargs.get("async_op"):
+            ops.add("ASYNC")
         return inner(tensor, op, *args, **kwargs)
 
-    dist.all_reduce = all_reduce
+    def collective(tensor, *args, **kwargs):  # a broadcast: noted, as "BROADCAST"
+        ops.add("BROADCAST")
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.all_reduce, dist.broadcast = all_reduce, collective
     try:
         yield
     finally:
-        dist.all_reduce = inner
+        dist.all_reduce, dist.broadcast = inner, broadcast
 
 
 def slice_gradients(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, loss_fn) -> list[list[torch.Tensor]]:
@@ -177,6 +189,11 @@ def explain(seen: Seen, world_size: int, what: str = "") -> list[str]:
         return [f"{what}before the first step the ranks' {', '.join(seen.start_off)} differ from rank 0's (by up to "
                 f"{seen.start_spread:.2g}) while {', '.join(seen.start_same)} agree: broadcast every parameter"]
     if seen.start_spread > 0:
+        if "BROADCAST" in seen.ops:
+            return [f"{what}the ranks' weights differ from rank 0's before the first step (by up to "
+                    f"{seen.start_spread:.2g}), though your code called dist.broadcast: a broadcast writes rank 0's "
+                    f"numbers into the very tensor it is given on every other rank; if that was a copy (.clone(), "
+                    f"torch.cat of the parameters), copy the result back into the parameters"]
         return [f"{what}the ranks' weights differ from rank 0's before the first step (by up to {seen.start_spread:.2g}): "
                 f"nothing was broadcast, so each rank trains its own model"]
     if seen.wrong_gradients:

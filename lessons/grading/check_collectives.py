@@ -10,11 +10,12 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from lessons.grading.bench import gather_failures
+from lessons.grading.ledger import own
 from lessons.grading.runner import load
 
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter"]
-_all_reduce = dist.all_reduce  # the grader's own, never watched
+_all_reduce = own.all_reduce  # the grader's own, never watched
 
 
 @contextlib.contextmanager
@@ -49,7 +50,7 @@ def watched_messages(used: set, sent: list):
         dist.isend = c10d.isend = isend
 
 
-SHAPES = [(12,), (7,), (4, 5), (2,)]
+SHAPES = [(12,), (7,), (4, 5), (2,)]  # divisible by 3 or not, 2-D, fewer numbers than ranks
 CASES = [(shape, torch.float32) for shape in SHAPES] + [((7,), torch.float16)]  # a ring works for any dtype
 
 
@@ -113,7 +114,7 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
                                 f"ones it is): did you receive into buffers made by torch.empty(size) or "
                                 f"torch.zeros(n)? Those are float32 whatever x is, while the numbers that arrive "
                                 f"are {kind}. Make each buffer like its chunk: torch.empty_like(chunk)")
-            elif torch.allclose(result, x):
+            elif torch.allclose(result, before):
                 failures.append(f"for shape {tuple(shape)} the result is this rank's own x: nothing was added")
             else:
                 failures.append(WRONG_CHUNKS)  # told apart below, with every rank's chunks
@@ -174,6 +175,10 @@ def _wrong_chunks(everyone: list, n: int, rank: int, p: int) -> str:
             f"finished chunk to every rank")
 
 
+def _right(returned, right_mean: torch.Tensor, right_var: torch.Tensor) -> bool:
+    return returned is not None and close(returned[0], right_mean) and close(returned[1], right_var)
+
+
 def close(mine: torch.Tensor, right: torch.Tensor) -> bool:
     """Equal within float32 rounding; statistics computed in float64 (say) are as right as float32 ones."""
     return mine.shape == right.shape and torch.allclose(mine.to(right.dtype), right, rtol=1e-4, atol=1e-4)
@@ -186,19 +191,36 @@ SHIFT = 1e4
 
 def check_10(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    failures = _check_10(exercise, rank, world_size, shift=0.0)
-    if not failures:
-        failures = _check_10(exercise, rank, world_size, shift=SHIFT)
-    return gather_failures(failures)
+    failures = gather_failures(_check_10(exercise, rank, world_size, shift=0.0))
+    # The docstring's other promises: any (n, C) batch -- one sample on a rank, a non-contiguous view,
+    # float64 -- in x's dtype, and x left as it was. Every rank goes on to the next case together.
+    for case in ({"shift": SHIFT}, {"shift": 0.0, "first": 1}, {"shift": 0.0, "transposed": True},
+                 {"shift": 0.0, "dtype": torch.float64}):
+        if failures:
+            break
+        failures = gather_failures(_check_10(exercise, rank, world_size, **case))
+    return failures
 
 
-def _check_10(exercise, rank: int, world_size: int, shift: float) -> list[str]:
-    """The statistics of every rank's batch together (sizes 2, 5, 8...), each rank's shifted by 3 r, plus ``shift``."""
+def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2, transposed: bool = False,
+              dtype: torch.dtype = torch.float32) -> list[str]:
+    """The statistics of every rank's batch together (sizes ``first``, + 3, + 6...), each rank's shifted by 3 r,
+    plus ``shift``; ``transposed``: x is a non-contiguous view."""
     channels = 4
-    batches = [torch.randn(2 + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r + shift
-               for r in range(world_size)]  # every rank makes every rank's batch, for the reference
-    x = batches[rank]
-    mean, var = exercise.global_mean_and_var(x.clone())
+    batches = [(torch.randn(first + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r
+                + shift).to(dtype) for r in range(world_size)]  # every rank makes every rank's batch, for the reference
+    x = batches[rank].t().contiguous().t() if transposed else batches[rank].clone()
+    before = x.clone()
+    mean, var = exercise.global_mean_and_var(x)
+    tensors = isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (mean, var) if tensors else None)  # every rank, whatever it returned
+    case = (f"for a batch of {len(x)} sample{'s' if len(x) > 1 else ''} on rank 0" if first != 2 else
+            "for a non-contiguous batch (a transposed view)" if transposed else
+            f"for a {str(dtype).removeprefix('torch.')} batch" if dtype != torch.float32 else "")
+    if not torch.equal(x, before):
+        return [f"your function changed its input x{' ' + case if case else ''}: the caller's batch must be left "
+                f"as it was (compute on a copy, or out of place)"]
     if isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor) and (mean.dtype, var.dtype) != (x.dtype,) * 2:
         return [f"for a {str(x.dtype).removeprefix('torch.')} batch you returned "
                 f"{str(mean.dtype).removeprefix('torch.')} and {str(var.dtype).removeprefix('torch.')} statistics: "
@@ -217,8 +239,19 @@ def _check_10(exercise, rank: int, world_size: int, shift: float) -> list[str]:
     whole = torch.cat(batches)
     right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)
     failures = []
+    if case and isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor) and \
+            mean.shape == var.shape == (channels,) and not (close(mean, right_mean) and close(var, right_var)):
+        off = max((mean.double() - right_mean.double()).abs().max().item(),
+                  (var.double() - right_var.double()).abs().max().item())
+        return [f"{case} the statistics are off by up to {off:.3g} from the whole batch's (right for float32 "
+                f"batches of 2 or more samples)"]
     if not (isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)) or mean.shape != (channels,) or var.shape != (channels,):
         failures.append(f"return two tensors of shape ({channels},): one mean and one variance per channel")
+    elif _right(everyone[0], right_mean, right_var) and not all(_right(e, right_mean, right_var) for e in everyone):
+        others = [r for r, e in enumerate(everyone) if not _right(e, right_mean, right_var)]
+        failures.append(f"only rank 0 returned the whole batch's statistics (rank{'s' if len(others) > 1 else ''} "
+                        f"{', '.join(map(str, others))} did not): every rank must return them. dist.reduce leaves "
+                        f"the result on its dst alone: all_reduce instead, or broadcast the result from rank 0")
     elif close(mean, x.mean(dim=0)) and not close(mean, right_mean):
         failures.append("your statistics are this rank's own batch's: they must be the whole batch's, every rank's "
                         "samples together (gather each rank's count, mean and M2)")
@@ -228,6 +261,10 @@ def _check_10(exercise, rank: int, world_size: int, shift: float) -> list[str]:
             failures.append("your mean is the average of the ranks' means: right only when every rank has as many "
                             "samples; here they have " + ", ".join(str(len(b)) for b in batches)
                             + ": weight each rank's mean by its count")
+        elif close(mean, whole.sum(dim=0) / (len(x) * world_size)):
+            failures.append(f"your mean divides the sum by this rank's count times the number of ranks, as if every "
+                            f"rank had as many samples; here they have "
+                            + ", ".join(str(len(b)) for b in batches) + ": sum the ranks' counts")
         else:
             failures.append(f"the mean is off by up to {(mean - right_mean).abs().max():.3g} from the whole batch's")
     elif not close(var, right_var):
@@ -240,10 +277,16 @@ def _check_10(exercise, rank: int, world_size: int, shift: float) -> list[str]:
         elif close(var, local_vars.mean(dim=0)) or close(var, (counts * local_vars).sum(dim=0) / n):
             failures.append("your variance averages the ranks' variances: that misses the spread between the ranks' "
                             "means. Add, for each rank, its count times (its mean - the global mean) squared")
+        elif len(whole) > len(batches) and close(var, (sum(b.var(dim=0) * len(b) for b in batches) + sum(
+                len(b) * (b.mean(dim=0) - right_mean) ** 2 for b in batches)) / n):
+            failures.append("each rank's M2 (sum of squared deviations) was computed from the unbiased variance "
+                            "(torch.var divides by n - 1 unless correction=0): M2 is the plain sum of (x - mean)^2, "
+                            "or the biased variance times n")
         else:
             failures.append(f"the variance is off by up to {(var - right_var).abs().max():.3g} from the whole batch's")
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, (mean, var))
-    if not failures and not all(torch.equal(m, mean) and torch.equal(v, var) for m, v in everyone):
+    if failures and len({repr(e) for e in everyone}) > 1:
+        failures[0] += " (and the ranks returned different statistics: every rank must return the same ones)"
+    if not failures and not all(e is not None and torch.equal(e[0], mean) and torch.equal(e[1], var)
+                                for e in everyone):
         failures.append("the ranks returned different statistics: every rank must normalize with the same ones")
     return failures

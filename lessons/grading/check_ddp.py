@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
 import time
 
 import torch
@@ -20,8 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lessons._common import FEATURES, make_model
+from lessons.grading.ledger import Finding, caller
+from lessons.grading.memory import globals_of, reachable_tensors, storage_bytes
+from lessons.grading.models import Mixed
 from lessons.grading.bench import STEPS, explain, gather_failures, train_vs_one_process, worst
-from lessons.grading.runner import load
+from lessons.grading.runner import load, raised_text
 from lessons.grading.watch import Watch
 
 
@@ -59,6 +63,17 @@ def _gradient_bytes(model: nn.Module) -> tuple[int, set]:
             {str(p.dtype).removeprefix("torch.") for p in trainable})
 
 
+def dtype_failures(watch: Watch, model: nn.Module) -> list[str]:
+    """The learner's all-reduces must carry the gradients in their own dtype: a narrower one rounds the sum."""
+    _, dtypes = _gradient_bytes(model)
+    sent = sorted({d for launch in watch.launches if launch.name == "all_reduce" for d in launch.dtypes} - dtypes)
+    if not sent:
+        return []
+    return [f"your all-reduces sent {', '.join(sent)} tensors for {', '.join(sorted(dtypes))} gradients: the sum is "
+            f"rounded to {', '.join(sent)}'s precision, so the gradients differ from one process's. Send each "
+            f"gradient in its own dtype"]
+
+
 def _cost_failures(watch: Watch, model: nn.Module, steps: int = STEPS) -> list[str]:
     """Each synchronized step may send each gradient once, in its own dtype: the all-reduced bytes of a step are at
     most the gradients' bytes (one all-reduce per gradient, or flat buckets of them, alike)."""
@@ -87,9 +102,11 @@ def check_04(rank: int, world_size: int, path: str) -> list[str]:
     with watch.active():  # an async all-reduce's sum lands at wait(), never by luck
         seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), own_seeds=True,
                                     step_starts=lambda step: setattr(watch, "step", step))
-    failures = never_waited(watch) + explain(seen, world_size)
-    failures = failures or _cost_failures(watch, make_model(seed=0))
-    return gather_failures(failures or _frozen_failures(exercise, world_size))
+    failures = never_waited(watch) or (explain(seen, world_size) and dtype_failures(watch, make_model(seed=0)))
+    failures = failures or explain(seen, world_size) or _cost_failures(watch, make_model(seed=0))
+    failures = failures or _frozen_failures(exercise, world_size)
+    failures = failures or family_failures(lambda m: _HandWrapper(exercise, m), path, own_seeds=True)
+    return gather_failures(failures)
 
 
 def _frozen_failures(exercise, world_size: int) -> list[str]:
@@ -99,7 +116,7 @@ def _frozen_failures(exercise, world_size: int) -> list[str]:
     frozen = "with 0.bias frozen (requires_grad False, so its .grad stays None)"
     try:
         seen = train_vs_one_process(lambda m: _HandWrapper(exercise, m), model=model, own_seeds=True)
-    except NotImplementedError:
+    except (NotImplementedError, Finding):
         raise
     except Exception as error:  # noqa: BLE001 -- every rank raises alike: all_reduce(None), None / world_size...
         reason = " ".join(str(error).split()).rstrip(".")
@@ -110,6 +127,85 @@ def _frozen_failures(exercise, world_size: int) -> list[str]:
                 f"must stay None. An optimizer skips a parameter whose .grad is None, but moves one whose .grad is "
                 f"zeros when it has momentum or weight decay: leave the parameters whose .grad is None alone"]
     return explain(seen, world_size, f"{frozen}: ")
+
+
+def family_failures(make, path: str, sometimes: bool = True, own_seeds: bool = False) -> list[str]:
+    """Train ``make(model)`` on ``models.Mixed`` (a frozen parameter, a shared one and, with ``sometimes``, one
+    without a gradient on odd steps) against one process, every collective and hook registration counted by step.
+
+    What must hold at every step: the gradients the single process gets; ``.grad`` None where the parameter
+    got none; the same collectives and bytes in step 3 as in step 1 (both use every layer); no hook registered
+    once training has begun.
+    """
+    Mixed.use_extra = True
+    model = Mixed(sometimes)
+    what = f"on a model with {Mixed.CASES if sometimes else Mixed.CASES_WITHOUT_EXTRA}: "
+    watch, registered, unused_with_grad = Watch(), [], []
+
+    def made(module):
+        wrapper = make(module)
+        finish = getattr(wrapper, "finish", lambda: None)
+
+        def finish_then_look():
+            finish()
+            if module.extra is not None and not Mixed.use_extra and watch.step not in [s for s, _ in unused_with_grad]:
+                given = [f"extra.{n}" for n, p in module.extra.named_parameters() if p.grad is not None]
+                if given:
+                    unused_with_grad.append((watch.step, given))
+        wrapper.finish = finish_then_look
+        return wrapper
+
+    def step_starts(step):
+        Mixed.step_starts(step)
+        watch.step = step
+
+    try:
+        with watch.active(), hooks_registered(set(), registered, watch):
+            seen = train_vs_one_process(made, model=model, own_seeds=own_seeds, step_starts=step_starts)
+    except (NotImplementedError, Finding):
+        raise
+    except Exception as error:  # noqa: BLE001 -- e.g. a hook registered on the frozen parameter
+        return [what + raised_text(error, os.path.abspath(path))[0]]
+    finally:
+        Mixed.use_extra = True
+    if seen.frozen_with_grad:
+        return [f"{what}your code gave {', '.join(seen.frozen_with_grad)} a .grad: a frozen parameter's .grad "
+                f"must stay None (an optimizer with momentum or weight decay moves a parameter whose .grad is "
+                f"zeros, and skips one whose .grad is None)"]
+    if unused_with_grad:
+        step, given = unused_with_grad[0]
+        return [f"{what}on step {step + 1}, where extra took no part in the loss, your code gave {', '.join(given)} "
+                f"a .grad: a parameter that got no gradient in this step must keep .grad None. Skip the parameters "
+                f"whose .grad is None (requires_grad alone does not tell)"]
+    late = [(step, where) for step, where in registered if step >= 0]
+    if late:
+        step, where = late[0]
+        count = sum(1 for s, _ in late if s == step)
+        return [f"your code registered {count} hook{'s' if count > 1 else ''} during step {step + 1} ({where}), "
+                f"after the wrapper was built: hooks registered at every step pile up, each running once more per "
+                f"backward. Register each parameter's hook once, when the wrapper is built"]
+    failures = explain(seen, dist.get_world_size(), what)
+    return failures or steady_failures(watch) or _cost_failures(watch, model)
+
+
+def accumulated_failures(make) -> list[str]:
+    """Training with 2 micro-batches per step (require_sync False for the first) against one process."""
+    with Watch().active():  # an async sum lands at wait(), never by luck
+        seen = train_vs_one_process(make, micro_batches=2)
+    return explain(seen, dist.get_world_size(), "with 2 micro-batches accumulated per step: ")
+
+
+def steady_failures(watch: Watch, first: int = 0, later: int = STEPS - 1) -> list[str]:
+    """Steps alike in what they compute must be alike in what they send: counted across steps."""
+    def counted(step):
+        launches = [launch for launch in watch.launches if launch.step == step]
+        return len(launches), sum(launch.nbytes for launch in launches)
+    (n1, b1), (n2, b2) = counted(first), counted(later)
+    if (n1, b1) == (n2, b2):
+        return []
+    return [f"step {later + 1} made {n2} collectives sending {b2:,} bytes, where step {first + 1}, which computes "
+            f"the same gradients, made {n1} sending {b1:,}: something of your code piles up (or runs out) from step "
+            f"to step (hooks registered again, a list never cleared, a counter never reset?)"]
 
 
 def check_05(rank: int, world_size: int, path: str) -> list[str]:
@@ -145,6 +241,7 @@ def check_05(rank: int, world_size: int, path: str) -> list[str]:
             failures += explain(one, world_size)
             failures += explain(two, world_size, "with 2 micro-batches accumulated: ") if one.exact() else []
     failures += [f for f in accumulating if f not in failures]
+    failures = failures or family_failures(exercise.HookAverager, path)
     return gather_failures(failures)
 
 
@@ -166,20 +263,26 @@ def _accumulating_failures(make) -> list[str]:
     changed = [name for (name, p), q in zip(model.named_parameters(), plain.parameters())
                if p.grad is not None and not torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)]
     if changed:
-        return [f"with require_sync False your hook still changed .grad (of {', '.join(changed)}; divided it?): "
-                f"while micro-batches accumulate, .grad must keep the plain sum of their gradients, so that the "
-                f"last, synchronized backward averages each micro-batch's once"]
+        return [f"with require_sync False, .grad after backward and finish() is not the plain gradient (of "
+                f"{', '.join(changed)}): while micro-batches accumulate, nothing may change .grad (no division, "
+                f"in the hook or in finish()), so that the last, synchronized backward averages each "
+                f"micro-batch's once"]
     return []
 
 
 @contextlib.contextmanager
-def hooks_registered(kinds: set):
-    """Note, in ``kinds``, which of ``Tensor.register_hook`` / ``register_post_accumulate_grad_hook`` the learner called."""
+def hooks_registered(kinds: set, registered: list | None = None, watch: Watch | None = None):
+    """Note, in ``kinds``, which of ``Tensor.register_hook`` / ``register_post_accumulate_grad_hook`` the learner
+    called; in ``registered``, (the watch's step, where) for each registration."""
     originals = {name: getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook")}
 
     def noting(name):
         def register(tensor, hook):
             kinds.add(name)
+            if registered is not None:
+                where, own = caller(None)
+                if not own:
+                    registered.append((watch.step if watch is not None else -1, where))
             return originals[name](tensor, hook)
         return register
 
@@ -258,6 +361,9 @@ def _watched_training(make, model=None, keep_sent: bool = False) -> tuple:
             gc.collect()  # what is left is what the learner's objects still refer to
             held.append(sorted(h.step for h in watch.handles()))
             kept.append(held_tensors(wrapper, module))
+            reached = reachable_tensors(wrapper, modules=globals_of(wrapper))
+            kept[-1]["all your object reaches"] = storage_bytes(
+                reached, excluded=[t for p in module.parameters() for t in (p, p.grad)])
         wrapper.finish = finish_then_count
         return wrapper
 
@@ -325,6 +431,8 @@ def check_06(rank: int, world_size: int, path: str) -> list[str]:
     failures += explain(seen, world_size)
     failures = failures or _cost_failures(watch, make_model(seed=0)) + growth_failures(kept)
     failures += _accumulating_failures(exercise.AsyncAverager)
+    failures = failures or steady_failures(watch) or accumulated_failures(exercise.AsyncAverager)
+    failures = failures or family_failures(exercise.AsyncAverager, path)
     return gather_failures(failures)
 
 
@@ -384,6 +492,8 @@ def check_07(rank: int, world_size: int, path: str) -> list[str]:
         failures.append(_swapped_failure(exercise, rank))
     failures = [f for f in failures if f]
     failures += _accumulating_failures(lambda m: exercise.BucketAverager(m, cap))
+    failures = failures or accumulated_failures(lambda m: exercise.BucketAverager(m, cap))
+    failures = failures or family_failures(lambda m: exercise.BucketAverager(m, cap), path, sometimes=False)
     return gather_failures(failures)
 
 

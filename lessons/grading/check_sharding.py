@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import types
 from dataclasses import dataclass
 
@@ -10,13 +11,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lessons._common import CLASSES, FEATURES, make_model
-from lessons.grading.bench import PER_RANK, flat_weights, gather_failures, worst
+from lessons.grading.bench import PER_RANK, agree, flat_weights, gather_failures, worst
 from lessons.grading.check_ddp import growth_failures, held_tensors, never_waited
+from lessons.grading.ledger import own
+from lessons.grading.memory import globals_of, reachable_tensors, storage_bytes
 from lessons.grading.runner import EXERCISE_PREFIX, load
 from lessons.grading.watch import Watch
 
 STEPS = 3
-_all_reduce, _all_gather = dist.all_reduce, dist.all_gather  # the grader's own
+_all_reduce = own.all_reduce  # the grader's own
 
 
 def check_19(rank: int, world_size: int, path: str) -> list[str]:
@@ -26,11 +29,17 @@ def check_19(rank: int, world_size: int, path: str) -> list[str]:
     # watched: an asynchronous one's result lands at wait(), never by luck.
     with Watch().active(exercise) as watch:
         sharded, failures, kept = _train_19(exercise, rank, world_size, torch.optim.SGD, lr=0.1, watch=watch)
+    narrower = sorted({d for launch in watch.launches for d in launch.dtypes} - {"float32"})
+    if failures and narrower:
+        failures = [f"your collectives sent {', '.join(narrower)} tensors of float32 parameters or gradients: "
+                    f"the numbers come back rounded, so the parameters are not plain SGD's (bit for bit, as the "
+                    f"docstring says). Send the float32 pieces as they are"]
     failures = (never_waited(watch) or failures or _cost_19(watch, sharded, world_size)
                 or growth_failures(kept, clear_in="step()"))
     if not failures:
-        sharded, failures, _ = _train_19(exercise, rank, world_size, torch.optim.AdamW, lr=1e-2)
+        sharded, failures, kept = _train_19(exercise, rank, world_size, torch.optim.AdamW, lr=1e-2)
         failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)
+        failures = failures or _memory_19(kept, sharded, torch.optim.AdamW, lr=1e-2)
     return gather_failures(failures)
 
 
@@ -65,10 +74,39 @@ def _train_19(exercise, rank: int, world_size: int, optimizer_class, watch: Watc
         reference.step()
         kept.append(held_tensors(sharded, mine))
         after, right = flat_weights(mine), flat_weights(plain)
+        model_tensors = [t for p in mine.parameters() for t in (p, p.grad)]
+        kept[-1][REACHED] = storage_bytes(reachable_tensors(sharded, modules=[exercise]), excluded=model_tensors)
+        name = optimizer_class.__name__
         if worst((after - right).abs().max().item()) >= 1e-6:
-            name = optimizer_class.__name__
+            if step and optimizer_class is torch.optim.SGD and \
+                    worst(float(not torch.allclose(after - before, right - before + last_move, atol=1e-6))) == 0:
+                return sharded, [f"step {step + 1} moved the parameters by this step's SGD step plus step "
+                                 f"{step}'s (step 1 was right): the shard's gradient kept the last step's. Set "
+                                 f"self.shard.grad to this step's piece (=, not +=): zero_grad clears only the "
+                                 f"parameters' gradients"], kept
             return sharded, [_wrong_step(step, before, after, right, sharded.piece, rank, world_size, name)], kept
+        last_move = after - before
+        if worst(float(not torch.equal(after, right))):
+            return sharded, [_not_bit_for_bit(step, after, right, name)], kept
+        if not agree(after):
+            return sharded, [f"after step {step + 1} the ranks' parameters are not bit for bit the same (within "
+                             f"1e-6 of plain {name}'s on every rank): every rank must copy in the very numbers "
+                             f"each piece's owner computed"], kept
     return sharded, [], kept
+
+
+REACHED = "all your object reaches"  # the key, in what _train_19 keeps, of every tensor the object reaches
+
+
+def _not_bit_for_bit(step: int, after: torch.Tensor, right: torch.Tensor, name: str) -> str:
+    """Right within float32 rounding, yet not the same bits: the docstring promises bit for bit."""
+    differ = (after != right).sum().item()
+    ulps = ((after - right).abs() / torch.finfo(torch.float32).eps / right.abs().clamp_min(1e-30)).max().item()
+    return (f"after step {step + 1} {differ:,} of the {after.numel():,} parameters differ from plain {name}'s "
+            f"by up to {(after - right).abs().max():.2g} (about {ulps:.0f} units in the last place): the step "
+            f"must be bit for bit plain {name}'s, as the docstring says. The same arithmetic on the same numbers "
+            f"gives the same bits: step self.shard with self.optimizer on the averaged gradient as it is, and "
+            f"copy the updated numbers back without computing with them")
 
 
 # The two phases of a ZeRO-1 step, as the watch's step: getting this rank's piece of the gradient, and
@@ -176,9 +214,11 @@ def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: tor
                 + f": all_gather fills its list in rank order (tensor r receives rank r's piece), and rank r's "
                   f"piece belongs at elements r * {piece} onward")
     wrong = [r for r, where in enumerate(pieces) if not close(after[where], right[where])]
+    others = " (the others are right)" if 0 < len(wrong) < world_size else ""
+    where = (f"in every rank's piece" if len(wrong) == world_size else
+             f"in the pieces of rank{'s' if len(wrong) > 1 else ''} {', '.join(map(str, wrong))}{others}")
     return (f"after step {step + 1} the parameters differ from plain {name}'s by up to "
-            f"{(after - right).abs().max():.2g}, in the pieces of rank{'s' if len(wrong) > 1 else ''} "
-            f"{', '.join(map(str, wrong))} (the others are right)")
+            f"{(after - right).abs().max():.2g}, {where}")
 
 
 def _optimizers(owner) -> dict[str, torch.optim.Optimizer]:
@@ -195,6 +235,35 @@ def _optimizers(owner) -> dict[str, torch.optim.Optimizer]:
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0)  # the step counters aside
+
+
+def _memory_19(kept: list[dict], sharded, optimizer_class, **defaults) -> list[str]:
+    """What the whole process holds after a step (every live tensor, the models and the grader's data aside)
+    against what ZeRO-1 needs: this rank's piece, its gradient, the optimizer's state for it."""
+    piece = torch.zeros(sharded.piece, requires_grad=True)
+    piece.grad = torch.zeros_like(piece)
+    alone = optimizer_class([piece], **defaults)
+    alone.step()
+    one = sharded.piece * 4
+    allowed = 2 * one + _state_bytes(alone) + one + 1024  # + one piece and 1 KB of slack (padding, counters)
+    held = max(k[REACHED] for k in kept)
+    if worst(float(held > allowed)) == 0:
+        return []
+    held = int(worst(float(held)))
+    grad = getattr(getattr(sharded, "shard", None), "grad", None)
+    if isinstance(grad, torch.Tensor) and grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+        return [f"after a step your object reaches {held:,} bytes of tensors besides the model's parameters and "
+                f"gradients, where ZeRO-1 needs about {allowed - one - 1024:,}: self.shard.grad is a view of a "
+                f"{grad.untyped_storage().nbytes() // grad.element_size():,}-element tensor (the whole line of "
+                f"gradients), which it keeps alive between steps. Give the shard a copy of its piece "
+                f"(.clone()), so the line is freed"]
+    attributes = sorted(((n, b) for n, b in kept[-1].items() if n != REACHED and b > one), key=lambda x: -x[1])
+    named = (f" ({', '.join(f'{n}: {b:,} bytes' for n, b in attributes)})" if attributes else
+             " (none of it in your object's attributes: in a closure, a global, a cache?)")
+    return [f"after a step your object reaches {held:,} bytes of tensors besides the model's parameters and "
+            f"gradients{named}, where ZeRO-1 needs about {allowed - one - 1024:,}: this rank's "
+            f"{sharded.piece:,}-element piece, its gradient and {optimizer_class.__name__}'s state for it. Keep "
+            f"no full copy of the parameters (or gradients) between steps: that is the memory ZeRO-1 saves"]
 
 
 def _state_failures(sharded, optimizer_class, **defaults) -> list[str]:
@@ -276,7 +345,13 @@ def _step_21(model, opt, reference, ref_opt, watch: Watched, collectives: Watch,
     nn.functional.mse_loss(reference(xs.reshape(-1, 16)), ys.reshape(-1, 1)).backward()
     opt.zero_grad()
     watch.phase, watch.gathers, collectives.step = "forward", [], FORWARD
-    loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
+    saved = []  # every tensor autograd keeps for backward (ctx.save_for_backward's too)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
+    copies = _full_copies(model, reference, saved, loss) if step == 0 and not watch.late else ""
+    saved.clear()
+    if copies:
+        return [copies]
     watch.phase, collectives.step = "backward", BACKWARD
     loss.backward()
     if watch.late:
@@ -293,7 +368,15 @@ def _step_21(model, opt, reference, ref_opt, watch: Watched, collectives: Watch,
                 f"{', '.join(map(str, not_again))}: computing with full parameters kept from forward "
                 f"(saved on ctx, or a copy of them) holds every unit in full from its forward to its "
                 f"backward. Save only the input, and gather again in backward with unit.gather()"]
-    if step == 0:
+    empty = [i for i, u in enumerate(model.units) if u.shard.grad is None or not u.shard.grad.abs().sum()]
+    if step == 0 and empty and worst(float(len(empty))) > 0:
+        return [f"after backward the shard{'s' if len(empty) > 1 else ''} of unit{'s' if len(empty) > 1 else ''} "
+                f"{', '.join(map(str, empty))} had no gradient (None or zeros): each unit's backward must return "
+                f"the gradient for its input x too (the first of its outputs), or the units before it get none"]
+    if step == 0 and world_size > 1 and worst(float(_local_only(model, reference, xs[rank], ys[rank], rank))):
+        return ["the shards' gradients are this rank's own batch's, never averaged over the ranks: reduce-scatter "
+                "the full gradient (every rank's sum of this rank's piece), then divide by the world size"]
+    if step == 0 and world_size > 1:  # on one rank the sum is the average
         right = _refs(model, reference, rank)
         got = torch.cat([u.shard.grad for u in model.units])
         want = torch.cat([grad for _, grad in right])
@@ -312,6 +395,44 @@ def _step_21(model, opt, reference, ref_opt, watch: Watched, collectives: Watch,
         return [f"after step {step + 1} the shards differ from one process on the whole batch by up to "
                 f"{worst(gap):.2g}"]
     return []
+
+
+def _full_copies(model, reference, saved: list, loss: torch.Tensor) -> str:
+    """Between forward and backward: a live tensor (kept by Python, or saved for backward) that holds a unit's
+    full parameters, or one of its layer's parameters whole. Each unit's own shard, and the grader's
+    reference model, aside. Compared by value with the reference, which the learner's model equals here."""
+    ours = {p.untyped_storage().data_ptr() for p in reference.parameters()}
+    ours |= {u.shard.untyped_storage().data_ptr() for u in model.units}
+    fulls = [torch.cat([p.detach().reshape(-1) for p in layer.parameters()]) for layer in reference]
+    ours |= {f.untyped_storage().data_ptr() for f in fulls}
+    wholes = [(i, p.detach()) for i, layer in enumerate(reference) for p in layer.parameters() if p.numel() > 1]
+    found, seen = {}, set()
+    kept = reachable_tensors(model, loss, modules=globals_of(model))
+    for where, tensors in (("saved for backward", saved), ("kept by your objects", kept)):
+        for t in tensors:
+            if t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in ours or storage.nbytes() == 0 or t.dtype != torch.float32 or \
+                    (storage.data_ptr(), t.storage_offset(), t.numel()) in seen:
+                continue
+            seen.add((storage.data_ptr(), t.storage_offset(), t.numel()))
+            flat = t.detach().reshape(-1)
+            for i, full in enumerate(fulls):
+                if flat.numel() >= full.numel() and torch.equal(flat[:full.numel()], full):
+                    found.setdefault(i, (where, storage.nbytes()))
+            for i, whole in wholes:
+                if t.shape == whole.shape and torch.equal(t.detach(), whole):
+                    found.setdefault(i, (where, storage.nbytes()))
+    if not found:
+        return ""
+    units = sorted(found)
+    kinds = sorted({where for where, _ in found.values()})
+    total = sum(nbytes for _, nbytes in found.values())
+    return (f"between forward and backward, a copy of the full parameters of unit{'s' if len(units) > 1 else ''} "
+            f"{', '.join(map(str, units))} was still alive ({' and '.join(kinds)}; {total:,} bytes): every unit "
+            f"is then held in full from its forward to its backward, the memory FSDP exists to save. Save only "
+            f"the input, free what you gathered, and gather again in backward with unit.gather()")
 
 
 # The phases of a step of exercise 21, as the collectives watch's step.
@@ -339,6 +460,16 @@ def _cost_21(collectives: Watch, units, world_size: int) -> list[str]:
         return [f"in {'forward' if phase == FORWARD else 'backward'}, each rank moves {cost.moved:,.0f} bytes per "
                 f"step over the network ({cost.names}), where {what} move {budget:,.0f}: {why}"]
     return []
+
+
+def _local_only(model, reference, x, y, rank: int) -> bool:
+    """Whether the shards hold this rank's piece of its own batch's gradient (the loss on x alone)."""
+    mine = copy.deepcopy(reference)
+    mine.zero_grad()
+    nn.functional.mse_loss(mine(x), y).backward()
+    want = torch.cat([grad for _, grad in _refs(model, mine, rank)])
+    got = torch.cat([u.shard.grad for u in model.units])
+    return got.shape == want.shape and torch.allclose(got, want, atol=1e-6, rtol=1e-4)
 
 
 def _piece(unit, layer: nn.Module, rank: int):

@@ -33,8 +33,14 @@ def kinds(grad: torch.Tensor, slices: list[torch.Tensor], rank: int) -> set[str]
         "zero": torch.zeros_like(mean),
     }
     candidates.update({f"rank {k}'s": slices[k] for k in range(p)})
-    return {name for name, value in candidates.items()
-            if grad.shape == value.shape and torch.allclose(grad, value, atol=ATOL, rtol=RTOL)}
+    found = {name for name, value in candidates.items()
+             if grad.shape == value.shape and torch.allclose(grad, value, atol=ATOL, rtol=RTOL)}
+    if not found and grad.shape == mean.shape and mean.abs().max() > 0:  # the sum divided by another number
+        divisor = p / ((grad.double() * mean.double()).sum() / (mean.double() ** 2).sum()).item()
+        if 0.5 < divisor < 64 and abs(divisor - round(divisor)) < 1e-3 and \
+                torch.allclose(grad, mean * p / round(divisor), atol=ATOL, rtol=RTOL):
+            found.add(f"sum divided by {round(divisor)}")
+    return found
 
 
 PRIORITY = ["mean", "own", "sum", "divided twice", "own divided", "max", "min", "zero"]
@@ -66,10 +72,18 @@ def describe(kind: str, p: int, ops: set[str]) -> str:
         return f"the sum over the ranks, {p}x the right ones: did you divide by the world size?"
     if kind == "divided twice":
         return f"1/{p} of the right ones: did you divide by the world size twice?"
-    if kind == "own divided":
+    if kind.startswith("sum divided by "):
+        q = kind.removeprefix("sum divided by ")
+        return (f"the sum over the {p} ranks divided by {q}: divide by the number of ranks, "
+                f"dist.get_world_size(), not by a number written into the code")
+    if kind == "own divided" and "ASYNC" in ops:
         return (f"each rank's own gradient divided by {p}: the tensor was read (or divided) before its sum had "
                 f"arrived. An async all-reduce's result is there only once its wait() has returned: wait first, "
                 f"then divide")
+    if kind == "own divided":
+        return (f"each rank's own gradient divided by {p}: the sum over the ranks never reached .grad. An "
+                f"all-reduce writes the sum into the very tensor it is given: if that was a copy (.clone(), "
+                f"torch.cat of the gradients), copy the result back into .grad")
     if kind in ("max", "min"):
         op = "MAX" if kind == "max" else "MIN"
         called = f" (you called dist.all_reduce with op=ReduceOp.{op})" if op in ops else ""
@@ -77,7 +91,7 @@ def describe(kind: str, p: int, ops: set[str]) -> str:
                 f"not their average: sum them (ReduceOp.SUM, the default) and divide by {p}")
     if kind == "zero":
         return "zero: the gradient was cleared or never written back"
-    wrong_ops = sorted(ops - {"SUM"})
+    wrong_ops = sorted(o for o in ops - {"SUM", "ASYNC", "AVG", "BROADCAST"} if not o.startswith("AT "))
     if wrong_ops:
         return (f"none of the usual mistakes' values, and you called dist.all_reduce with "
                 f"op=ReduceOp.{', ReduceOp.'.join(wrong_ops)}: the average is ReduceOp.SUM divided by {p}")
@@ -87,6 +101,8 @@ def describe(kind: str, p: int, ops: set[str]) -> str:
 def explain_gradients(held: dict[str, str], p: int, ops: set[str], step: int, error: float) -> str:
     """One sentence for the first wrong step: which parameters hold what, which are right."""
     when = f"on step {step + 1} (the steps before were right) " if step else ""
+    site = next((o.removeprefix("AT ") for o in ops if o.startswith("AT ")), "")
+    site = f" (all-reduced at {site})" if site else ""
     wrong = {}
     for name, kind in held.items():
         if kind != "mean":
@@ -96,8 +112,8 @@ def explain_gradients(held: dict[str, str], p: int, ops: set[str], step: int, er
         return f"gradients {when}differ from one process on the whole batch by up to {error:.2g}"
     if len(wrong) == 1 and not right:
         kind = next(iter(wrong))
-        return f"gradients {when}are {describe(kind, p, ops)}"
+        return f"gradients{site} {when}are {describe(kind, p, ops)}"
     parts = [f"the gradients of {', '.join(names)} are {describe(kind, p, ops)}" for kind, names in wrong.items()]
     if right:
         parts.append(f"those of {', '.join(right)} are right")
-    return f"{when}{'; '.join(parts)}".strip()
+    return f"{when}{'; '.join(parts)}{site}".strip()

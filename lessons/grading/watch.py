@@ -186,8 +186,10 @@ class Watch:
             original = originals[name]
 
             def collective(*args, async_op=False, **kwargs):
-                if not args or (name not in ("all_reduce", "broadcast") and len(args) < 2):
-                    return original(*args, async_op=async_op, **kwargs)  # called by keywords: not watched
+                if not args or (name not in ("all_reduce", "broadcast") and len(args) < 2) or args[0] is None or \
+                        (len(args) > 1 and args[1] is None and name not in ("all_reduce", "broadcast")):
+                    # called by keywords, or with None: not watched (the ledger underneath says what is wrong)
+                    return original(*args, async_op=async_op, **kwargs)
                 sent = _sent(name, args)
                 self.launches.append(Launch(time.perf_counter(), self.step, async_op, sum(t.numel() for t in sent),
                                             name, sum(t.numel() * t.element_size() for t in sent),

@@ -14,7 +14,8 @@ reference = load(Path(__file__).resolve().parent.parent / "19_zero1_step.py")
 
 class ShardedOptimizer(reference.ShardedOptimizer):
     def step(self) -> None:
-        self.shard.grad = self.my_piece(parameters_to_vector(p.grad for p in self.params))
+        # .clone(): my_piece is a view, which would keep the whole line of gradients alive between steps
+        self.shard.grad = self.my_piece(parameters_to_vector(p.grad for p in self.params)).clone()
         self.optimizer.step()
         pieces = [torch.empty_like(self.shard) for _ in range(self.world_size)]
         dist.all_gather(pieces, self.shard.detach())

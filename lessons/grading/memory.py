@@ -1,0 +1,85 @@
+"""What a learner's objects hold: every tensor reachable from them, however it is kept.
+
+Reading one attribute misses a copy kept anywhere else: another attribute, a
+list in a dict, a closure, a global of the learner's module, the ``ctx`` of
+an autograd Function. :func:`reachable_tensors` follows every reference the
+garbage collector knows (``gc.get_referents``) from the objects given, and the
+graph of autograd nodes (a custom Function's node *is* its ``ctx``); tensors
+autograd saved for backward in C++ come from a ``saved_tensors_hooks`` list
+the caller passes in. Walking only what the learner's objects reach is fast
+(a walk of the whole heap takes a second on a rank) and leaves the grader's
+own tensors out.
+
+[Note: a storage counts once, whatever number of views of it are held; a
+storage ``free()`` resized to 0 bytes counts 0.]
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import torch
+
+_STOP = (type, types.ModuleType, str, bytes, int, float, bool, type(None), types.BuiltinFunctionType)
+
+
+def reachable_tensors(*roots, modules=(), limit: int = 200_000) -> list[torch.Tensor]:
+    """Every tensor reachable from ``roots`` (and from ``modules``: modules, or their globals' dicts): attributes, containers,
+    closures, autograd nodes and their ctx; a tensor's ``.grad`` too. Modules other than ``modules`` are not
+    entered; neither are classes."""
+    seen, found = set(), []
+    stack = list(roots) + [m if isinstance(m, dict) else vars(m) for m in modules]
+    while stack and len(seen) < limit:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _STOP):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            if obj.grad is not None:
+                stack.append(obj.grad)
+            if obj.grad_fn is not None:
+                stack.append(obj.grad_fn)
+            continue
+        if isinstance(obj, types.FunctionType):
+            stack.extend(cell.cell_contents for cell in (obj.__closure__ or ()) if _filled(cell))
+            stack.extend(obj.__defaults__ or ())
+            continue
+        if hasattr(obj, "next_functions"):  # an autograd node
+            stack.extend(fn for fn, _ in obj.next_functions if fn is not None)
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
+def globals_of(obj) -> list:
+    """The module globals of the code of ``obj``'s class (a learner's file is loaded by path, under no name in
+    ``sys.modules``): what its methods' ``__globals__`` are."""
+    for value in vars(type(obj)).values():
+        function = getattr(value, "__func__", value)
+        if isinstance(function, types.FunctionType):
+            return [function.__globals__]
+    return []
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def storage_bytes(tensors, excluded=()) -> int:
+    """The bytes of the distinct storages of ``tensors``, less those ``excluded`` tensors use."""
+    skip = {t.untyped_storage().data_ptr() for t in excluded if t is not None}
+    counted, total = set(), 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in skip or storage.data_ptr() in counted:
+            continue
+        counted.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
