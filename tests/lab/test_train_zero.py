@@ -66,7 +66,8 @@ def _train_here(rank, world_size, argv):
         loop.build_optimizer = real_build
     (optimizer,) = built
     if isinstance(optimizer, FullyShardedSGD):
-        held = ("fsdp", 3, sum(st["momentum_buffer"].numel() for st in optimizer.state.values()))
+        # What this rank keeps: each momentum is a DTensor like its parameter; its local rows are this rank's.
+        held = ("fsdp", 3, sum(st["momentum_buffer"].to_local().numel() for st in optimizer.state.values()))
     elif isinstance(optimizer, ZeroRedundancyOptimizer):
         kept = sum(v.numel() for st in optimizer.optim.state.values() for v in st.values() if torch.is_tensor(v))
         held = ("zero", 2 if optimizer.shard_gradients else 1, kept)
