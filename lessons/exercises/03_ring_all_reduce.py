@@ -4,7 +4,7 @@ Write ``ring_all_reduce`` below; then, from the repository's root:
 
     python -m lessons.grade 03
 
-The grader runs it on 3 Gloo ranks, on float32 tensors of shapes (12,), (7,),
+The grader runs it on 3 Gloo ranks (then on 2, 4 and 1), on float32 tensors of shapes (12,), (7,),
 (4, 5) and (2,) -- 3 divides only the first -- and a float16 one of shape
 (7,), and checks three things: the result is ``dist.all_reduce``'s sum, in
 x's dtype; only point-to-point messages carried it; no rank sent more

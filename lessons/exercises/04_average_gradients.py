@@ -4,7 +4,7 @@ Write the two functions below; then, from the repository's root:
 
     python -m lessons.grade 04
 
-The grader starts 3 ranks, each with its *own* random weights, wraps the
+The grader starts 3 ranks (then 2, 4 and 1), each with its *own* random weights, wraps the
 lessons' bench model with your functions (``broadcast_parameters`` once,
 ``average_gradients`` after every backward), trains 3 SGD steps on each
 rank's slice of a batch, and compares with one process training on the whole

@@ -5,7 +5,7 @@ The buckets are built for you in ``__init__``. Write ``_on_gradient`` and
 
     python -m lessons.grade 07
 
-The grader trains two models through ``BucketAverager`` on 3 ranks and
+The grader trains two models through ``BucketAverager`` on 3 ranks (then 2, 4 and 1) and
 compares with one process on the whole batch: the lessons' bench model, and
 one whose ranks compute two branches in different orders, so that their
 gradients (and full buckets) arrive in different orders on different ranks.

@@ -6,7 +6,7 @@ piece only. Write ``step``; then, from the repository's root:
 
     python -m lessons.grade 19
 
-The grader trains the lessons' bench model for 3 steps on 3 ranks
+The grader trains the lessons' bench model for 3 steps on 3 ranks (then 2, 4 and 1)
 (averaging the gradients itself before every ``step``) and compares the
 parameters with the plain optimizer stepping all of them: first SGD, whose
 step shows a gradient of the wrong scale, then AdamW. It also weighs the

@@ -8,7 +8,7 @@ backward of ``GatherComputeFree``; then, from the repository's root:
 
     python -m lessons.grade 21
 
-The grader trains a model of 4 units for 3 SGD steps on 3 ranks and compares
+The grader trains a model of 4 units for 3 SGD steps on 3 ranks (then 2, 4 and 1) and compares
 with one process on the whole batch; it also notes the bytes of every
 gathered tensor still alive each time a unit is gathered, and checks that
 backward gathers every unit again.
