@@ -192,7 +192,7 @@ def _planner_of(nbytes: list[int]) -> AutoBuckets:
     params = [torch.zeros(n // 4) for n in nbytes]
     reducer = SimpleNamespace(options=SimpleNamespace(reduce_dtype=None), params=params,
                               names=[f"g{i}" for i in range(len(params))], add_observer=lambda observer: None,
-                              add_policy=lambda policy: None)
+                              observers=())
     return AutoBuckets(reducer)
 
 
