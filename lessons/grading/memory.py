@@ -37,7 +37,7 @@ def reachable_tensors(*roots, modules=(), limit: int = 200_000) -> list[torch.Te
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             found.append(obj)
-            if obj.grad is not None:
+            if (obj.is_leaf or obj.retains_grad) and obj.grad is not None:  # others have no .grad to read
                 stack.append(obj.grad)
             if obj.grad_fn is not None:
                 stack.append(obj.grad_fn)
