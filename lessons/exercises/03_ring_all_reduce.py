@@ -5,13 +5,15 @@ Write ``ring_all_reduce`` below; then, from the repository's root:
     python -m lessons.grade 03
 
 The grader runs it on 3 Gloo ranks (then on 2, 4 and 1), on float32 tensors of shapes (12,), (7,),
-(4, 5) and (2,) -- 3 divides only the first -- and a float16 one of shape
-(7,), and checks three things: the result is ``dist.all_reduce``'s sum, in
-x's dtype; only point-to-point messages carried it; no rank sent more
-numbers than a ring does. A ring's rank sends 2 (p - 1) of the p
-chunks, all but two, about 2 (p - 1) / p of the tensor; the grader allows
-the uneven chunks that ``tensor_split`` cuts, of the flattened tensor or
-along dim 0 (as lesson 03 does): for (4, 5) on 3 ranks, 30 of the 40
+(4, 5), (2,) and (1,) -- 3 divides only the first; the last two have fewer
+numbers than ranks -- a transposed (4, 5) view (not contiguous) and a float16
+one of shape (7,); at 4 ranks also within two groups of 2 (ranks 0 and 2, ranks
+1 and 3), each summing its own. It checks three things: the result is
+``dist.all_reduce``'s sum, in x's dtype and shape; only point-to-point messages
+carried it; no rank sent more numbers than a ring does. A ring's rank sends
+2 (p - 1) of the p chunks, all but two, about 2 (p - 1) / p of the tensor; the
+grader allows the uneven chunks that ``tensor_split`` cuts, of the flattened
+tensor or along dim 0 (as lesson 03 does): for (4, 5) on 3 ranks, 30 of the 40
 numbers two whole tensors would be.
 """
 
@@ -19,8 +21,17 @@ import torch
 import torch.distributed as dist
 
 
-def ring_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Return the sum of ``x`` over all ranks, computed around a ring; leave ``x`` unchanged.
+def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Return the sum of ``x`` over the ranks of ``group``, computed around a ring; leave ``x`` unchanged.
+
+    ``group`` is a process group of some of the ranks (``dist.new_group``), or
+    ``None`` for every rank, as for ``dist.all_reduce(x, group=group)``. Inside
+    it the ranks are numbered 0 .. p - 1 (``dist.get_rank(group)``,
+    ``dist.get_world_size(group)``), while ``dst`` and ``src`` of send and recv
+    take the world's numbers: ``dist.get_global_rank(group, r)``, or pass
+    ``group_dst=`` / ``group_src=`` with ``group=group``. ``x`` may be of any
+    shape and floating dtype, as short as one number, and not contiguous (a
+    transposed view); messages go from contiguous tensors.
 
     Only point-to-point messages (``dist.send``, ``dist.recv``, ``dist.isend``,
     ``dist.irecv``, or ``dist.batch_isend_irecv``): no collective. Rank r

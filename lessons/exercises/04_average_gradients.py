@@ -9,6 +9,10 @@ lessons' bench model with your functions (``broadcast_parameters`` once,
 ``average_gradients`` after every backward), trains 3 SGD steps on each
 rank's slice of a batch, and compares with one process training on the whole
 batch; then again with one parameter frozen (its ``.grad`` stays ``None``).
+
+It also trains a family of models (a frozen parameter, one without a gradient
+in some steps, a weight shared by two layers) and a bfloat16 copy of one: each
+gradient travels, and stays, in its own dtype.
 """
 
 import torch.distributed as dist

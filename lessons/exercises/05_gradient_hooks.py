@@ -9,6 +9,10 @@ ranks, once with one backward per step and once accumulating 2 micro-batches
 (``require_sync`` is False for all but the last), and compares with one
 process on the whole batch. It also checks that the weights are left alone
 and that nothing is sent while ``require_sync`` is False.
+
+It also trains a family of models (a frozen parameter, one without a gradient
+in some steps, a weight shared by two layers) and a bfloat16 copy of one: each
+gradient travels, and stays, in its own dtype.
 """
 
 import torch.distributed as dist

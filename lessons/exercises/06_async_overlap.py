@@ -15,6 +15,10 @@ still be running until then), so reading or dividing a gradient before its
 ``wait()`` is caught every time; and after ``finish()`` your code must hold
 no handle any more (one kept per step is memory and work that grow). It
 also checks that nothing is sent while ``require_sync`` is False.
+
+It also trains a family of models (a frozen parameter, one without a gradient
+in some steps, a weight shared by two layers) and a bfloat16 copy of one: each
+gradient travels, and stays, in its own dtype.
 """
 
 import torch

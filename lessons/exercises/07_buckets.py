@@ -14,6 +14,10 @@ first leaves while backward is still computing gradients (before the last
 one is ready); as in exercise 06, a sum
 reaches its tensor at ``wait()``, ``finish()`` must leave nothing held, and
 nothing may be sent while ``require_sync`` is False.
+
+It also trains a model with a frozen parameter and a weight shared by two
+layers, and a bfloat16 copy of it: each gradient travels, and stays, in its
+own dtype.
 """
 
 import torch

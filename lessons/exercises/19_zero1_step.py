@@ -44,6 +44,9 @@ class ShardedOptimizer:
         Every ``p.grad`` already holds the gradient averaged over the ranks.
         Step this rank's piece of the elements with ``self.optimizer``; then
         every rank must end with every parameter updated, bit for bit the same
-        on every rank and as plain AdamW stepping all of them.
+        on every rank and as plain AdamW stepping all of them. On the way a
+        rank may lay the gradients end to end and gather the updated pieces
+        into one line, but at no moment hold more than two lines' worth of the
+        tensors ``step`` makes (the grader follows every one of them).
         """
         raise NotImplementedError

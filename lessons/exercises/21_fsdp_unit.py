@@ -66,7 +66,9 @@ class GatherComputeFree(torch.autograd.Function):
         """Gather the unit, compute its output for ``x``, free the full parameters, return the output.
 
         Save what backward needs -- but not the full parameters: keeping them
-        until backward would hold every unit in full at once.
+        until backward would hold every unit in full at once. When a unit is
+        gathered, no other unit's full parameters or full gradient may be
+        alive anywhere in the process (the grader follows every tensor made).
         """
         raise NotImplementedError
 
