@@ -28,8 +28,9 @@ def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     ``None`` for every rank, as for ``dist.all_reduce(x, group=group)``. Inside
     it the ranks are numbered 0 .. p - 1 (``dist.get_rank(group)``,
     ``dist.get_world_size(group)``), while ``dst`` and ``src`` of send and recv
-    take the world's numbers: ``dist.get_global_rank(group, r)``, or pass
-    ``group_dst=`` / ``group_src=`` with ``group=group``. ``x`` may be of any
+    take the world's numbers: pass ``group=group`` with ``group_dst=`` /
+    ``group_src=`` (the peer's number in the group), or translate with
+    ``dist.get_global_rank(group or dist.group.WORLD, r)``. ``x`` may be of any
     shape and floating dtype, as short as one number, and not contiguous (a
     transposed view); messages go from contiguous tensors.
 

@@ -141,7 +141,6 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
         everyone = [None] * world_size
         dist.all_gather_object(everyone, holds)
         seen.start_from = everyone[0] if len(set(everyone)) == 1 and everyone[0] >= 0 else None
-    opt, opt_single = torch.optim.SGD(mine.parameters(), lr=LR), torch.optim.SGD(single.parameters(), lr=LR)
     loss_fn = nn.CrossEntropyLoss()
     data = torch.Generator().manual_seed(1234)
     finish = getattr(wrapper, "finish", lambda: None)
@@ -152,7 +151,7 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
         y = torch.randint(0, CLASSES, (world_size, micro_batches, PER_RANK), generator=data)
         if step_starts is not None:
             step_starts(step)
-        opt.zero_grad()
+        mine.zero_grad()
         with ops_named(seen.ops):
             for i in range(micro_batches):
                 last = i == micro_batches - 1
@@ -162,7 +161,7 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
                 if last and backward_done is not None:
                     backward_done()
                 finish()
-        opt_single.zero_grad()
+        single.zero_grad()
         loss_fn(single(x.reshape(-1, in_features)), y.reshape(-1)).backward()
         error = worst((flat_grads(mine) - flat_grads(single)).abs().max().item())
         if error >= 1e-5 and not seen.wrong_gradients:  # the first wrong step: say what each parameter holds
@@ -170,12 +169,20 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
             held = what_each_holds(names, grads, slice_gradients(single, x, y, loss_fn))
             seen.wrong_gradients = explain_gradients(held, world_size, seen.ops, step, error)
         seen.grad_error = max(seen.grad_error, error)
-        opt.step()
-        opt_single.step()
+        sgd_step(mine)
+        sgd_step(single)
     seen.frozen_with_grad = [name for name, p in mine.named_parameters() if not p.requires_grad and p.grad is not None]
     seen.weight_error = worst((flat_weights(mine) - flat_weights(single)).abs().max().item())
     seen.ranks_agree = agree(flat_weights(mine))
     return seen
+
+
+@torch.no_grad()
+def sgd_step(module: nn.Module, lr: float = LR) -> None:
+    """Plain SGD, as ``torch.optim.SGD`` steps (whose first use imports torch's compiler: seconds on each rank)."""
+    for p in module.parameters():
+        if p.grad is not None:
+            p.add_(p.grad, alpha=-lr)
 
 
 def explain(seen: Seen, world_size: int, what: str = "") -> list[str]:

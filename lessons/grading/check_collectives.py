@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from lessons.grading import sizes
 from lessons.grading.bench import gather_failures
 from lessons.grading.ledger import own
 from lessons.grading.runner import load
@@ -50,16 +53,37 @@ def watched_messages(used: set, sent: list):
         dist.isend = c10d.isend = isend
 
 
-SHAPES = [(12,), (7,), (4, 5), (2,)]  # divisible by 3 or not, 2-D, fewer numbers than ranks
-CASES = [(shape, torch.float32) for shape in SHAPES] + [((7,), torch.float16)]  # a ring works for any dtype
+SHAPES = [(12,), (7,), (4, 5), (2,), (1,)]  # divisible by 3 or not, 2-D, fewer numbers than ranks, one number
 
 
-def example(shape: tuple, dtype: torch.dtype, rank: int) -> torch.Tensor:
-    """This rank's tensor to sum: float32 normals; for float16, whole numbers, which any order sums exactly."""
-    generator = torch.Generator().manual_seed(10 * rank + len(shape))
-    if dtype == torch.float32:
-        return torch.randn(shape, generator=generator)
-    return torch.randint(-8, 8, shape, generator=generator).to(dtype)
+@dataclass(frozen=True)
+class Case:
+    """One tensor the ring must sum: its shape and dtype, whether it is a transposed (non-contiguous) view, and
+    whether it is summed within this rank's pair of ranks (``sizes.pairs``) rather than over every rank."""
+
+    shape: tuple
+    dtype: torch.dtype = torch.float32
+    transposed: bool = False
+    in_pairs: bool = False
+
+    def tensor(self, rank: int) -> torch.Tensor:
+        """This rank's tensor: float32 normals; for float16, whole numbers, which any order sums exactly."""
+        generator = torch.Generator().manual_seed(10 * rank + len(self.shape))
+        shape = self.shape[::-1] if self.transposed else self.shape
+        if self.dtype == torch.float32:
+            x = torch.randn(shape, generator=generator)
+        else:
+            x = torch.randint(-8, 8, shape, generator=generator).to(self.dtype)
+        return x.t() if self.transposed else x
+
+    def said(self) -> str:
+        kind = "" if self.dtype == torch.float32 else f"{str(self.dtype).removeprefix('torch.')} "
+        layout = "a transposed (non-contiguous) view" if self.transposed else f"a {kind}tensor"
+        return f"{layout} of shape {tuple(self.shape)}"
+
+
+CASES = ([Case(shape) for shape in SHAPES] + [Case((7,), torch.float16), Case((4, 5), transposed=True)]
+         + [Case((7,), in_pairs=True)])  # a ring works for any dtype, layout and group
 
 
 def ring_allowance(shape: tuple, p: int) -> int:
@@ -79,17 +103,26 @@ def ring_allowance(shape: tuple, p: int) -> int:
 
 def check_03(rank: int, world_size: int, path: str) -> list[str]:
     exercise = load(path)
-    p = world_size
     failures = []
-    for shape, dtype in CASES:
-        x = example(shape, dtype, rank)
+    for case in CASES:
+        group = sizes.pair_of(rank) if case.in_pairs else None
+        if case.in_pairs and group is None:
+            continue  # pairs are graded at 4 ranks
+        p = dist.get_world_size(group)
+        x = case.tensor(rank)
         before = x.clone()
         used, sent = set(), []
         with watched_messages(used, sent):
-            result = exercise.ring_all_reduce(x)
-        right = x.clone()
-        _all_reduce(right)
-        n = x.numel()
+            if case.in_pairs and not _takes_group(exercise.ring_all_reduce):
+                failures.append(f"your ring_all_reduce takes no group, and at {world_size} ranks the grader gives "
+                                f"it one of two groups of 2 to sum within: keep the stub's signature, "
+                                f"ring_all_reduce(x, group=None)")
+                break
+            result = exercise.ring_all_reduce(x, group) if case.in_pairs else exercise.ring_all_reduce(x)
+        right, whole = x.clone(), x.clone()
+        _all_reduce(right, group=group)
+        _all_reduce(whole)  # over every rank: what a ring that ignores the group sums
+        n, shape, dtype = x.numel(), case.shape, case.dtype
         if used:
             failures.append(f"you called dist.{', dist.'.join(sorted(used))}: the exercise builds the all-reduce "
                             f"from send and recv alone")
@@ -101,7 +134,7 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
             break
         if not isinstance(result, torch.Tensor) or result.shape != x.shape:
             got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-            failures.append(f"for a tensor of shape {tuple(shape)} you returned {got}: return a tensor shaped like x")
+            failures.append(f"for {case.said()} you returned {got}: return a tensor shaped like x")
             break
         kind, got = (str(t).removeprefix("torch.") for t in (dtype, result.dtype))
         if result.dtype != dtype:
@@ -109,39 +142,71 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
                             f"from x.clone(), and buffers with torch.empty_like)")
             break
         if not torch.allclose(result, right, atol=1e-5):
-            if dtype != torch.float32:
-                failures.append(f"for a {kind} tensor of shape {tuple(shape)} the result is not the sum (for float32 "
-                                f"ones it is): did you receive into buffers made by torch.empty(size) or "
-                                f"torch.zeros(n)? Those are float32 whatever x is, while the numbers that arrive "
-                                f"are {kind}. Make each buffer like its chunk: torch.empty_like(chunk)")
-            elif torch.allclose(result, before):
-                failures.append(f"for shape {tuple(shape)} the result is this rank's own x: nothing was added")
-            else:
-                failures.append(WRONG_CHUNKS)  # told apart below, with every rank's chunks
-        chunks = _chunk_kinds(result, shape, dtype, p) if WRONG_CHUNKS in failures else None
-        everyone = [None] * p
+            failures.append(_not_the_sum(case, result, before, whole, rank))
+        if failures[-1:] == [WRONG_CHUNKS] and p != world_size:
+            failures[-1] = f"for {case.said()} summed within {_pair_said(rank)}, this rank's result is not the sum"
+        chunks = _chunk_kinds(result, case, p) if WRONG_CHUNKS in failures else None
+        everyone = [None] * world_size
         dist.all_gather_object(everyone, (sum(sent), chunks))  # every rank, whatever it found
         if WRONG_CHUNKS in failures:
             failures[failures.index(WRONG_CHUNKS)] = _wrong_chunks([kinds for _, kinds in everyone], n, rank, p)
         everyone = [count for count, _ in everyone]
         allowed = ring_allowance(shape, p)
-        if not used and max(everyone) > allowed:
-            failures.append(f"for a tensor of shape {tuple(shape)} ({n} numbers) the ranks sent {everyone} numbers: "
-                            f"a ring sends at most {allowed} per rank here (2 (p - 1) of the p chunks tensor_split "
+        if not used and not failures and max(everyone) > allowed:
+            failures.append(f"for {case.said()} ({n} numbers) the ranks sent {everyone} numbers: a ring of {p} "
+                            f"sends at most {allowed} per rank here (2 (p - 1) of the p chunks tensor_split "
                             f"cuts, about 2 (p - 1) / p of the tensor); sending whole tensors, or everything to one "
                             f"rank (a parameter server), sends more")
-        if failures:
+        if gather_failures(failures):
             break
     return gather_failures(failures)
+
+
+def _takes_group(function) -> bool:
+    """Whether ``function(x, group)`` is a call its signature accepts."""
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        return False
+    return True
+
+
+def _pair_said(rank: int) -> str:
+    ranks = dist.get_process_group_ranks(sizes.pair_of(rank))
+    return f"the group given (ranks {' and '.join(map(str, ranks))})"
+
+
+def _not_the_sum(case: Case, result: torch.Tensor, before: torch.Tensor, whole: torch.Tensor, rank: int) -> str:
+    """What a result that is not the sum is instead, where that shows the mistake (``whole``: the sum over every
+    rank)."""
+    if case.in_pairs:
+        if torch.allclose(result, whole, atol=1e-5):
+            return (f"for {case.said()} summed within {_pair_said(rank)} your result is the sum over all "
+                    f"{dist.get_world_size()} ranks: the sum is over the ranks of `group` only. Number the ranks "
+                    f"within it (dist.get_rank(group), dist.get_world_size(group)) and pass group=group to every "
+                    f"send and recv")
+    if case.dtype != torch.float32:
+        kind = str(case.dtype).removeprefix("torch.")
+        return (f"for {case.said()} the result is not the sum (for float32 ones it is): did you receive into "
+                f"buffers made by torch.empty(size) or torch.zeros(n)? Those are float32 whatever x is, while the "
+                f"numbers that arrive are {kind}. Make each buffer like its chunk: torch.empty_like(chunk)")
+    if torch.allclose(result, before):
+        if case.transposed:
+            return (f"for {case.said()} the result is this rank's own x (for contiguous ones it is the sum): "
+                    f"reshape(-1) of a non-contiguous tensor is a copy, so the chunks you summed into were not your "
+                    f"result's. Make the result contiguous first (x.contiguous().clone(), or "
+                    f"x.clone(memory_format=torch.contiguous_format))")
+        return f"for {case.said()} the result is this rank's own x: nothing was added"
+    return WRONG_CHUNKS  # told apart below, with every rank's chunks
 
 
 WRONG_CHUNKS = "<chunks not the sum>"  # a placeholder until every rank's chunks are known
 
 
-def _chunk_kinds(result: torch.Tensor, shape: tuple, dtype: torch.dtype, p: int) -> list[str]:
+def _chunk_kinds(result: torch.Tensor, case: Case, p: int) -> list[str]:
     """What each chunk of this rank's result holds: "sum", "sum of j" (chunk j's finished sum), "partial" (the sum
-    of some but not all ranks' pieces of it), or "?". Every rank's x is the grader's ``example``, known to all."""
-    pieces = [example(shape, dtype, k).reshape(-1).tensor_split(p) for k in range(p)]
+    of some but not all ranks' pieces of it), or "?". Every rank's x is the grader's ``Case.tensor``, known to all."""
+    pieces = [case.tensor(k).reshape(-1).tensor_split(p) for k in range(p)]
     sums = [sum(pieces[k][c] for k in range(p)) for c in range(p)]
     kinds = []
     for c, got in enumerate(result.reshape(-1).tensor_split(p)):

@@ -330,11 +330,17 @@ class Ledger:
             if getattr(_local, "depth", 0):
                 return real(tensor, *args, **kwargs)
             where, _ = caller(self.learner)
-            peer = args[0] if args else kwargs.get("dst", kwargs.get("src"))
-            what = f"dist.{name} {'to' if name.endswith('send') else 'from'} rank {peer} ({where})"
-            if isinstance(peer, int) and not 0 <= peer < self.world_size:  # Gloo may crash on it, not raise
-                raise Finding(f"{what}: there are {self.world_size} ranks here, 0 to {self.world_size - 1}. Is a "
-                              f"number of ranks written into your code? Use dist.get_world_size()")
+            peer = args[0] if args else next((kwargs[k] for k in ("dst", "src") if kwargs.get(k) is not None), None)
+            in_group = next((kwargs[k] for k in ("group_dst", "group_src") if kwargs.get(k) is not None), None)
+            towards = "to" if name.endswith("send") else "from"
+            what = (f"dist.{name} {towards} rank {in_group} of the group ({where})" if in_group is not None else
+                    f"dist.{name} {towards} rank {peer} ({where})")
+            ranks = dist.get_world_size(kwargs.get("group")) if in_group is not None else self.world_size
+            peer = in_group if in_group is not None else peer
+            if isinstance(peer, int) and not 0 <= peer < ranks:  # Gloo may hang or crash on it, not raise
+                raise Finding(f"{what}: there are {ranks} ranks {'in the group' if in_group is not None else 'here'}"
+                              f", 0 to {ranks - 1}. Is a number of ranks written into your code? Use "
+                              f"dist.get_world_size({'group' if in_group is not None else ''})")
             self.note(("p2p", f"waited in {what}"))
             _local.depth = 1
             try:
@@ -428,7 +434,7 @@ class Watchdog:
                 waiting = [p for p in parts if "waited" in p]
                 text = (f"on rank {raised[0][0]}, {raised[0][1]}, and the other ranks were left waiting for it"
                         f"{' (' + '; '.join(waiting) + ')' if waiting else ''}")
-            book.store.set(f"{book.prefix}/verdict", pickle.dumps(text))
+            book.store.set(f"{book.prefix}/verdict", pickle.dumps((text, not raised)))
             os._exit(3)
 
 
@@ -483,10 +489,11 @@ def states(store, prefix: str, world_size: int) -> dict[int, tuple]:
     return found
 
 
-def verdict(store, prefix: str) -> str:
-    """What a watchdog wrote before ending its rank, or ""."""
+def verdict(store, prefix: str) -> tuple[str, bool]:
+    """What a watchdog wrote before ending its rank ("" if nothing), and whether it was a deadlock (no rank of
+    the group had raised)."""
     key = f"{prefix}/verdict"
-    return pickle.loads(store.get(key)) if store.check([key]) else ""
+    return pickle.loads(store.get(key)) if store.check([key]) else ("", False)
 
 
 def client(port: int):

@@ -89,10 +89,10 @@ def patience() -> float:
     return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
-def _ready(rank: int, world_size: int, path: str, world_sizes: tuple, timeout_s: float) -> None:
-    """Make the groups of every world size graded, and import the learner's file (and what it imports) before
-    the check's clock starts; its errors come later."""
-    sizes.prepare(world_sizes, timeout_s)
+def _ready(rank: int, world_size: int, path: str, world_sizes: tuple, timeout_s: float, remake: tuple) -> None:
+    """Make the groups of every world size graded (anew for those in ``remake``), and import the learner's file
+    (and what it imports) before the check's clock starts; its errors come later."""
+    sizes.prepare(world_sizes, timeout_s, remake)
     try:
         load(path)
     except BaseException:  # noqa: BLE001 -- reported, in words, by the timed run
@@ -101,24 +101,23 @@ def _ready(rank: int, world_size: int, path: str, world_sizes: tuple, timeout_s:
 
 
 def _settle() -> None:
-    """Pay the rank's one-time costs before the clock starts, and make the checks' ``gc.collect()`` cheap.
+    """Make the checks' ``gc.collect()`` cheap: set aside what exists now (the grader's and torch's own objects).
 
-    [Note: torch's optimizers import ``torch._dynamo`` at their first construction
-    (seconds on a busy core); the checks collect garbage after every step to see
-    what the learner's objects still hold, and a collection walks every tracked
-    object, torch's own modules included (a quarter of a second each). What exists
-    now is the grader's and torch's: ``gc.freeze()`` sets it aside, so a later
-    collection walks only what was made since, and frees cycles as before.]
+    [Note: the checks collect garbage after every step to see what the learner's
+    objects still hold, and a collection walks every tracked object, torch's own
+    modules included (a quarter of a second each once torch's compiler has been
+    imported). ``gc.freeze()`` moves what exists now out of the collector's sight,
+    so that a later collection walks only what was made since, and frees cycles
+    as before.]
     """
-    import torch
-
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     gc.collect()
     gc.freeze()
 
 
 def _leave_group(rank: int, world_size: int) -> None:
     """Every rank together: wait for the others, then take the process group down (no rank exits mid-collective)."""
+    gc.unfreeze()  # what ``_settle`` set aside is freed at exit as usual (native modules check that it is)
+    gc.collect()
     shutdown()
 
 
@@ -187,6 +186,10 @@ def _hint(error: BaseException, line: str) -> str:
     if isinstance(error, IndexError) and (".chunk(" in line or ".chunk(" in _source(error)):
         return (". torch.chunk(t, n) gives fewer than n pieces when t is short (chunk(3) of 2 numbers gives 2): "
                 "tensor_split(n) always gives n")
+    if "not part of group" in str(error) or "same as the current" in str(error):
+        return (". Inside a group, send and recv take the world's rank numbers as dst and src: pass the group's "
+                "own numbers as group_dst= / group_src= (with group=group), or translate them with "
+                "dist.get_global_rank")
     if "rank" in str(error).lower() and ("invalid" in str(error).lower() or "out of range" in str(error).lower()):
         return ". Is a number of ranks written into your code? Use dist.get_world_size()"
     return ""
@@ -194,6 +197,9 @@ def _hint(error: BaseException, line: str) -> str:
 
 _STORE = None
 _runs = itertools.count()
+# pool -> the world sizes whose last check failed: it may have left a message in their groups, so they are made
+# anew before the pool's next check
+_SPOILED: dict = {}
 
 
 def _store():
@@ -225,9 +231,9 @@ def _explain_rank_error(exercise: Exercise, error: RankError, waited: float, pre
     text = str(error)
     if "NotImplementedError" in text:
         return NOT_WRITTEN_MIDWAY
-    blocked = ledger.verdict(_store(), prefix)
+    blocked, deadlock = ledger.verdict(_store(), prefix)
     if blocked:
-        return f"{blocked}: {exercise.hang_hint}"
+        return f"{blocked}: {exercise.hang_hint}" if deadlock else blocked
     seen = ledger.states(_store(), prefix, k)
     stuck = [f"rank {r} {state[1]}" for r, (_, state) in sorted(seen.items()) if state[0] == "p2p"]
     waiting = [f"rank {r} waited in {state[2].said()}" for r, (_, state) in sorted(seen.items())
@@ -273,7 +279,7 @@ def grade(exercise: Exercise, path: str | os.PathLike | None = None, pool: RankP
         # Starting ranks and importing on a busy machine may take long: not a hang, and not on the check's clock.
         waited = START_TIMEOUT_S * patience()
         # Gloo's own time limit, longer than the grader's: a hang is the grader's to name, not Gloo's
-        pool.run(_ready, str(path), world_sizes, 300.0, timeout_s=waited)
+        pool.run(_ready, str(path), world_sizes, 300.0, tuple(_SPOILED.pop(pool, ())), timeout_s=waited)
         for k in world_sizes:
             prefix = f"{os.getpid()}/{next(_runs)}/{k}"
             waited = exercise.timeout_s * patience()
@@ -284,6 +290,7 @@ def grade(exercise: Exercise, path: str | os.PathLike | None = None, pool: RankP
             except RankError as error:
                 failures = [_explain_rank_error(exercise, error, waited, prefix, k)]
             if failures:
+                _SPOILED.setdefault(pool, set()).add(k)
                 if failures[0].startswith("not written yet"):
                     return failures
                 right = f", right on {', '.join(map(str, passed))}" if passed else ""

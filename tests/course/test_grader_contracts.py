@@ -69,8 +69,23 @@ CASES = {
                         ["on 2 ranks", "divided by 3", "dist.get_world_size()"], []),
     "10_gathers_a_list_of_3": ("10", planted("10", "for _ in range(dist.get_world_size())]", "for _ in range(3)]"),
                                ["list of 3", "one per rank"], ["Connection reset"]),
-    "03_ring_of_3": ("03", planted("03", "p, r = dist.get_world_size(), dist.get_rank()", "p, r = 3, dist.get_rank()"),
+    "03_ring_of_3": ("03", planted("03", "p, r = dist.get_world_size(group), dist.get_rank(group)",
+                                   "p, r = 3, dist.get_rank(group)"),
                      ["on 2 ranks", "ring_of_3.py:"], ["Timed out", "Connection reset"]),
+    # the group given: ignored, its numbers taken for the world's; the tensors of any layout
+    "03_ignores_the_group": ("03", planted("03", "p, r = dist.get_world_size(group), dist.get_rank(group)",
+                                           "p, r = dist.get_world_size(), dist.get_rank()").replace(
+                                               "group=group, group_dst=", "dst=").replace("group=group, group_src=",
+                                                                                          "src="),
+                             ["on 4 ranks", "sum over all 4 ranks", "group=group"], []),
+    "03_group_ranks_as_dst": ("03", planted("03", "group=group, group_dst=right)  #", "group=group, dst=right)  #"),
+                              ["on 4 ranks", "group_ranks_as_dst.py:", "group_dst="], ["Timed out"]),
+    "03_sums_into_a_strided_copy": ("03", planted("03", "out = x.clone(memory_format=torch.contiguous_format)",
+                                                  "out = x.clone()"),
+                                    ["on 3 ranks", "non-contiguous", "contiguous"], []),
+    "03_chunks_by_torch_chunk": ("03", planted("03", "chunks = list(out.reshape(-1).tensor_split(p))",
+                                               "chunks = list(out.reshape(-1).chunk(p))"),
+                                 ["chunk", "tensor_split"], ["Timed out"]),
     # the ledger: a lone collective, different sizes, one rank raising
     "04_broadcasts_on_rank_0_only": ("04", hand_04(broadcast="if dist.get_rank() == 0:\n            "
                                                              "dist.broadcast(p.data, src=0)"),

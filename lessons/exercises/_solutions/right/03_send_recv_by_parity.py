@@ -5,19 +5,19 @@ import torch
 import torch.distributed as dist
 
 
-def ring_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    p, r = dist.get_world_size(), dist.get_rank()
+def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    p, r = dist.get_world_size(group), dist.get_rank(group)  # numbered within the group
     right, left = (r + 1) % p, (r - 1) % p
-    out = x.clone()
+    out = x.contiguous().clone()
     chunks = list(out.reshape(-1).tensor_split(p))
 
     def exchange(send: torch.Tensor, receive: torch.Tensor) -> None:
         if r % 2 == 0:
-            dist.send(send, dst=right)
-            dist.recv(receive, src=left)
+            dist.send(send, group=group, group_dst=right)
+            dist.recv(receive, group=group, group_src=left)
         else:
-            dist.recv(receive, src=left)
-            dist.send(send, dst=right)
+            dist.recv(receive, group=group, group_src=left)
+            dist.send(send, group=group, group_dst=right)
 
     for step in range(p - 1):  # reduce-scatter
         incoming = torch.empty_like(chunks[(r - step - 1) % p])
