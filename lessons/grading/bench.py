@@ -40,10 +40,27 @@ class Seen:
     ranks_agree: bool = True  # bit-identical weights at the end
     ops: set = field(default_factory=set)  # the ReduceOps the learner's dist.all_reduce calls named
     frozen_with_grad: list = field(default_factory=list)  # parameters not requiring a gradient whose .grad is set
+    tolerance: float = 1e-5  # of grad_error and weight_error: see ``off``
 
-    def exact(self, tolerance: float = 1e-5) -> bool:
-        return (self.start_spread == 0 and self.grad_error < tolerance and self.weight_error < tolerance
+    def exact(self) -> bool:
+        return (self.start_spread == 0 and self.grad_error < self.tolerance and self.weight_error < self.tolerance
                 and self.ranks_agree)
+
+
+def off(mine: torch.Tensor, right: torch.Tensor) -> float:
+    """How far ``mine`` is from ``right``: the largest difference; for a low-precision dtype, as a fraction of
+    ``right``'s largest number (its rounding grows with the numbers, and a sum of slices rounds otherwise than
+    one process's whole batch)."""
+    difference = (mine.double() - right.double()).abs().max().item()
+    if right.dtype in (torch.float32, torch.float64):
+        return difference
+    return difference / max(right.double().abs().max().item(), 1e-30)
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """What ``off`` may be for a right wrapper: float32 rounding of 3 slices' sum; for a narrower dtype 8 of its
+    roundings (a right bfloat16 wrapper is off by up to 2.5 of them here; a wrong one by the gradient's scale)."""
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 8 * torch.finfo(dtype).eps
 
 
 def worst(value: float) -> float:
@@ -128,7 +145,8 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
         return module
 
     mine, single = start(rank), start(0)  # one process starts from rank 0's weights
-    seen = Seen()
+    dtype = next(base.parameters()).dtype
+    seen = Seen(tolerance=tolerance_for(dtype))
     with ops_named(seen.ops):
         wrapper = wrap(mine)
     seen.start_spread = worst(max((p - q).abs().max().item() for p, q in zip(mine.parameters(), single.parameters())))
@@ -147,7 +165,7 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
     in_features = next(base.parameters()).shape[1]
     names = [name for name, _ in single.named_parameters()]
     for step in range(steps):
-        x = torch.randn(world_size, micro_batches, PER_RANK, in_features, generator=data)
+        x = torch.randn(world_size, micro_batches, PER_RANK, in_features, generator=data).to(dtype)
         y = torch.randint(0, CLASSES, (world_size, micro_batches, PER_RANK), generator=data)
         if step_starts is not None:
             step_starts(step)
@@ -163,8 +181,8 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
                 finish()
         single.zero_grad()
         loss_fn(single(x.reshape(-1, in_features)), y.reshape(-1)).backward()
-        error = worst((flat_grads(mine) - flat_grads(single)).abs().max().item())
-        if error >= 1e-5 and not seen.wrong_gradients:  # the first wrong step: say what each parameter holds
+        error = worst(off(flat_grads(mine), flat_grads(single)))
+        if error >= seen.tolerance and not seen.wrong_gradients:  # the first wrong step: say what each parameter holds
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine.parameters()]
             held = what_each_holds(names, grads, slice_gradients(single, x, y, loss_fn))
             seen.wrong_gradients = explain_gradients(held, world_size, seen.ops, step, error)
@@ -172,7 +190,7 @@ def train_vs_one_process(wrap, backward_done=None, *, model=None, own_seeds: boo
         sgd_step(mine)
         sgd_step(single)
     seen.frozen_with_grad = [name for name, p in mine.named_parameters() if not p.requires_grad and p.grad is not None]
-    seen.weight_error = worst((flat_weights(mine) - flat_weights(single)).abs().max().item())
+    seen.weight_error = worst(off(flat_weights(mine), flat_weights(single)))
     seen.ranks_agree = agree(flat_weights(mine))
     return seen
 

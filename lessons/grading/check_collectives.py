@@ -240,6 +240,24 @@ def _wrong_chunks(everyone: list, n: int, rank: int, p: int) -> str:
             f"finished chunk to every rank")
 
 
+def _pair_failures(mean, var, batches: list, rank: int) -> list[str]:
+    """Statistics over this rank's pair (``sizes.pair_of``), not over every rank."""
+    members = dist.get_process_group_ranks(sizes.pair_of(rank))
+    right_var, right_mean = torch.var_mean(torch.cat([batches[m] for m in members]), dim=0, correction=0)
+    if _right((mean, var), right_mean, right_var):
+        return []
+    every_var, every_mean = torch.var_mean(torch.cat(batches), dim=0, correction=0)
+    given = f"the group given (ranks {' and '.join(map(str, members))})"
+    if _right((mean, var), every_mean, every_var):
+        return [f"for {given} your statistics are over all {len(batches)} ranks' samples: they are over the ranks "
+                f"of `group` only. Pass group=group to every collective, and count its ranks with "
+                f"dist.get_world_size(group)"]
+    off = max((mean.double() - right_mean.double()).abs().max().item(),
+              (var.double() - right_var.double()).abs().max().item())
+    return [f"for {given} the statistics are off by up to {off:.3g} from its samples' (right over every rank): "
+            f"pass group=group to every collective, and count its ranks with dist.get_world_size(group)"]
+
+
 def _right(returned, right_mean: torch.Tensor, right_var: torch.Tensor) -> bool:
     return returned is not None and close(returned[0], right_mean) and close(returned[1], right_var)
 
@@ -260,23 +278,30 @@ def check_10(rank: int, world_size: int, path: str) -> list[str]:
     # The docstring's other promises: any (n, C) batch -- one sample on a rank, a non-contiguous view,
     # float64 -- in x's dtype, and x left as it was. Every rank goes on to the next case together.
     for case in ({"shift": SHIFT}, {"shift": 0.0, "first": 1}, {"shift": 0.0, "transposed": True},
-                 {"shift": 0.0, "dtype": torch.float64}):
+                 {"shift": 0.0, "dtype": torch.float64}, {"shift": 0.0, "in_pairs": True}):
         if failures:
+            break
+        if case.get("in_pairs") and sizes.pair_of(rank) is None:
+            continue  # pairs are graded at 4 ranks
+        if case.get("in_pairs") and not _takes_group(exercise.global_mean_and_var):
+            failures = [f"your global_mean_and_var takes no group, and at {world_size} ranks the grader gives it one "
+                        f"of two groups of 2: keep the stub's signature, global_mean_and_var(x, group=None)"]
             break
         failures = gather_failures(_check_10(exercise, rank, world_size, **case))
     return failures
 
 
 def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2, transposed: bool = False,
-              dtype: torch.dtype = torch.float32) -> list[str]:
+              dtype: torch.dtype = torch.float32, in_pairs: bool = False) -> list[str]:
     """The statistics of every rank's batch together (sizes ``first``, + 3, + 6...), each rank's shifted by 3 r,
-    plus ``shift``; ``transposed``: x is a non-contiguous view."""
+    plus ``shift``; ``transposed``: x is a non-contiguous view; ``in_pairs``: over this rank's pair only."""
     channels = 4
     batches = [(torch.randn(first + 3 * r, channels, generator=torch.Generator().manual_seed(r)) * (1 + r) + 3 * r
                 + shift).to(dtype) for r in range(world_size)]  # every rank makes every rank's batch, for the reference
     x = batches[rank].t().contiguous().t() if transposed else batches[rank].clone()
     before = x.clone()
-    mean, var = exercise.global_mean_and_var(x)
+    group = sizes.pair_of(rank) if in_pairs else None
+    mean, var = exercise.global_mean_and_var(x, group) if in_pairs else exercise.global_mean_and_var(x)
     tensors = isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, (mean, var) if tensors else None)  # every rank, whatever it returned
@@ -291,6 +316,8 @@ def _check_10(exercise, rank: int, world_size: int, shift: float, first: int = 2
                 f"{str(mean.dtype).removeprefix('torch.')} and {str(var.dtype).removeprefix('torch.')} statistics: "
                 f"return them in x's dtype (compute in float64 if you like, then .to(x.dtype)), or BatchNorm turns "
                 f"the batch it normalizes into another dtype"]
+    if in_pairs:
+        return _pair_failures(mean, var, batches, rank)
     if shift:
         whole = torch.cat(batches).double()
         right_var, right_mean = torch.var_mean(whole, dim=0, correction=0)

@@ -131,15 +131,25 @@ def _frozen_failures(exercise, world_size: int) -> list[str]:
 
 def family_failures(make, path: str, sometimes: bool = True, own_seeds: bool = False) -> list[str]:
     """Train ``make(model)`` on ``models.Mixed`` (a frozen parameter, a shared one and, with ``sometimes``, one
-    without a gradient on odd steps) against one process, every collective and hook registration counted by step.
+    without a gradient on odd steps), in float32 and then as a bfloat16 copy, against one process, every
+    collective and hook registration counted by step.
 
     What must hold at every step: the gradients the single process gets; ``.grad`` None where the parameter
     got none; the same collectives and bytes in step 3 as in step 1 (both use every layer); no hook registered
-    once training has begun.
+    once training has begun; each gradient sent in its own dtype.
     """
+    for dtype in (torch.float32, torch.bfloat16):
+        failures = _family_failures(make, path, sometimes, own_seeds, dtype)
+        if failures:
+            return failures
+    return []
+
+
+def _family_failures(make, path: str, sometimes: bool, own_seeds: bool, dtype: torch.dtype) -> list[str]:
     Mixed.use_extra = True
-    model = Mixed(sometimes)
-    what = f"on a model with {Mixed.CASES if sometimes else Mixed.CASES_WITHOUT_EXTRA}: "
+    model = Mixed(sometimes).to(dtype)
+    copy_of = "" if dtype == torch.float32 else f"a {str(dtype).removeprefix('torch.')} copy of "
+    what = f"on {copy_of}a model with {Mixed.CASES if sometimes else Mixed.CASES_WITHOUT_EXTRA}: "
     watch, registered, unused_with_grad = Watch(), [], []
 
     def made(module):
@@ -185,7 +195,7 @@ def family_failures(make, path: str, sometimes: bool = True, own_seeds: bool = F
                 f"after the wrapper was built: hooks registered at every step pile up, each running once more per "
                 f"backward. Register each parameter's hook once, when the wrapper is built"]
     failures = explain(seen, dist.get_world_size(), what)
-    return failures or steady_failures(watch) or _cost_failures(watch, model)
+    return failures or [what + failure for failure in steady_failures(watch) + _cost_failures(watch, model)][:1]
 
 
 def accumulated_failures(make) -> list[str]:

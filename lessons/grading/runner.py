@@ -186,6 +186,9 @@ def _hint(error: BaseException, line: str) -> str:
     if isinstance(error, IndexError) and (".chunk(" in line or ".chunk(" in _source(error)):
         return (". torch.chunk(t, n) gives fewer than n pieces when t is short (chunk(3) of 2 numbers gives 2): "
                 "tensor_split(n) always gives n")
+    if "expected length" in str(error) and "tensor list" in str(error):
+        return (". A list of outputs needs one tensor per rank of the group the call goes to: "
+                "dist.get_world_size(group) of them, for the group you pass")
     if "not part of group" in str(error) or "same as the current" in str(error):
         return (". Inside a group, send and recv take the world's rank numbers as dst and src: pass the group's "
                 "own numbers as group_dst= / group_src= (with group=group), or translate them with "

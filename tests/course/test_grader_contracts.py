@@ -67,7 +67,7 @@ CASES = {
     # a world size written into the code: right at 3 ranks, wrong at 2 and 4
     "04_divides_by_3": ("04", hand_04(reduce="dist.all_reduce(p.grad)\n            p.grad /= 3"),
                         ["on 2 ranks", "divided by 3", "dist.get_world_size()"], []),
-    "10_gathers_a_list_of_3": ("10", planted("10", "for _ in range(dist.get_world_size())]", "for _ in range(3)]"),
+    "10_gathers_a_list_of_3": ("10", planted("10", "for _ in range(dist.get_world_size(group))]", "for _ in range(3)]"),
                                ["list of 3", "one per rank"], ["Connection reset"]),
     "03_ring_of_3": ("03", planted("03", "p, r = dist.get_world_size(group), dist.get_rank(group)",
                                    "p, r = 3, dist.get_rank(group)"),
@@ -80,6 +80,13 @@ CASES = {
                              ["on 4 ranks", "sum over all 4 ranks", "group=group"], []),
     "03_group_ranks_as_dst": ("03", planted("03", "group=group, group_dst=right)  #", "group=group, dst=right)  #"),
                               ["on 4 ranks", "group_ranks_as_dst.py:", "group_dst="], ["Timed out"]),
+    "10_ignores_the_group": ("10", planted("10", "dist.all_gather(everyone, mine, group=group)",
+                                           "dist.all_gather(everyone, mine)").replace(
+                                               "range(dist.get_world_size(group))", "range(dist.get_world_size())"),
+                             ["on 4 ranks", "over all 4 ranks", "group=group"], []),
+    "10_counts_the_world": ("10", planted("10", "range(dist.get_world_size(group))", "range(dist.get_world_size())"),
+                            ["on 4 ranks", "counts_the_world.py:", "dist.get_world_size(group)"],
+                            ["Timed out", "Connection reset"]),
     "03_sums_into_a_strided_copy": ("03", planted("03", "out = x.clone(memory_format=torch.contiguous_format)",
                                                   "out = x.clone()"),
                                     ["on 3 ranks", "non-contiguous", "contiguous"], []),
@@ -109,6 +116,14 @@ def global_mean_and_var(x):
     "05_hooks_every_parameter": ("05", planted("05", "            if p.requires_grad:\n                p.register",
                                                "            if True:\n                p.register"),
                                  ["frozen parameter", "hooks_every_parameter.py:"], []),
+    # the family's bfloat16 copy: each gradient sent in its own dtype
+    "04_sums_in_float32": ("04", hand_04(reduce="total = p.grad.float()\n            dist.all_reduce(total)\n"
+                                                "            p.grad.copy_(total / dist.get_world_size())"),
+                           ["bfloat16 copy", "float32", "own dtype"], []),
+    "07_float32_buckets": ("07", planted("07", "flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[self.next_bucket]])",
+                                         "flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[self.next_bucket]])"
+                                         ".float()"),
+                           ["bfloat16 copy", "float32", "own dtype"], []),
     # counts across steps: hooks registered again at every forward
     "05_registers_at_every_forward": ("05", planted("05", "        return self.module(*args, **kwargs)",
                                                     "        self.register_hooks()\n"

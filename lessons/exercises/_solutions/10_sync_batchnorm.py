@@ -4,13 +4,13 @@ import torch
 import torch.distributed as dist
 
 
-def global_mean_and_var(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def global_mean_and_var(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     n = torch.tensor([float(x.shape[0])])
     mean = x.mean(dim=0)
     m2 = ((x - mean) ** 2).sum(dim=0)
     mine = torch.cat([n, mean, m2])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
     C = x.shape[1]
     counts = torch.stack([e[0] for e in everyone])  # (p,)
     means = torch.stack([e[1:1 + C] for e in everyone])  # (p, C)

@@ -5,11 +5,11 @@ import torch
 import torch.distributed as dist
 
 
-def global_mean_and_var(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def global_mean_and_var(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     dtype, x = x.dtype, x.double()
     count = torch.tensor([float(x.shape[0])], dtype=torch.float64)
     totals = torch.cat([count, x.sum(dim=0), (x * x).sum(dim=0)])
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, group=group)
     channels = x.shape[1]
     n, sums, squares = totals[0], totals[1:1 + channels], totals[1 + channels:]
     mean = sums / n
