@@ -45,8 +45,9 @@ class ShardedOptimizer:
         Step this rank's piece of the elements with ``self.optimizer``; then
         every rank must end with every parameter updated, bit for bit the same
         on every rank and as plain AdamW stepping all of them. On the way a
-        rank may lay the gradients end to end and gather the updated pieces
-        into one line, but at no moment hold more than two lines' worth of the
-        tensors ``step`` makes (the grader follows every one of them).
+        rank may lay the gradients end to end, pad that line, and gather the
+        updated pieces into one line, but the tensors ``step`` makes may at no
+        moment hold more than those three lines and a few pieces (the grader
+        follows every one of them).
         """
         raise NotImplementedError

@@ -14,7 +14,7 @@ from lessons._common import CLASSES, FEATURES, make_model
 from lessons.grading.bench import PER_RANK, agree, flat_weights, gather_failures, worst
 from lessons.grading.check_ddp import growth_failures, held_tensors, never_waited
 from lessons.grading.ledger import own
-from lessons.grading.memory import globals_of, reachable_tensors, storage_bytes
+from lessons.grading.memory import Followed, globals_of, reachable_tensors, storage_bytes
 from lessons.grading.runner import EXERCISE_PREFIX, load
 from lessons.grading.watch import Watch
 
@@ -35,11 +35,12 @@ def check_19(rank: int, world_size: int, path: str) -> list[str]:
                     f"the numbers come back rounded, so the parameters are not plain SGD's (bit for bit, as the "
                     f"docstring says). Send the float32 pieces as they are"]
     failures = (never_waited(watch) or failures or _cost_19(watch, sharded, world_size)
-                or growth_failures(kept, clear_in="step()"))
+                or growth_failures([{k: v for k, v in held.items() if k != PEAK} for held in kept],
+                                   clear_in="step()"))
     if not failures:
         sharded, failures, kept = _train_19(exercise, rank, world_size, torch.optim.AdamW, lr=1e-2)
         failures += _state_failures(sharded, torch.optim.AdamW, lr=1e-2)
-        failures = failures or _memory_19(kept, sharded, torch.optim.AdamW, lr=1e-2)
+        failures = failures or _memory_19(kept, sharded, torch.optim.AdamW, lr=1e-2) or _peak_19(kept, sharded)
     return gather_failures(failures)
 
 
@@ -70,9 +71,11 @@ def _train_19(exercise, rank: int, world_size: int, optimizer_class, watch: Watc
         before = flat_weights(mine)
         if watch is not None:
             watch.step = GRADIENT
-        sharded.step()
+        with Followed() as followed:
+            sharded.step()
         reference.step()
         kept.append(held_tensors(sharded, mine))
+        kept[-1][PEAK] = followed.peak
         after, right = flat_weights(mine), flat_weights(plain)
         model_tensors = [t for p in mine.parameters() for t in (p, p.grad)]
         kept[-1][REACHED] = storage_bytes(reachable_tensors(sharded, modules=[exercise]), excluded=model_tensors)
@@ -96,6 +99,7 @@ def _train_19(exercise, rank: int, world_size: int, optimizer_class, watch: Watc
 
 
 REACHED = "all your object reaches"  # the key, in what _train_19 keeps, of every tensor the object reaches
+PEAK = "the most step() held at once"  # and of the peak bytes of the tensors step() made
 
 
 def _not_bit_for_bit(step: int, after: torch.Tensor, right: torch.Tensor, name: str) -> str:
@@ -266,6 +270,23 @@ def _memory_19(kept: list[dict], sharded, optimizer_class, **defaults) -> list[s
             f"no full copy of the parameters (or gradients) between steps: that is the memory ZeRO-1 saves"]
 
 
+def _peak_19(kept: list[dict], sharded) -> list[str]:
+    """The most the tensors ``step()`` made held at once, against a flat ZeRO-1 step's: the gradients laid end
+    to end, that line padded, and the line the updated pieces are gathered into (three lines), and a few pieces
+    (the shard's gradient, the optimizer's state and its temporaries)."""
+    line, piece = sharded.piece * sharded.world_size * 4, sharded.piece * 4
+    allowed = 3 * line + 6 * piece + 1024
+    peak = int(worst(float(max(k[PEAK] for k in kept))))
+    if peak <= allowed:
+        return []
+    return [f"at its peak step() held {peak:,} bytes of tensors it made, {peak / line:.1f} times the "
+            f"{line:,}-byte line of parameters (padded), where a ZeRO-1 step needs at most three lines (the "
+            f"gradients end to end, padded, and the line the pieces are gathered into) and a few pieces: "
+            f"{allowed:,} bytes. Gather the updated pieces into one line (dist.all_gather_into_tensor, or "
+            f"all_gather into views of it), not into a full-size buffer per rank, and let each temporary go "
+            f"once it is used"]
+
+
 def _state_failures(sharded, optimizer_class, **defaults) -> list[str]:
     """ZeRO-1's point: this rank keeps optimizer state for its piece only. Compare with one optimizer on the piece."""
     optimizers = _optimizers(sharded)
@@ -287,11 +308,16 @@ def _state_failures(sharded, optimizer_class, **defaults) -> list[str]:
 
 
 class Watched:
-    """Wraps every unit's gather: notes each call's phase, and the bytes of earlier gathered tensors still alive."""
+    """Wraps every unit's gather: notes each call's phase, the bytes of earlier gathered tensors still alive, and
+    (while ``followed`` follows the step) the bytes of any unit-sized tensor the step made that is still alive:
+    a copy of a unit's full parameters, or a full gradient, wherever it is kept."""
 
     def __init__(self, units):
-        self.units, self.phase, self.late = units, "forward", []
+        self.units, self.phase, self.late, self.others = units, "forward", [], []
         self.gathers = []  # (phase, unit index), this step's
+        self.followed: Followed | None = None
+        # the bytes of a unit's full parameters, or of its full gradient: padded, or not
+        self.full_sizes = {n * 4 for u in units for n in (u.piece * u.world_size, u.numel)}
         for index, unit in enumerate(units):
             original = unit.gather
 
@@ -299,6 +325,9 @@ class Watched:
                 held = self.held()
                 if held:
                     self.late.append((self.phase, index, held))
+                alive = self.followed.alive(self.full_sizes) if self.followed is not None else 0
+                if alive:
+                    self.others.append((self.phase, index, alive))
                 self.gathers.append((self.phase, index))
                 return original()
             unit.gather = gather
@@ -346,19 +375,27 @@ def _step_21(model, opt, reference, ref_opt, watch: Watched, collectives: Watch,
     opt.zero_grad()
     watch.phase, watch.gathers, collectives.step = "forward", [], FORWARD
     saved = []  # every tensor autograd keeps for backward (ctx.save_for_backward's too)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
-    copies = _full_copies(model, reference, saved, loss) if step == 0 and not watch.late else ""
-    saved.clear()
-    if copies:
-        return [copies]
-    watch.phase, collectives.step = "backward", BACKWARD
-    loss.backward()
+    with Followed() as watch.followed:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = nn.functional.mse_loss(model(xs[rank]), ys[rank])
+        copies = _full_copies(model, reference, saved, loss) if step == 0 and not watch.late else ""
+        saved.clear()
+        if copies:
+            return [copies]
+        watch.phase, collectives.step = "backward", BACKWARD
+        loss.backward()
+    watch.followed = None
     if watch.late:
         phase, index, held = watch.late[0]
         return [f"when unit {index} was gathered in {phase}, {held} bytes gathered earlier were still "
                 f"held: free each unit's full parameters (free(full)) as soon as it has computed, and "
                 f"do not keep them for backward: gather again there"]
+    if watch.others:
+        phase, index, alive = watch.others[0]
+        return [f"when unit {index} was gathered in {phase}, {alive:,} bytes of tensors the size of a unit's full "
+                f"parameters (a copy of them, or a full gradient) were still alive: at most one unit may be whole "
+                f"at a time, the memory FSDP exists to save. Free what you gathered, and the full gradient, once "
+                f"each has been used (free(tensor)), and keep neither on the unit, on ctx or in a global"]
     if watch.held():
         return [f"after backward {watch.held()} bytes of gathered parameters were still held: free "
                 f"everything you gather"]

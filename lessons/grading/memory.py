@@ -10,6 +10,11 @@ the caller passes in. Walking only what the learner's objects reach is fast
 (a walk of the whole heap takes a second on a rank) and leaves the grader's
 own tensors out.
 
+What the process holds at its peak is another question, asked of a stretch
+of code rather than of objects: :class:`Followed` sees every tensor any op
+makes while it is active (factories, copies, views, the outputs of
+collectives, backward's gradients) and follows each until it is gone.
+
 [Note: a storage counts once, whatever number of views of it are held; a
 storage ``free()`` resized to 0 bytes counts 0.]
 """
@@ -18,8 +23,11 @@ from __future__ import annotations
 
 import gc
 import types
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 _STOP = (type, types.ModuleType, str, bytes, int, float, bool, type(None), types.BuiltinFunctionType)
 
@@ -83,3 +91,50 @@ def storage_bytes(tensors, excluded=()) -> int:
         counted.add(storage.data_ptr())
         total += storage.nbytes()
     return total
+
+
+class Followed(TorchDispatchMode):
+    """While active, every tensor an op makes is followed until it is gone: ``alive()`` counts the bytes of the
+    distinct storages of those still alive (``sizes``: only storages of those byte counts), and ``peak`` is the
+    most ``alive()`` was after any op.
+
+    [Note: the mode sits below autograd, so it sees backward's ops too (on CPU backward runs on the thread that
+    called it, where the mode is active). A tensor's Python object lives as long as the tensor does, wherever
+    it is kept (by autograd, by a C++ collective), so a weak reference to it dies exactly with it.]
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._made: list[weakref.ref] = []
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {_storage_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # a view or an in-place result shares a storage it was given: made before, or followed already
+        self._made.extend(weakref.ref(t) for t in tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and _storage_of(t) not in given)
+        self.peak = max(self.peak, self.alive())
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors made so far that are still alive."""
+        alive = [t for t in (ref() for ref in self._made) if t is not None]
+        self._made = [weakref.ref(t) for t in alive]
+        return alive
+
+    def alive(self, sizes=None) -> int:
+        counted, total = set(), 0
+        for t in self.tensors():
+            if t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in counted or (sizes is not None and storage.nbytes() not in sizes):
+                continue
+            counted.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)

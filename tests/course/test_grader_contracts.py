@@ -142,6 +142,17 @@ def global_mean_and_var(x):
         "19", "        everyone = torch.empty(self.piece * self.world_size)",
         "        everyone = torch.empty(self.piece * self.world_size)\n        KEPT.append(everyone)")
         + "\n\nKEPT = []\n", ["grow"], []),
+    # the peak of what a step makes: a full-size buffer per rank to gather into
+    "19_gathers_a_line_per_rank": ("19", planted(
+        "19", "        dist.all_gather(list(everyone.chunk(self.world_size)), self.shard.detach())",
+        "        lines = [torch.zeros(self.piece * self.world_size) for _ in range(self.world_size)]\n"
+        "        for line, mine in zip(lines, everyone.chunk(self.world_size)):\n"
+        "            line[self.rank * self.piece:(self.rank + 1) * self.piece] = self.shard.detach()\n"
+        "        dist.all_gather(list(everyone.chunk(self.world_size)), self.shard.detach())"),
+        ["at its peak", "three lines"], []),
+    "21_keeps_the_full_gradient": ("21", planted("21", "        free(grad_full)\n",
+                                                 "        unit.last_gradient = grad_full\n"),
+                                   ["when unit", "gathered in backward", "full gradient", "still alive"], []),
     # the docstrings' promises
     "19_one_ulp_off": ("19", planted("19", "                p.copy_(everyone[offset:offset + p.numel()].view_as(p))",
                                      "                p.copy_(everyone[offset:offset + p.numel()].view_as(p)"
