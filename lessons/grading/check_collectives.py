@@ -149,7 +149,8 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, (sum(sent), chunks))  # every rank, whatever it found
         if WRONG_CHUNKS in failures:
-            failures[failures.index(WRONG_CHUNKS)] = _wrong_chunks([kinds for _, kinds in everyone], n, rank, p)
+            failures[failures.index(WRONG_CHUNKS)] = _wrong_chunks([kinds for _, kinds in everyone], n, rank, p,
+                                                                   [count for count, _ in everyone])
         everyone = [count for count, _ in everyone]
         allowed = ring_allowance(shape, p)
         if not used and not failures and max(everyone) > allowed:
@@ -219,8 +220,9 @@ def _chunk_kinds(result: torch.Tensor, case: Case, p: int) -> list[str]:
     return kinds
 
 
-def _wrong_chunks(everyone: list, n: int, rank: int, p: int) -> str:
-    """Which ring mistake the chunks show, told apart by what they hold on every rank (None: that rank's are right)."""
+def _wrong_chunks(everyone: list, n: int, rank: int, p: int, sent: list) -> str:
+    """Which ring mistake the chunks show, told apart by what they hold on every rank (None: that rank's are right)
+    and by the numbers each rank sent."""
     everyone = [kinds or ["sum"] * p for kinds in everyone]
     wrong = [c for c, kind in enumerate(everyone[rank]) if kind != "sum"]
     misplaced = [(r, c, kind.removeprefix("sum of ")) for r, kinds in enumerate(everyone)
@@ -231,6 +233,12 @@ def _wrong_chunks(everyone: list, n: int, rank: int, p: int) -> str:
                 f"stored a chunk where chunk {c} belongs. At all-gather step s rank r receives chunk (r - s) mod p, "
                 f"the one its left neighbour just finished or received: receive it into that same chunk")
     finished = any(kind == "sum" for kinds in everyone for kind in kinds)
+    whole_ring = min(sent) >= 2 * (p - 1) * (n // p)  # every rank sent 2 (p - 1) chunks: no step was left out
+    if not finished and all(kind == "partial" for kinds in everyone for kind in kinds) and whole_ring:
+        return (f"for a tensor of {n} numbers no rank ends with any chunk summed over all {p} ranks, though every "
+                f"rank sent 2 (p - 1) chunks: the all-gather passed on chunks that were not finished, over the "
+                f"finished ones. After the reduce-scatter rank r holds the finished chunk (r + 1) mod p: at "
+                f"all-gather step s it sends chunk (r + 1 - s) mod p and receives chunk (r - s) mod p")
     if not finished and all(kind == "partial" for kinds in everyone for kind in kinds):
         return (f"for a tensor of {n} numbers no rank ends with any chunk summed over all {p} ranks, each holds "
                 f"the sum of only some ranks' pieces: the reduce-scatter stopped a step early. It takes p - 1 = "

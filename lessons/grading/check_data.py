@@ -72,6 +72,12 @@ def explain(exercise, mine, right, n, p, epoch, seed, shuffle, drop_last) -> str
     if shuffle and seed == 7 and mine == [list(exercise.rank_indices(n, r, p, epoch=epoch, seed=0, shuffle=True,
                                                                           drop_last=drop_last)) for r in range(p)]:
         return f"{case} seed 7 gives the same order as seed 0: the seed must enter the generator"
+    interleaved = lambda ranks: [ranks[r][i] for i in range(len(ranks[0])) for r in range(p)]  # noqa: E731
+    listed, wanted = interleaved(mine), interleaved(right)
+    if not drop_last and n % p and listed[:n] == wanted[:n] and listed[n:] != wanted[n:]:
+        return (f"{case} the list before padding is right, the padding is not: yours adds {listed[n:]}, torch's "
+                f"sampler adds {wanted[n:]}, the list's own first indices (from its start again when the padding is "
+                f"longer than the list)")
     if sorted(flat) == sorted(i for m in right for i in m):
         return (f"{case} your ranks read the right samples but split them differently from torch's sampler "
                 f"(yours: {mine}, torch's: {right}): rank r takes the indices at positions r, r + {p}, r + {2 * p}, ... of the list")

@@ -77,10 +77,12 @@ def _train_19(exercise, rank: int, world_size: int, optimizer_class, watch: Watc
         kept.append(held_tensors(sharded, mine))
         kept[-1][PEAK] = followed.peak
         after, right = flat_weights(mine), flat_weights(plain)
+        if worst(float(after.isnan().any())):
+            return sharded, [f"after step {step + 1} parameters hold NaN: {READ_EARLY}"], kept
         model_tensors = [t for p in mine.parameters() for t in (p, p.grad)]
         kept[-1][REACHED] = storage_bytes(reachable_tensors(sharded, modules=[exercise]), excluded=model_tensors)
         name = optimizer_class.__name__
-        if worst((after - right).abs().max().item()) >= 1e-6:
+        if not worst((after - right).abs().max().item()) < 1e-6:  # NaN too
             if step and optimizer_class is torch.optim.SGD and \
                     worst(float(not torch.allclose(after - before, right - before + last_move, atol=1e-6))) == 0:
                 return sharded, [f"step {step + 1} moved the parameters by this step's SGD step plus step "
@@ -98,6 +100,9 @@ def _train_19(exercise, rank: int, world_size: int, optimizer_class, watch: Watc
     return sharded, [], kept
 
 
+READ_EARLY = ("the grader leaves an asynchronous all-gather's (or reduce-scatter's) output NaN until its wait() "
+              "returns, as a real one may still be writing it, so your code read one before waiting for it. Call "
+              "wait() on the handle first, then read the result")
 REACHED = "all your object reaches"  # the key, in what _train_19 keeps, of every tensor the object reaches
 PEAK = "the most step() held at once"  # and of the peak bytes of the tensors step() made
 
@@ -221,8 +226,11 @@ def _wrong_step(step: int, before: torch.Tensor, after: torch.Tensor, right: tor
     others = " (the others are right)" if 0 < len(wrong) < world_size else ""
     where = (f"in every rank's piece" if len(wrong) == world_size else
              f"in the pieces of rank{'s' if len(wrong) > 1 else ''} {', '.join(map(str, wrong))}{others}")
+    stateful = (f": step {step} was right, and {name}'s step uses the state it kept from the steps before "
+                f"(exp_avg, exp_avg_sq, its step count). Is self.optimizer, or its state, made anew at every "
+                f"step? Keep the one __init__ built") if step and name == "AdamW" else ""
     return (f"after step {step + 1} the parameters differ from plain {name}'s by up to "
-            f"{(after - right).abs().max():.2g}, {where}")
+            f"{(after - right).abs().max():.2g}, {where}{stateful}")
 
 
 def _optimizers(owner) -> dict[str, torch.optim.Optimizer]:
@@ -426,9 +434,11 @@ def _step_21(model, opt, reference, ref_opt, watch: Watched, collectives: Watch,
                     f"divide by the world size twice?"]
     opt.step()
     ref_opt.step()
+    if worst(float(any(u.shard.grad is not None and u.shard.grad.isnan().any() for u in model.units))):
+        return [f"after backward a shard's gradient holds NaN: {READ_EARLY}"]
     gap = max((u.shard.detach() - w).abs().max().item()
               for u, (w, _) in zip(model.units, _refs(model, reference, rank)))
-    if worst(gap) > 1e-5:
+    if not worst(gap) <= 1e-5:  # NaN too
         return [f"after step {step + 1} the shards differ from one process on the whole batch by up to "
                 f"{worst(gap):.2g}"]
     return []

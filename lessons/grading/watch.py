@@ -6,7 +6,9 @@ reads the right sum by luck. The watched ``dist.all_reduce`` takes that luck
 away. It sums a private copy of the tensor and hands back a ``HeldWork``
 that writes the sum into the learner's tensor only when ``wait()`` is called
 (or the future from ``get_future()`` completes): reading early reads this
-rank's own numbers, every time. Waiting for that future, alone or through
+rank's own numbers, every time; a collective whose output is not its input (an
+all-gather, a reduce-scatter) leaves NaN there until then (``EARLY``), so a
+read before the wait shows as NaN downstream. Waiting for that future, alone or through
 ``torch.futures.wait_all``, counts as a wait. ``HeldWork`` also notes
 whether the tensor was changed between the launch and the wait (a division
 written before the wait), and lives only as long as the learner holds it
@@ -71,6 +73,18 @@ WATCHED = tuple(name for name in ("all_reduce", "broadcast", "all_gather", "all_
                 if hasattr(dist, name))  # the *_single names: exercise 21's stub takes them where torch has them
 
 
+# What an asynchronous all-gather's or reduce-scatter's output holds until its wait() returns: a read before then
+# shows as NaN wherever the numbers went.
+EARLY = float("nan")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where the other has NaN."""
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return torch.equal(a, b)
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
 class _Delivery:
     """Writes the finished result into the learner's tensors, once; notes a tensor changed since its launch."""
 
@@ -88,7 +102,7 @@ class _Delivery:
             return
         self.done = True
         for tensor, private, launched in zip(self.tensors, self.privates, self.launched):
-            if not torch.equal(tensor, launched):
+            if not _same(tensor, launched):
                 self.watch.changed_before_wait += 1
             tensor.copy_(private)
 
@@ -201,6 +215,11 @@ class Watch:
                 outputs = _outputs(name, args)
                 privates = [t.detach().clone() for t in outputs]
                 first = privates if isinstance(args[0], (list, tuple)) else privates[0]
+                if name not in ("all_reduce", "broadcast"):  # the output is not the input: NaN until the wait
+                    with torch.no_grad():
+                        for t in outputs:
+                            if t.is_floating_point():
+                                t.fill_(EARLY)
                 delivery = _Delivery(outputs, privates, self)
                 handle = HeldWork(original(first, *args[1:], async_op=True, **kwargs), delivery, self.step)
                 self._handles.add(handle)
