@@ -1,50 +1,21 @@
 """Exercise 21 that launches the reduce-scatter with async_op=True, frees the full gradient and divides the shard
 before wait(), racing the collective."""
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.func import functional_call
+
+from lessons.grading.runner import load
 
 EXPECT = 'before waiting for it'
-
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def free(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(0)
-
-
-class Unit:
-    def __init__(self, layer: nn.Module):
-        self.layer = layer
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.shapes = {name: p.shape for name, p in layer.named_parameters()}
-        flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
-        self.numel, self.piece = flat.numel(), -(-flat.numel() // self.world_size)
-        padded = nn.functional.pad(flat, (0, self.piece * self.world_size - self.numel))
-        self.shard = nn.Parameter(padded[self.rank * self.piece:(self.rank + 1) * self.piece].clone())
-        self.gathered = []  # every tensor gather() made (the grader reads it)
-        layer.to("meta")  # the full parameters are gone: only the shard is left
-
-    def gather(self) -> torch.Tensor:
-        full = torch.empty(self.piece * self.world_size)
-        all_gather(full, self.shard.detach())
-        self.gathered.append(full)
-        return full
-
-    def run(self, full: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        params, offset = {}, 0
-        for name, shape in self.shapes.items():
-            params[name] = full[offset:offset + shape.numel()].view(shape)
-            offset += shape.numel()
-        return functional_call(self.layer, params, (x,))
+reference = load(Path(__file__).resolve().parent.parent / "21_fsdp_unit.py")
+free, reduce_scatter = reference.free, reference.reduce_scatter
 
 
 class GatherComputeFree(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, unit: Unit) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, unit) -> torch.Tensor:
         ctx.unit = unit
         ctx.save_for_backward(x)
         full = unit.gather()
@@ -68,12 +39,7 @@ class GatherComputeFree(torch.autograd.Function):
         return grad_x, grad_shard, None
 
 
-class Sharded(nn.Module):
-    def __init__(self, layers: nn.Sequential):
-        super().__init__()
-        self.units = [Unit(layer) for layer in layers]
-        self.shards = nn.ParameterList([u.shard for u in self.units])
-
+class Sharded(reference.Sharded):
     def forward(self, x):
         for unit in self.units:
             x = GatherComputeFree.apply(x, unit.shard, unit)
