@@ -59,7 +59,7 @@ SHAPES = [(12,), (7,), (4, 5), (2,), (1,)]  # divisible by 3 or not, 2-D, fewer 
 @dataclass(frozen=True)
 class Case:
     """One tensor the ring must sum: its shape and dtype, whether it is a transposed (non-contiguous) view, and
-    whether it is summed within this rank's pair of ranks (``sizes.pairs``) rather than over every rank."""
+    whether it is summed within this rank's pair of ranks (``sizes.pair_of``) rather than over every rank."""
 
     shape: tuple
     dtype: torch.dtype = torch.float32
