@@ -189,6 +189,10 @@ def _hint(error: BaseException, line: str) -> str:
     if "expected length" in str(error) and "tensor list" in str(error):
         return (". A list of outputs needs one tensor per rank of the group the call goes to: "
                 "dist.get_world_size(group) of them, for the group you pass")
+    if "Pair is not connected" in str(error):
+        return (". Gloo has no connection to that rank in the group the call went to: is dst (or src) a rank of "
+                "that group, numbered as the world numbers them? With group=group pass the group's own numbers as "
+                "group_dst= / group_src=; without group= the call goes to every rank")
     if "not part of group" in str(error) or "same as the current" in str(error):
         return (". Inside a group, send and recv take the world's rank numbers as dst and src: pass the group's "
                 "own numbers as group_dst= / group_src= (with group=group), or translate them with "
