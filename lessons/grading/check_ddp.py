@@ -263,12 +263,20 @@ def _accumulating_failures(make) -> list[str]:
     wrapper = make(model)
     wrapper.require_sync = False
     x = torch.randn(4, FEATURES, generator=torch.Generator().manual_seed(dist.get_rank()))
+    before = _bookkeeping(wrapper)
     with watch.active():
         wrapper(x).sum().backward()
+        during = _bookkeeping(wrapper)
         getattr(wrapper, "finish", lambda: None)()
     if watch.launches:
         return [f"with require_sync False your code still made {len(watch.launches)} all-reduces: while "
                 f"micro-batches accumulate nothing should be sent (test self.require_sync in the hook)"]
+    moved = [f"self.{name} from {before[name]} to {during[name]}" for name in before
+             if name in during and during[name] != before[name]]
+    if moved:
+        return [f"with require_sync False, backward changed {', '.join(moved)}: the hook must do nothing while "
+                f"micro-batches accumulate (\"only when self.require_sync is True\"), or what it counted then is "
+                f"counted again in the synchronized backward. Test self.require_sync first, and return"]
     plain(x).sum().backward()
     changed = [name for (name, p), q in zip(model.named_parameters(), plain.parameters())
                if p.grad is not None and not torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)]
@@ -278,6 +286,14 @@ def _accumulating_failures(make) -> list[str]:
                 f"in the hook or in finish()), so that the last, synchronized backward averages each "
                 f"micro-batch's once"]
     return []
+
+
+def _bookkeeping(wrapper) -> dict[str, str]:
+    """The wrapper's own counters and flags (numbers, and lists or tuples of them), as text: what its hooks keep
+    track of between gradients."""
+    plain = (int, float, bool)
+    return {name: repr(value) for name, value in vars(wrapper).items() if name != "require_sync" and (
+        isinstance(value, plain) or (isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value)))}
 
 
 @contextlib.contextmanager
