@@ -114,9 +114,7 @@ def check_03(rank: int, world_size: int, path: str) -> list[str]:
         used, sent = set(), []
         with watched_messages(used, sent):
             if case.in_pairs and not _takes_group(exercise.ring_all_reduce):
-                failures.append(f"your ring_all_reduce takes no group, and at {world_size} ranks the grader gives "
-                                f"it one of two groups of 2 to sum within: keep the stub's signature, "
-                                f"ring_all_reduce(x, group=None)")
+                failures.append(_no_group(exercise.ring_all_reduce, world_size))
                 break
             result = exercise.ring_all_reduce(x, group) if case.in_pairs else exercise.ring_all_reduce(x)
         right, whole = x.clone(), x.clone()
@@ -170,6 +168,12 @@ def _takes_group(function) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _no_group(function, world_size: int) -> str:
+    name = function.__name__
+    return (f"your {name} takes no group, and at {world_size} ranks the grader gives it one of two groups of 2 to "
+            f"work within: keep the stub's signature, {name}(x, group=None)")
 
 
 def _pair_said(rank: int) -> str:
@@ -292,8 +296,7 @@ def check_10(rank: int, world_size: int, path: str) -> list[str]:
         if case.get("in_pairs") and sizes.pair_of(rank) is None:
             continue  # pairs are graded at 4 ranks
         if case.get("in_pairs") and not _takes_group(exercise.global_mean_and_var):
-            failures = [f"your global_mean_and_var takes no group, and at {world_size} ranks the grader gives it one "
-                        f"of two groups of 2: keep the stub's signature, global_mean_and_var(x, group=None)"]
+            failures = [_no_group(exercise.global_mean_and_var, world_size)]
             break
         failures = gather_failures(_check_10(exercise, rank, world_size, **case))
     return failures
